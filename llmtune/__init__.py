@@ -1,0 +1,1 @@
+"""llmtune: FSDP2 fine-tuning of HF causal language models, correct by construction."""

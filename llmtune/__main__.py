@@ -1,0 +1,5 @@
+import sys
+
+from llmtune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""CheckpointManager (DCP save/load/resume/retention) and the HF export."""

@@ -1,0 +1,307 @@
+"""Recipe YAML + command-line overrides -> a validated, typed Config.
+
+Every section is a dataclass whose fields carry their default and a one-line help; the README's
+recipe table is rendered from them, so the two cannot drift. All problems of a recipe are
+reported together, before anything expensive (torch import, process group) happens.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from llmtune.errors import UserError
+
+TASKS = ("pt", "sft")
+DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_response")
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+
+
+def _field(default, help: str, **kwargs):
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = _field(None, "Local HF model folder to fine-tune (config, weights, tokenizer).")
+    config: str | None = _field(None, "For pt from scratch: a HF config.json (file or folder); weights start random.")
+    tokenizer: str | None = _field(None, "Tokenizer folder; defaults to name_or_path.")
+    trust_remote_code: bool = _field(False, "Allow model/tokenizer code shipped inside the folder to run.")
+    attn_implementation: str = _field("sdpa", "transformers attention backend (sdpa or eager).")
+
+    def problems(self) -> list[str]:
+        if bool(self.name_or_path) == bool(self.config):
+            return ["model: set exactly one of model.name_or_path (a HF folder) or model.config "
+                    "(a config for training from scratch)"]
+        if self.config and not self.tokenizer:
+            return ["model.tokenizer: training from model.config needs a tokenizer folder; set model.tokenizer"]
+        return []
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = _field([], "Training files, folders or globs (.jsonl/.json/.txt).")
+    format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_response; auto: text for pt, "
+                                 "detected from the columns for sft.")
+    max_seq_len: int = _field(2048, "Tokens per sample; pt packs into blocks of this length, sft truncates to it.")
+    shuffle: bool = _field(True, "Shuffle samples each epoch (seeded by train.seed and the epoch).")
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.train_files:
+            out.append("data.train_files: no training files given; list at least one file, folder or glob")
+        if self.format not in DATA_FORMATS:
+            out.append(_choice_problem("data.format", self.format, DATA_FORMATS))
+        if self.max_seq_len < 2:
+            out.append(f"data.max_seq_len: {self.max_seq_len} is too small; it must be at least 2")
+        return out
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = _field("", "Where config.yaml, metrics.jsonl and hf/ (the exported model) are written.")
+    per_device_train_batch_size: int = _field(8, "Samples per micro-batch on each data-parallel rank.")
+    gradient_accumulation_steps: int = _field(1, "Micro-batches per optimizer step.")
+    global_batch_size: int | None = _field(None, "Samples per optimizer step over all ranks; if set, gradient "
+                                                 "accumulation is derived from it (must divide evenly).")
+    learning_rate: float = _field(5e-5, "Peak learning rate of AdamW.")
+    weight_decay: float = _field(0.0, "AdamW weight decay (not applied to biases and norm weights).")
+    adam_beta1: float = _field(0.9, "AdamW beta1.")
+    adam_beta2: float = _field(0.999, "AdamW beta2.")
+    adam_epsilon: float = _field(1e-8, "AdamW epsilon.")
+    lr_scheduler_type: str = _field("cosine", "constant | constant_with_warmup | linear | cosine (decay to 0).")
+    warmup_ratio: float = _field(0.0, "Fraction of the total steps spent warming up linearly.")
+    warmup_steps: int = _field(0, "Warm-up steps; overrides warmup_ratio when > 0.")
+    max_steps: int = _field(-1, "Optimizer steps to run; > 0 overrides num_train_epochs.")
+    num_train_epochs: float = _field(3.0, "Epochs to run when max_steps <= 0 (fractions allowed).")
+    max_grad_norm: float = _field(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    logging_steps: int = _field(10, "Log loss, lr, grad_norm and tokens/s every this many optimizer steps.")
+    seed: int = _field(42, "Seed of model init and data order; identical on every rank.")
+    bf16: bool = _field(False, "bf16 compute with fp32 master weights and fp32 gradient reduction.")
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.output_dir:
+            out.append("train.output_dir: not set; name the folder where the run writes its outputs")
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
+            if getattr(self, name) < 1:
+                out.append(f"train.{name}: {getattr(self, name)} must be at least 1")
+        if self.lr_scheduler_type not in LR_SCHEDULERS:
+            out.append(_choice_problem("train.lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS))
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            out.append(f"train.warmup_ratio: {self.warmup_ratio} must be in [0, 1)")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            out.append("train: set train.max_steps > 0 or train.num_train_epochs > 0")
+        if self.learning_rate < 0 or self.max_grad_norm < 0 or self.weight_decay < 0:
+            out.append("train: learning_rate, max_grad_norm and weight_decay must not be negative")
+        return out
+
+
+@dataclass
+class ParallelConfig:
+    cp_size: int = _field(1, "Context-parallel (Ulysses) ranks per sequence; 1 = off.")
+
+    def problems(self) -> list[str]:
+        if self.cp_size != 1:
+            return [f"parallel.cp_size: {self.cp_size} is not supported yet (context parallelism is not "
+                    "built in this version); set parallel.cp_size: 1"]
+        return []
+
+
+@dataclass
+class CheckpointConfig:
+    export_hf: bool = _field(True, "At the end, write output_dir/hf: a folder AutoModelForCausalLM loads.")
+
+    def problems(self) -> list[str]:
+        return []
+
+
+@dataclass
+class MonitorConfig:
+    console: bool = _field(True, "Print each logged step on rank 0 (metrics.jsonl is always written).")
+
+    def problems(self) -> list[str]:
+        return []
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+    "monitor": MonitorConfig,
+}
+
+
+@dataclass
+class Config:
+    task: str
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    parallel: ParallelConfig
+    checkpoint: CheckpointConfig
+    monitor: MonitorConfig
+
+    def dp_size(self, world_size: int) -> int:
+        return world_size // self.parallel.cp_size
+
+    def to_dict(self) -> dict:
+        """The sections, as a recipe: the file written from it loads back to an equal Config."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def write(self, path: Path) -> None:
+        header = f"# resolved recipe of this run: llmtune {self.task} {path.name}\n"
+        path.write_text(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def load_config(recipe: str, overrides: list[str], task: str, world_size: int) -> Config:
+    """Read the recipe, apply `section.key=value` overrides, check types and cross-field rules.
+
+    Raises UserError listing every problem found (one per line).
+    """
+    raw = _read_recipe(Path(recipe))
+    problems: list[str] = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            problems.append(f"override {item!r}: write overrides as section.key=value, e.g. train.learning_rate=3e-5")
+            continue
+        raw.setdefault(section, {})
+        if isinstance(raw[section], dict):
+            raw[section][name] = yaml.safe_load(value) if value else None
+    sections = {}
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            problems.append(f"{recipe}: unknown section {section!r}{_closest(section, SECTIONS)}")
+        elif values is not None and not isinstance(values, dict):
+            problems.append(f"{recipe}: section {section!r} must be a mapping of key: value")
+    for section, cls in SECTIONS.items():
+        values = raw.get(section) if isinstance(raw.get(section), dict) else {}
+        sections[section] = _build_section(section, cls, values, problems)
+    if problems:
+        raise UserError("\n".join(problems))
+    config = Config(task=task, **sections)
+    provided = {f"{s}.{k}" for s, v in raw.items() if isinstance(v, dict) for k in v}
+    for section in sections.values():
+        problems.extend(section.problems())
+    problems.extend(_batch_problems(config, world_size, provided))
+    if problems:
+        raise UserError("\n".join(problems))
+    return config
+
+
+def _read_recipe(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"{path}: recipe file not found; pass the path of a YAML recipe")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UserError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a recipe is a mapping of sections (model, data, train, ...)")
+    return raw
+
+
+def _build_section(section: str, cls, values: dict, problems: list[str]):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            problems.append(f"{section}.{key}: unknown key in section {section!r}{_closest(key, fields)}")
+            continue
+        ok, converted = _coerce(value, hints[key])
+        if ok:
+            kwargs[key] = converted
+        else:
+            problems.append(f"{section}.{key}: {value!r} is not a valid {_type_name(hints[key])}")
+    return cls(**kwargs)
+
+
+def _coerce(value, hint) -> tuple[bool, object]:
+    """Check `value` against a field's type; numbers written as strings (YAML reads 3e-5 as a string) are
+    accepted for float fields, and a single string for a list of strings."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        return type(None) in options, None
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return True, value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return True, value
+        if option is float and not isinstance(value, bool):
+            if isinstance(value, (int, float)):
+                return True, float(value)
+            if isinstance(value, str):
+                try:
+                    return True, float(value)
+                except ValueError:
+                    pass
+        if option is str and isinstance(value, str):
+            return True, value
+        if typing.get_origin(option) is list:
+            if isinstance(value, str):
+                return True, [value]
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                return True, list(value)
+    return False, None
+
+
+def _type_name(hint) -> str:
+    if isinstance(hint, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is list:
+        return "list of strings"
+    return {bool: "boolean (true/false)", int: "integer", float: "number", str: "string"}[hint]
+
+
+def _closest(name: str, valid) -> str:
+    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else f"; valid: {', '.join(valid)}"
+
+
+def _choice_problem(key: str, value: str, choices) -> str:
+    return f"{key}: {value!r} is not valid{_closest(value, choices)}"
+
+
+def _batch_problems(config: Config, world_size: int, provided: set[str]) -> list[str]:
+    train, cp = config.train, config.parallel.cp_size
+    if cp < 1 or world_size % cp:
+        return [f"parallel.cp_size: {cp} does not divide the world size {world_size}"]
+    if train.global_batch_size is None:
+        return []
+    per_step = train.per_device_train_batch_size * config.dp_size(world_size)
+    accumulation, rest = divmod(train.global_batch_size, per_step)
+    if rest or accumulation < 1:
+        return [f"train.global_batch_size: {train.global_batch_size} is not a multiple of "
+                f"per_device_train_batch_size x data-parallel size = {per_step}; choose a multiple of {per_step}"]
+    if "train.gradient_accumulation_steps" in provided and accumulation != train.gradient_accumulation_steps:
+        return [f"train.global_batch_size: {train.global_batch_size} = {train.per_device_train_batch_size} per device "
+                f"x {config.dp_size(world_size)} ranks x {accumulation} accumulation steps, but "
+                f"train.gradient_accumulation_steps is {train.gradient_accumulation_steps}; set only one of them"]
+    train.gradient_accumulation_steps = accumulation
+    return []
+
+
+def reference_table() -> str:
+    """The README's recipe reference: every field, its default and its meaning."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            rows.append(f"| `{section}.{f.name}` | `{yaml.safe_dump(default).strip().removesuffix('...').strip()}` "
+                        f"| {f.metadata['help'].replace('|', '/')} |")
+    return "\n".join(rows)

@@ -1,0 +1,1 @@
+"""DataManager: sources -> transforms (pt packing | sft templating) -> sampler -> loader."""

@@ -1,0 +1,1 @@
+"""Self-contained demo: generated corpus, addition task, tokenizer, tiny model config, evaluation."""

@@ -1,0 +1,183 @@
+"""Generate the demo's data, tokenizer and tiny model config, with nothing downloaded.
+
+The task is two-number addition (operands 0..99). The pre-training corpus states sums in
+plain prose ("The sum of 23 and 45 is 68.", "23 + 45 = 68.") mixed with filler sentences; the
+SFT set teaches the question/answer format ("What is 23 + 45?" -> "68") on some pairs; the
+held-out eval set asks about pairs that never appear in the SFT set, so answering them needs
+what pre-training taught. Every output is a pure function of `seed`: same bytes every run.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import shutil
+import tempfile
+
+from llmtune.data.templates import BUILTIN_PROMPT
+
+MAX_OPERAND = 99
+PT_DOCS = 6000
+PT_SENTENCES = (6, 12)  # sentences per document, inclusive range
+PT_FILLER_FRACTION = 0.2
+SFT_TRAIN_ROWS = 3000
+SFT_EVAL_ROWS = 200
+VOCAB_SIZE = 256
+
+MODEL = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+_FACT_TEMPLATES = (
+    "{a} + {b} = {c}.",
+    "{a} plus {b} is {c}.",
+    "The sum of {a} and {b} is {c}.",
+    "If you add {a} and {b}, you get {c}.",
+    "Adding {b} to {a} gives {c}.",
+    "{name} had {a} {things} and found {b} more, so now {name} has {c} {things}.",
+)
+_QUESTION_TEMPLATES = (
+    "What is {a} + {b}?",
+    "What is {a} plus {b}?",
+    "Add {a} and {b}.",
+    "Compute the sum of {a} and {b}.",
+)
+_NAMES = ("Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lena")
+_THINGS = ("apples", "books", "coins", "shells", "stamps", "marbles", "cards", "pens")
+_ADJS = ("red", "small", "old", "bright", "quiet", "green", "tall", "warm")
+_PLACES = ("in the garden", "at the market", "by the river", "in the library", "at school",
+           "on the hill", "near the station", "in the kitchen")
+_VERBS = ("found", "painted", "carried", "lost", "counted", "sold", "washed", "hid")
+_FILLER_TEMPLATES = (
+    "{name} {verb} the {adj} {thing} {place}.",
+    "It was a {adj} day {place}.",
+    "{name} and {name2} met {place}.",
+    "The {thing} were {adj}, and {name} liked them.",
+    "Numbers help {name} keep track of {things} {place}.",
+)
+
+
+def _fact(rng: random.Random, a: int, b: int) -> str:
+    template = rng.choice(_FACT_TEMPLATES)
+    return template.format(a=a, b=b, c=a + b, name=rng.choice(_NAMES), things=rng.choice(_THINGS))
+
+
+def _filler(rng: random.Random) -> str:
+    names = rng.sample(_NAMES, 2)
+    things = rng.choice(_THINGS)
+    return rng.choice(_FILLER_TEMPLATES).format(
+        name=names[0], name2=names[1], verb=rng.choice(_VERBS), adj=rng.choice(_ADJS),
+        thing=things[:-1], things=things, place=rng.choice(_PLACES),
+    )
+
+
+def _question(rng: random.Random, a: int, b: int) -> dict:
+    return {"prompt": rng.choice(_QUESTION_TEMPLATES).format(a=a, b=b), "response": str(a + b)}
+
+
+def generate_data(seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
+    """(pt documents, sft train rows, sft eval rows); eval pairs never occur in sft train."""
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    rng.shuffle(pairs)
+    eval_pairs = pairs[:SFT_EVAL_ROWS]
+    train_pairs = pairs[SFT_EVAL_ROWS:SFT_EVAL_ROWS + SFT_TRAIN_ROWS]
+    sft_eval = [_question(rng, a, b) for a, b in eval_pairs]
+    sft_train = [_question(rng, a, b) for a, b in train_pairs]
+
+    docs = []
+    for _ in range(PT_DOCS):
+        sentences = []
+        for _ in range(rng.randint(*PT_SENTENCES)):
+            if rng.random() < PT_FILLER_FRACTION:
+                sentences.append(_filler(rng))
+            else:
+                sentences.append(_fact(rng, rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)))
+        docs.append({"text": " ".join(sentences)})
+    return docs, sft_train, sft_eval
+
+
+def _write_jsonl(path: pathlib.Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def _train_tokenizer(lines: list[str], out_dir: pathlib.Path) -> None:
+    import sentencepiece as spm
+    from transformers import LlamaTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_prefix=str(pathlib.Path(tmp) / "tokenizer"),
+            vocab_size=VOCAB_SIZE,
+            model_type="bpe",
+            character_coverage=1.0,
+            split_digits=True,
+            # identity + keep whitespace: "\n" in the prompt template stays a character, and
+            # the transformers tokenizer converted from this model splits text identically.
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            byte_fallback=False,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
+            num_threads=1,
+            shuffle_input_sentence=False,
+            input_sentence_size=0,
+            max_sentence_length=1 << 16,
+            minloglevel=2,
+        )
+        # LlamaTokenizer(vocab_file=...) silently yields empty ids; from_pretrained on the
+        # folder holding tokenizer.model converts it correctly (see TECH-NOTES).
+        tokenizer = LlamaTokenizer.from_pretrained(
+            tmp, pad_token="<pad>", add_bos_token=True, add_eos_token=False
+        )
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def write_demo_assets(root: pathlib.Path, seed: int = 0) -> None:
+    """Write data/{pt,sft_train,sft_eval}.jsonl, tokenizer/ and model/config.json under root."""
+    from transformers import LlamaConfig
+
+    root = pathlib.Path(root)
+    docs, sft_train, sft_eval = generate_data(seed)
+    _write_jsonl(root / "data" / "pt.jsonl", docs)
+    _write_jsonl(root / "data" / "sft_train.jsonl", sft_train)
+    _write_jsonl(root / "data" / "sft_eval.jsonl", sft_eval)
+
+    # The tokenizer sees the corpus and the SFT rows rendered as they are trained, so the
+    # prompt template's characters ('#', '\n') are in its vocabulary, not <unk>.
+    lines = [d["text"] for d in docs]
+    lines += [BUILTIN_PROMPT.format(prompt=r["prompt"]) + r["response"] for r in sft_train]
+    _train_tokenizer(lines, root / "tokenizer")
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        initializer_range=0.02,
+        use_cache=True,
+        **MODEL,
+    )
+    model_dir = root / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(model_dir))

@@ -1,0 +1,1 @@
+"""Opt-in training features (chunked loss, Ulysses context parallelism), each plugging in at one point."""

@@ -1,0 +1,48 @@
+"""Checks that every path a recipe names exists, before any process or process group starts."""
+
+import glob
+from pathlib import Path
+
+from llmtune.errors import UserError
+
+DATA_SUFFIXES = (".jsonl", ".json", ".txt")
+
+
+def resolve_data_files(patterns: list[str], key: str = "data.train_files") -> list[str]:
+    """Expand files, folders (their data files, sorted) and globs into a sorted list of files."""
+    files: list[str] = []
+    for pattern in patterns:
+        path = Path(pattern)
+        if path.is_dir():
+            found = sorted(str(p) for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+        elif glob.has_magic(pattern):
+            found = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+        else:
+            found = [pattern] if path.is_file() else []
+        if not found:
+            raise UserError(f"{key}: {pattern!r} matches no data file; check the path (relative paths are "
+                            f"read from the current directory {Path.cwd()})")
+        for name in found:
+            if Path(name).suffix not in DATA_SUFFIXES:
+                raise UserError(f"{key}: {name} is not a supported data file; use one of {', '.join(DATA_SUFFIXES)}")
+        files.extend(found)
+    return files
+
+
+def check_model_paths(model) -> None:
+    """The model folder (or config) and the tokenizer folder must exist locally."""
+    if model.name_or_path and not (Path(model.name_or_path) / "config.json").is_file():
+        raise UserError(f"model.name_or_path: {model.name_or_path} is not a HF model folder (no config.json "
+                        "there); point it at a folder written by save_pretrained")
+    if model.config and not (Path(model.config).is_file() or (Path(model.config) / "config.json").is_file()):
+        raise UserError(f"model.config: {model.config} is neither a config.json file nor a folder holding one")
+    tokenizer = model.tokenizer or model.name_or_path
+    if not Path(tokenizer).is_dir():
+        raise UserError(f"model.tokenizer: tokenizer folder {tokenizer} not found; point it at a folder "
+                        "written by a tokenizer's save_pretrained")
+
+
+def check_inputs(config) -> list[str]:
+    """Validate the recipe's paths; returns the resolved training files."""
+    check_model_paths(config.model)
+    return resolve_data_files(config.data.train_files)

@@ -1,0 +1,69 @@
+"""ParallelState: the process group, the device mesh and this rank's place in it.
+
+Created once per process and passed down; nothing else reads the distributed environment.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from llmtune.launch import launched_by_torchrun
+
+
+@dataclass
+class ParallelState:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @classmethod
+    def initialize(cls) -> "ParallelState":
+        """Join the job's process group: torchrun's env:// when launched by it, else a world of one."""
+        use_cuda = torch.cuda.is_available()
+        backend = "nccl" if use_cuda else "gloo"
+        if launched_by_torchrun():
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            dist.init_process_group(backend)
+        else:
+            # A one-process run needs no rendezvous: an in-memory store avoids claiming a port.
+            local_rank = 0
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        world_size = dist.get_world_size()
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+        return cls(dist.get_rank(), world_size, local_rank, device, mesh)
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def fsdp_group_size(self) -> int:
+        """Ranks over which FSDP averages gradients."""
+        return self.world_size
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,44 @@
+"""Bad input: one line naming the key or path, exit code 2, before torch is even imported (so before any
+process group exists), and nothing written."""
+
+import pytest
+import yaml
+
+from tests.helpers import run_cli
+
+
+@pytest.fixture
+def recipe(tmp_path, tiny_model, sft_file):
+    def write(**changes):
+        recipe = {"model": {"name_or_path": str(tiny_model)}, "data": {"train_files": [str(sft_file)]},
+                  "train": {"output_dir": str(tmp_path / "out"), "max_steps": 1}}
+        for key, value in changes.items():
+            section, name = key.split("__")
+            recipe[section][name] = value
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        return str(path)
+    return write
+
+
+@pytest.mark.parametrize("changes, overrides, expected", [
+    ({"train__learnig_rate": 1e-4}, [], "train.learnig_rate: unknown key in section 'train'; did you mean 'learning_rate'?"),
+    ({}, ["train.per_device_train_batch_size=two"], "train.per_device_train_batch_size: 'two' is not a valid integer"),
+    ({"data__train_files": ["no/such/file.jsonl"]}, [], "data.train_files: 'no/such/file.jsonl' matches no data file"),
+    ({"model__name_or_path": "no/such/model"}, [], "model.name_or_path: no/such/model is not a HF model folder"),
+    ({}, ["--nproc", "0"], "--nproc: '0' is not a positive number of processes"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, changes, overrides, expected):
+    result = run_cli("sft", recipe(**changes), *overrides, "--nproc", "2")
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"llmtune: error: {expected}"), result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_recipe_file():
+    result = run_cli("pt", "no_such_recipe.yaml")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("llmtune: error: no_such_recipe.yaml: recipe file not found; "
+                                     "pass the path of a YAML recipe")

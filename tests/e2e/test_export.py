@@ -1,0 +1,59 @@
+"""pt from scratch (tied embeddings), in this process: the exported HF folder loads with from_pretrained and
+gives the trained model's logits; the run writes its resolved config and metrics."""
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llmtune.checkpoint.hf_export import export_hf
+from llmtune.config import load_config
+from llmtune.inputs import check_inputs
+from llmtune.parallel import ParallelState
+from llmtune.worker import build_trainer
+from tests.helpers import read_metrics
+
+
+@pytest.fixture(scope="module")
+def trained(assets, tmp_path_factory):
+    """(output_dir, logits of the trained FSDP model on a fixed input, that input)."""
+    output_dir = tmp_path_factory.mktemp("pt")
+    recipe = output_dir / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"config": str(assets / "model"), "tokenizer": str(assets / "tokenizer")},
+        "data": {"train_files": [str(assets / "data" / "pt.jsonl")], "max_seq_len": 64},
+        "train": {"output_dir": str(output_dir), "max_steps": 3, "per_device_train_batch_size": 4,
+                  "learning_rate": 1e-2, "logging_steps": 2},
+    }))
+    config = load_config(str(recipe), [], "pt", world_size=1)
+    state = ParallelState.initialize()
+    try:
+        trainer, tokenizer = build_trainer(config, check_inputs(config), state)
+        trainer.train()
+        export_hf(trainer.model, tokenizer, output_dir / "hf", state)
+        input_ids = torch.tensor([tokenizer("The sum of 12 and 30 is 42. 7 + 8 = 15.")["input_ids"]])
+        trainer.model.eval()
+        with torch.no_grad():
+            logits = trainer.model(input_ids)
+    finally:
+        state.close()
+    return output_dir, logits, input_ids
+
+
+def test_exported_folder_gives_the_trained_logits(trained, assets):
+    output_dir, logits, input_ids = trained
+    model = AutoModelForCausalLM.from_pretrained(output_dir / "hf", dtype=torch.float32)
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids).logits, logits, rtol=0, atol=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir / "hf")
+    assert tokenizer("7 + 8")["input_ids"] == AutoTokenizer.from_pretrained(assets / "tokenizer")("7 + 8")["input_ids"]
+
+
+def test_run_writes_resolved_config_and_metrics(trained):
+    output_dir, _, _ = trained
+    resolved = yaml.safe_load((output_dir / "config.yaml").read_text())
+    assert resolved["train"]["max_steps"] == 3 and resolved["train"]["learning_rate"] == 1e-2
+    assert resolved["data"]["format"] == "auto"
+    assert [m["step"] for m in read_metrics(output_dir)] == [2, 3]

@@ -1,0 +1,92 @@
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmtune.cli import parse_overrides
+from llmtune.config import load_config, reference_table
+from llmtune.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_recipe(tmp_path, **sections) -> str:
+    recipe = {"model": {"name_or_path": "m"}, "data": {"train_files": ["d.jsonl"]}, "train": {"output_dir": "out"}}
+    for name, values in sections.items():
+        recipe.setdefault(name, {}).update(values)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def test_defaults_overrides_and_numbers_written_as_strings(tmp_path):
+    recipe = write_recipe(tmp_path, train={"learning_rate": "3e-5"})
+    overrides, nproc = parse_overrides(["data.max_seq_len=1024", "--train.max_steps", "7", "--train.seed=3",
+                                        "--nproc", "2"])
+    config = load_config(recipe, overrides, "sft", world_size=2)
+    assert nproc == 2
+    assert config.train.learning_rate == 3e-5
+    assert config.data.max_seq_len == 1024
+    assert (config.train.max_steps, config.train.seed) == (7, 3)
+    assert config.train.per_device_train_batch_size == 8 and config.parallel.cp_size == 1
+    assert config.data.train_files == ["d.jsonl"]
+
+
+def test_unknown_key_names_section_and_closest_key(tmp_path):
+    with pytest.raises(UserError) as err:
+        load_config(write_recipe(tmp_path, train={"learning_rat": 1e-4}), [], "sft", 1)
+    assert str(err.value) == "train.learning_rat: unknown key in section 'train'; did you mean 'learning_rate'?"
+
+
+def test_unknown_section_and_override_key_are_reported_together(tmp_path):
+    recipe = write_recipe(tmp_path)
+    Path(recipe).write_text(Path(recipe).read_text() + "trian: {}\n")
+    with pytest.raises(UserError) as err:
+        load_config(recipe, ["data.max_seq_lenn=4"], "sft", 1)
+    lines = str(err.value).splitlines()
+    assert any("unknown section 'trian'; did you mean 'train'?" in line for line in lines)
+    assert any(line.startswith("data.max_seq_lenn:") and "'max_seq_len'" in line for line in lines)
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("per_device_train_batch_size", "eight", "integer"),
+    ("bf16", "yes please", "boolean"),
+    ("learning_rate", "fast", "number"),
+    ("max_steps", 2.5, "integer"),
+])
+def test_wrong_type_names_key_value_and_type(tmp_path, key, value, expected):
+    with pytest.raises(UserError) as err:
+        load_config(write_recipe(tmp_path, train={key: value}), [], "sft", 1)
+    assert str(err.value) == f"train.{key}: {value!r} is not a valid {expected}" + (
+        "" if expected != "boolean" else " (true/false)")
+
+
+def test_global_batch_size_derives_accumulation(tmp_path):
+    recipe = write_recipe(tmp_path, train={"global_batch_size": 32, "per_device_train_batch_size": 4})
+    assert load_config(recipe, [], "sft", world_size=2).train.gradient_accumulation_steps == 4
+    with pytest.raises(UserError, match=r"global_batch_size: 30 is not a multiple of .* = 8"):
+        load_config(recipe, ["train.global_batch_size=30"], "sft", world_size=2)
+    with pytest.raises(UserError, match="set only one of them"):
+        load_config(recipe, ["train.gradient_accumulation_steps=2"], "sft", world_size=2)
+
+
+def test_choices_and_required_fields(tmp_path):
+    recipe = write_recipe(tmp_path, train={"lr_scheduler_type": "cosin", "output_dir": ""})
+    with pytest.raises(UserError) as err:
+        load_config(recipe, [], "sft", 1)
+    message = str(err.value)
+    assert "train.lr_scheduler_type: 'cosin' is not valid; did you mean 'cosine'?" in message
+    assert "train.output_dir: not set" in message
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(write_recipe(tmp_path), ["train.learning_rate=1e-4"], "pt", 1)
+    config.write(tmp_path / "config.yaml")
+    again = load_config(str(tmp_path / "config.yaml"), [], "pt", 1)
+    assert again == config
+
+
+def test_readme_recipe_table_lists_every_field():
+    readme = (REPO / "README.md").read_text()
+    assert reference_table() in readme, "README's recipe reference is stale: paste llmtune.config.reference_table()"
