@@ -1,10 +1,13 @@
 """Bad input: one line naming the key or path, exit code 2, before torch is even imported (so before any
 process group exists), and nothing written."""
 
+import subprocess
+import sys
+
 import pytest
 import yaml
 
-from tests.helpers import run_cli
+from tests.helpers import REPO, run_cli
 
 
 @pytest.fixture
@@ -42,3 +45,13 @@ def test_missing_recipe_file():
     assert result.returncode == 2
     assert result.stderr.strip() == ("llmtune: error: no_such_recipe.yaml: recipe file not found; "
                                      "pass the path of a YAML recipe")
+
+
+def test_recipe_errors_are_found_before_torch_is_imported(tmp_path, recipe):
+    """No process group can exist yet: torch itself has not been imported when the error is raised."""
+    code = ("import sys; from llmtune.cli import main; "
+            f"assert main(['sft', {recipe(train__max_stepz=3)!r}]) == 2; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "train.max_stepz: unknown key" in result.stderr
