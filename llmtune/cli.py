@@ -42,12 +42,12 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
     if nproc and launch.launched_by_torchrun():
         raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
     config = load_config(recipe, overrides, task, nproc or launch.world_size_from_env())
-    files = check_inputs(config)
+    check_inputs(config)
     if nproc and nproc > 1:
         return launch.launch_local(nproc, [task, recipe, *overrides])
     from llmtune.worker import run
 
-    run(config, files)
+    run(config)
     return 0
 
 

@@ -17,7 +17,9 @@ import yaml
 from llmtune.errors import UserError
 
 TASKS = ("pt", "sft")
-DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_response")
+DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_response", "tokenized")
+TRUNCATIONS = ("truncate_prompt", "drop")
+REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
@@ -46,20 +48,57 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = _field([], "Training files, folders or globs (.jsonl/.json/.txt).")
-    format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_response; auto: text for pt, "
-                                 "detected from the columns for sft.")
-    max_seq_len: int = _field(2048, "Tokens per sample; pt packs into blocks of this length, sft truncates to it.")
-    shuffle: bool = _field(True, "Shuffle samples each epoch (seeded by train.seed and the epoch).")
+    train_files: list[str] = _field([], "Training sources: files (.jsonl .json .parquet .csv .txt), folders, globs, "
+                                        "or folders written by datasets' save_to_disk.")
+    mix_weights: list[float] = _field([], "One weight per train_files entry: each source's share of an epoch "
+                                          "(sampled with repetition when it is smaller); empty = natural sizes.")
+    val_files: list[str] = _field([], "Validation sources (same forms as train_files).")
+    val_ratio: float = _field(0.0, "Hold out this fraction of the training samples for validation (seeded); "
+                                   "used when val_files is empty.")
+    format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_response | tokenized; auto: "
+                                 "detected from the columns of each source.")
+    chat_template: str | None = _field(None, "sft chat template: a built-in name (basic) or a .jinja file; default: the "
+                                             "tokenizer's own. It is saved with the exported tokenizer.")
+    train_on_prompt: bool = _field(False, "sft: also train on the non-assistant tokens (system, user, template).")
+    max_seq_len: int = _field(2048, "Tokens per row: pt packs blocks of this length; longer sft samples follow "
+                                    "data.truncation.")
+    truncation: str = _field("truncate_prompt", "Over-long samples: truncate_prompt (cut the oldest tokens from the "
+                                                "left, keep the last response) or drop. Counts are reported.")
+    packing: bool = _field(True, "Padding-free packing of several samples per row, position_ids restarting per "
+                                 "sample; false pads each batch to its longest sample.")
+    document_mask: bool = _field(True, "Keep attention inside each packed document/sample (via position_ids); "
+                                       "false lets packed rows attend across documents.")
+    pt_remainder: str = _field("drop", "pt: the last, shorter block of each packing window: drop or pad.")
+    shuffle: bool = _field(True, "Shuffle samples each epoch (seeded by train.seed and the epoch); false keeps "
+                                 "file order.")
+    streaming: bool = _field(False, "Read the sources as a stream (for corpora larger than RAM); needs "
+                                    "train.max_steps.")
+    shuffle_buffer: int = _field(10000, "Streaming: samples in the shuffle buffer.")
+    num_proc: int = _field(1, "Processes for tokenization (datasets.map).")
+    cache_dir: str | None = _field(None, "Where tokenized datasets are cached; default $LLMTUNE_CACHE/data or "
+                                         "~/.cache/llmtune/data.")
 
     def problems(self) -> list[str]:
         out = []
         if not self.train_files:
             out.append("data.train_files: no training files given; list at least one file, folder or glob")
-        if self.format not in DATA_FORMATS:
-            out.append(_choice_problem("data.format", self.format, DATA_FORMATS))
+        for key, value, choices in (("format", self.format, DATA_FORMATS), ("truncation", self.truncation, TRUNCATIONS),
+                                    ("pt_remainder", self.pt_remainder, REMAINDERS)):
+            if value not in choices:
+                out.append(_choice_problem(f"data.{key}", value, choices))
         if self.max_seq_len < 2:
             out.append(f"data.max_seq_len: {self.max_seq_len} is too small; it must be at least 2")
+        if self.mix_weights and (len(self.mix_weights) != len(self.train_files) or min(self.mix_weights) <= 0):
+            out.append(f"data.mix_weights: give one positive weight per data.train_files entry "
+                       f"({len(self.train_files)}), not {self.mix_weights}")
+        if not 0.0 <= self.val_ratio < 1.0:
+            out.append(f"data.val_ratio: {self.val_ratio} must be in [0, 1)")
+        if self.val_ratio and self.val_files:
+            out.append("data.val_ratio: set either data.val_files or data.val_ratio, not both")
+        if self.streaming and self.val_ratio:
+            out.append("data.val_ratio: a stream cannot be split; give data.val_files instead")
+        if self.num_proc < 1 or self.shuffle_buffer < 1:
+            out.append("data: num_proc and shuffle_buffer must be at least 1")
         return out
 
 
@@ -251,10 +290,12 @@ def _coerce(value, hint) -> tuple[bool, object]:
         if option is str and isinstance(value, str):
             return True, value
         if typing.get_origin(option) is list:
-            if isinstance(value, str):
-                return True, [value]
-            if isinstance(value, list) and all(isinstance(v, str) for v in value):
-                return True, list(value)
+            item = typing.get_args(option)[0]
+            values = [value] if isinstance(value, (str, int, float)) and not isinstance(value, bool) else value
+            if isinstance(values, list):
+                converted = [_coerce(v, item) for v in values]
+                if all(ok for ok, _ in converted):
+                    return True, [v for _, v in converted]
     return False, None
 
 
@@ -264,7 +305,7 @@ def _type_name(hint) -> str:
     if hint is type(None):
         return "null"
     if typing.get_origin(hint) is list:
-        return "list of strings"
+        return f"list of {_type_name(typing.get_args(hint)[0])}s"
     return {bool: "boolean (true/false)", int: "integer", float: "number", str: "string"}[hint]
 
 
@@ -281,6 +322,8 @@ def _batch_problems(config: Config, world_size: int, provided: set[str]) -> list
     train, cp = config.train, config.parallel.cp_size
     if cp < 1 or world_size % cp:
         return [f"parallel.cp_size: {cp} does not divide the world size {world_size}"]
+    if config.data.streaming and train.max_steps <= 0:
+        return ["train.max_steps: a stream has no known length, so data.streaming needs train.max_steps > 0"]
     if train.global_batch_size is None:
         return []
     per_step = train.per_device_train_batch_size * config.dp_size(world_size)

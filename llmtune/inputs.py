@@ -5,11 +5,17 @@ from pathlib import Path
 
 from llmtune.errors import UserError
 
-DATA_SUFFIXES = (".jsonl", ".json", ".txt")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 
 
-def resolve_data_files(patterns: list[str], key: str = "data.train_files") -> list[str]:
-    """Expand files, folders (their data files, sorted) and globs into a sorted list of files."""
+def is_saved_dataset(path: str) -> bool:
+    """A folder written by datasets' save_to_disk (one split, or a DatasetDict)."""
+    folder = Path(path)
+    return (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file()
+
+
+def resolve_data_files(patterns: list[str], key: str) -> list[str]:
+    """Expand files, folders (their data files, sorted) and globs into a list of files."""
     files: list[str] = []
     for pattern in patterns:
         path = Path(pattern)
@@ -24,9 +30,16 @@ def resolve_data_files(patterns: list[str], key: str = "data.train_files") -> li
                             f"read from the current directory {Path.cwd()})")
         for name in found:
             if Path(name).suffix not in DATA_SUFFIXES:
-                raise UserError(f"{key}: {name} is not a supported data file; use one of {', '.join(DATA_SUFFIXES)}")
+                raise UserError(f"{key}: {name} is not a supported data file; use one of {', '.join(DATA_SUFFIXES)} "
+                                "or a folder written by save_to_disk")
         files.extend(found)
     return files
+
+
+def check_data_sources(patterns: list[str], key: str) -> None:
+    for pattern in patterns:
+        if not is_saved_dataset(pattern):
+            resolve_data_files([pattern], key)
 
 
 def check_model_paths(model) -> None:
@@ -42,7 +55,11 @@ def check_model_paths(model) -> None:
                         "written by a tokenizer's save_pretrained")
 
 
-def check_inputs(config) -> list[str]:
-    """Validate the recipe's paths; returns the resolved training files."""
+def check_inputs(config) -> None:
+    """Every path the recipe names exists."""
     check_model_paths(config.model)
-    return resolve_data_files(config.data.train_files)
+    check_data_sources(config.data.train_files, "data.train_files")
+    check_data_sources(config.data.val_files, "data.val_files")
+    template = config.data.chat_template
+    if template and template.endswith(".jinja") and not Path(template).is_file():
+        raise UserError(f"data.chat_template: template file {template} not found")

@@ -33,11 +33,9 @@ class Trainer:
         whatever the split over ranks, micro-batches and accumulation steps.
         """
         device = self.state.device
-        batches = [{k: v.to(device) for k, v in b.items()} for b in micro_batches]
-        counts = torch.stack([
-            sum((b["shift_labels"] != IGNORE_INDEX).sum() for b in batches),
-            sum(b["attention_mask"].sum() for b in batches),
-        ]).to(device=device, dtype=torch.float64)
+        batches = [b.to(device).inputs for b in micro_batches]
+        counts = torch.tensor([sum(int((b["shift_labels"] != IGNORE_INDEX).sum()) for b in batches),
+                               sum(b.num_tokens for b in micro_batches)], device=device, dtype=torch.float64)
         label_tokens, input_tokens = self.state.all_reduce_sum(counts).tolist()
         scale = self.state.fsdp_group_size / max(label_tokens, 1.0)
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)

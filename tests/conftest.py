@@ -41,3 +41,25 @@ def sft_file(assets, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("sft") / "train.jsonl"
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory) -> Path:
+    """Tokenized-data caches of the tests (and of the CLI runs they start) stay in a temporary folder."""
+    import os
+
+    path = tmp_path_factory.mktemp("llmtune_cache")
+    os.environ["LLMTUNE_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(assets):
+    """The demo's sentencepiece tokenizer with the built-in chat template."""
+    from transformers import AutoTokenizer
+
+    from llmtune.data.templates import apply_recipe_template
+
+    tok = AutoTokenizer.from_pretrained(assets / "tokenizer")
+    apply_recipe_template(tok, "basic")
+    return tok

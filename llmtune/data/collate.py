@@ -1,22 +1,50 @@
-"""Rows of token ids -> a padded micro-batch: input_ids, attention_mask, shift_labels."""
+"""Rows of token ids -> one micro-batch: the model's keyword arguments and the count of real tokens."""
+
+from dataclasses import dataclass
 
 import torch
 
 from llmtune.loss import IGNORE_INDEX, shift_labels
 
 
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest row; pads are masked from attention and carry label -100.
+@dataclass
+class MicroBatch:
+    inputs: dict[str, torch.Tensor]  # keyword arguments of the training model's forward, shift_labels included
+    num_tokens: int  # input tokens that are not padding
 
-    Rows without labels (pt blocks) are labelled with their own ids.
+    def to(self, device: torch.device) -> "MicroBatch":
+        return MicroBatch({k: v.to(device) for k, v in self.inputs.items()}, self.num_tokens)
+
+
+def collate(rows: list[dict], pad_id: int, document_mask: bool = True) -> MicroBatch:
+    """Right-pad to the longest row; pads carry label -100.
+
+    Rows with position_ids are packed (several documents or samples per row): the model gets
+    the position_ids and no attention mask, from which transformers builds a mask that keeps
+    attention inside each document; pads get positions of their own so they form a separate
+    "document". With document_mask off, an all-ones mask keeps attention across documents.
+    Rows without position_ids get an attention mask that hides the pads. Rows without labels
+    are labelled with their own ids.
     """
     length = max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    real = torch.zeros((len(rows), length), dtype=torch.long)
+    packed = "position_ids" in rows[0]
+    positions = torch.arange(length).repeat(len(rows), 1)
     for i, row in enumerate(rows):
         n = len(row["input_ids"])
         input_ids[i, :n] = torch.tensor(row["input_ids"])
         labels[i, :n] = torch.tensor(row.get("labels", row["input_ids"]))
-        attention_mask[i, :n] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "shift_labels": shift_labels(labels)}
+        real[i, :n] = 1
+        if packed:
+            positions[i, :n] = torch.tensor(row["position_ids"])
+            positions[i, n:] = torch.arange(length - n)
+    inputs = {"input_ids": input_ids, "shift_labels": shift_labels(labels)}
+    if packed:
+        inputs["position_ids"] = positions
+        if not document_mask:
+            inputs["attention_mask"] = torch.ones_like(input_ids)
+    else:
+        inputs["attention_mask"] = real
+    return MicroBatch(inputs, int(real.sum()))

@@ -1,68 +1,141 @@
-"""DataManager: build the tokenized dataset once, then hand out optimizer steps of micro-batches.
+"""DataManager: hands out optimizer steps of micro-batches, and saves and restores its position.
 
-Data order is a seeded permutation of the whole dataset, the same for every layout; the sampler
-of data-parallel rank r takes every D-th sample of it. So optimizer step k consumes samples
-perm[k*B:(k+1)*B] (B the global batch) whatever the number of ranks, micro-batch size or
-accumulation steps are.
+Map-style data: the order of an epoch is a seeded permutation of the whole dataset (file order
+with data.shuffle off), the same for every layout; data-parallel rank r takes every D-th sample
+of it. So optimizer step k of an epoch consumes samples perm[k*B:(k+1)*B] (B the global batch)
+whatever the number of ranks, micro-batch size or accumulation steps, and the position saved
+as (epoch, step in epoch) resumes on any data-parallel size at the exact next sample.
+
+Streaming data: each data-parallel rank reads its own shard of the stream, so the order depends
+on the data-parallel size, and a resume must keep it.
 """
 
+import itertools
 import math
 from functools import partial
 
 import datasets
-from torch.utils.data import DistributedSampler
-from torchdata.stateful_dataloader import StatefulDataLoader
+import torch
+from datasets.distributed import split_dataset_by_node
+from torch.utils.data import DataLoader, DistributedSampler
 
 from llmtune.data.collate import collate
-from llmtune.data.pretrain import pack_documents
-from llmtune.data.sft import detect_format, tokenize_examples
-from llmtune.data.sources import load_rows
 from llmtune.errors import UserError
 
 
-def build_dataset(task: str, data_cfg, files: list[str], tokenizer) -> datasets.Dataset:
-    rows = load_rows(files)
-    if task == "pt":
-        if data_cfg.format not in ("auto", "text"):
-            raise UserError(f"data.format: pt reads raw text; set data.format to text or auto, not {data_cfg.format!r}")
-        return pack_documents(rows, tokenizer, data_cfg.max_seq_len, files)
-    fmt = detect_format(rows, data_cfg.format, files)
-    return tokenize_examples(rows, tokenizer, fmt, data_cfg.max_seq_len)
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way, at a given index of this rank's share."""
+
+    start = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
+
+    def __len__(self) -> int:
+        return super().__len__() - self.start
 
 
 class DataManager:
     def __init__(self, dataset: datasets.Dataset, data_cfg, train_cfg, pad_id: int, dp_size: int, dp_rank: int):
-        self.micro_batches_per_step = train_cfg.gradient_accumulation_steps
-        global_batch = train_cfg.per_device_train_batch_size * self.micro_batches_per_step * dp_size
-        self.sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=data_cfg.shuffle,
-                                          seed=train_cfg.seed, drop_last=True)
-        self.loader = StatefulDataLoader(dataset, batch_size=train_cfg.per_device_train_batch_size,
-                                         sampler=self.sampler, collate_fn=partial(collate, pad_id=pad_id),
-                                         drop_last=True)
-        self.steps_per_epoch = len(self.loader) // self.micro_batches_per_step
+        self.micro_batch = train_cfg.per_device_train_batch_size
+        self.accumulation = train_cfg.gradient_accumulation_steps
+        self.sampler = ResumableSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=data_cfg.shuffle,
+                                        seed=train_cfg.seed, drop_last=True)
+        self.loader = DataLoader(dataset, batch_size=self.micro_batch, sampler=self.sampler, drop_last=True,
+                                 collate_fn=partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask))
+        self.steps_per_epoch = len(self.sampler) // (self.micro_batch * self.accumulation)
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self._batches = None
         if self.steps_per_epoch == 0:
-            raise UserError(f"data: {len(dataset)} samples do not fill one optimizer step of {global_batch} samples "
-                            "(per_device_train_batch_size x gradient_accumulation_steps x data-parallel ranks); "
-                            "add data or lower the batch size")
+            raise UserError(f"data: {len(dataset)} samples do not fill one optimizer step of "
+                            f"{self.micro_batch * self.accumulation * dp_size} samples (per_device_train_batch_size x "
+                            "gradient_accumulation_steps x data-parallel ranks); add data or lower the batch size")
 
     def total_steps(self, train_cfg) -> int:
         if train_cfg.max_steps > 0:
             return train_cfg.max_steps
         return math.ceil(train_cfg.num_train_epochs * self.steps_per_epoch)
 
-    def steps(self, total_steps: int):
-        """Yield (epoch, micro-batches of one optimizer step) until `total_steps` steps are given.
+    def steps(self, count: int):
+        """Yield (epoch, micro-batches of one optimizer step) `count` times, from the saved position on.
 
-        An epoch's last micro-batches that do not fill a whole step are skipped, so every step has
-        the same global batch size on every layout.
+        An epoch's last samples that do not fill a whole step are skipped, so every step has the
+        same global batch on every layout.
         """
-        given, epoch = 0, 0
-        while given < total_steps:
-            self.sampler.set_epoch(epoch)
-            batches = iter(self.loader)
-            for _ in range(self.steps_per_epoch):
-                yield epoch, [next(batches) for _ in range(self.micro_batches_per_step)]
-                given += 1
-                if given == total_steps:
-                    return
-            epoch += 1
+        for _ in range(count):
+            if self.step_in_epoch == self.steps_per_epoch:
+                self.epoch, self.step_in_epoch = self.epoch + 1, 0
+            if self.step_in_epoch == 0 or self._batches is None:
+                self.sampler.set_epoch(self.epoch)
+                self.sampler.start = self.step_in_epoch * self.micro_batch * self.accumulation
+                self._batches = iter(self.loader)
+            micro_batches = [next(self._batches) for _ in range(self.accumulation)]
+            self.step_in_epoch += 1
+            yield self.epoch, micro_batches
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self._batches = None
+
+
+class StreamingDataManager:
+    """The same interface over an iterable dataset. The ranks agree at every step that each still
+    has a full step of data, and start the next epoch together when one has not. The position is
+    (epoch, step in epoch), the same on every rank: a resume re-opens the epoch's stream and skips
+    the samples already consumed, which is exact (the shuffle buffer is seeded by seed and epoch)
+    at the cost of reading them again."""
+
+    def __init__(self, dataset: datasets.IterableDataset, data_cfg, train_cfg, pad_id: int, state):
+        self.state = state
+        self.micro_batch = train_cfg.per_device_train_batch_size
+        self.accumulation = train_cfg.gradient_accumulation_steps
+        stream = split_dataset_by_node(dataset, rank=state.dp_rank, world_size=state.dp_size)
+        if data_cfg.shuffle:
+            stream = stream.shuffle(seed=train_cfg.seed, buffer_size=data_cfg.shuffle_buffer)
+        self.stream = stream
+        self.collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask)
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self._batches = None
+
+    def total_steps(self, train_cfg) -> int:
+        return train_cfg.max_steps
+
+    def _open_epoch(self):
+        consumed = self.step_in_epoch * self.accumulation * self.micro_batch
+        stream = self.stream.skip(consumed) if consumed else self.stream
+        # skip() returns a new dataset whose epoch must be set again for the same shuffle.
+        stream.set_epoch(self.epoch)
+        return iter(DataLoader(stream, batch_size=self.micro_batch, drop_last=True, collate_fn=self.collate))
+
+    def steps(self, count: int):
+        given = 0
+        while given < count:
+            if self._batches is None:
+                self._batches = self._open_epoch()
+            micro_batches = list(itertools.islice(self._batches, self.accumulation))
+            if not self._every_rank_has(len(micro_batches) == self.accumulation):
+                if self.step_in_epoch == 0:
+                    raise UserError("data: a whole pass over the stream gave no full optimizer step on every rank; "
+                                    "add data or lower the batch size")
+                self.epoch, self.step_in_epoch, self._batches = self.epoch + 1, 0, None
+                continue
+            self.step_in_epoch += 1
+            given += 1
+            yield self.epoch, micro_batches
+
+    def _every_rank_has(self, full: bool) -> bool:
+        flag = torch.tensor([int(full)], device=self.state.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self._batches = None

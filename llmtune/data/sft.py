@@ -1,55 +1,47 @@
-"""sft: rows in a known format -> (prompt, response) -> ids with the prompt masked by -100."""
-
-import logging
+"""sft: canonical conversations -> input_ids and labels, with the over-long policy applied."""
 
 import datasets
 
-from llmtune.data.sources import require_columns
-from llmtune.data.templates import encode_example
-from llmtune.errors import UserError
+from llmtune.data.templates import encode_conversation
 from llmtune.loss import IGNORE_INDEX
 
-log = logging.getLogger(__name__)
-
-# Formats this version reads, and the columns that identify them (checked in this order).
-COLUMNS = {"alpaca": ("instruction", "output"), "prompt_response": ("prompt", "response")}
+KEPT, TRUNCATED, TOO_LONG, NO_LABELS = 0, 1, 2, 3
 
 
-def detect_format(rows: datasets.Dataset, requested: str, files: list[str]) -> str:
-    if requested not in ("auto", *COLUMNS):
-        raise UserError(f"data.format: {requested!r} is not supported for sft in this version; "
-                        f"use one of auto, {', '.join(COLUMNS)}")
-    if requested != "auto":
-        require_columns(rows, COLUMNS[requested], f"data.format {requested}", files)
-        return requested
-    for name, columns in COLUMNS.items():
-        if all(c in rows.column_names for c in columns):
-            return name
-    raise UserError(f"{', '.join(files)}: cannot tell the sft format from the columns "
-                    f"{', '.join(rows.column_names)}; expected {' or '.join('/'.join(c) for c in COLUMNS.values())}")
+def fit_length(input_ids: list[int], labels: list[int], max_seq_len: int, truncation: str) -> tuple[int, list, list]:
+    """(status, input_ids, labels). `truncate_prompt` cuts tokens from the left (the oldest context)
+    as long as the whole last response survives; otherwise, or with `drop`, the sample is dropped."""
+    if len(input_ids) > max_seq_len:
+        cut = len(input_ids) - max_seq_len
+        if truncation == "drop" or _last_response_start(labels) < cut:
+            return TOO_LONG, [], []
+        # The cut also drops labels that lived in the removed context: only the kept turns train.
+        input_ids, labels, status = input_ids[cut:], labels[cut:], TRUNCATED
+    else:
+        status = KEPT
+    if all(label == IGNORE_INDEX for label in labels[1:]):
+        return NO_LABELS, [], []
+    return status, input_ids, labels
 
 
-def prompt_and_response(row: dict, fmt: str) -> tuple[str, str]:
-    if fmt == "alpaca":
-        extra = row.get("input") or ""
-        prompt = f"{row['instruction']}\n\n{extra}" if extra else row["instruction"]
-        return prompt, row["output"]
-    return row["prompt"], row["response"]
+def _last_response_start(labels: list[int]) -> int:
+    """Index where the last run of trained tokens begins (-1 when nothing is trained)."""
+    end = max((i for i, label in enumerate(labels) if label != IGNORE_INDEX), default=-1)
+    start = end
+    while start > 0 and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    return start
 
 
-def tokenize_examples(rows: datasets.Dataset, tokenizer, fmt: str, max_seq_len: int) -> datasets.Dataset:
-    """input_ids and labels per row; rows longer than max_seq_len are cut at the end (counted), rows
-    left with no label token are dropped (counted)."""
+def tokenize_examples(rows: datasets.Dataset, tokenizer, data_cfg, map_kw: dict) -> datasets.Dataset:
+    """Canonical rows ({"messages"} or pre-tokenized {"input_ids", "labels"}) -> input_ids, labels, status."""
 
     def encode(row):
-        input_ids, labels = encode_example(tokenizer, *prompt_and_response(row, fmt))
-        return {"input_ids": input_ids[:max_seq_len], "labels": labels[:max_seq_len],
-                "truncated": len(input_ids) > max_seq_len}
+        if "messages" in row:
+            input_ids, labels = encode_conversation(tokenizer, row["messages"], data_cfg.train_on_prompt)
+        else:
+            input_ids, labels = row["input_ids"], row["labels"]
+        status, input_ids, labels = fit_length(input_ids, labels, data_cfg.max_seq_len, data_cfg.truncation)
+        return {"input_ids": input_ids, "labels": labels, "status": status}
 
-    encoded = rows.map(encode, remove_columns=rows.column_names, desc="tokenize")
-    kept = encoded.filter(lambda row: any(label != IGNORE_INDEX for label in row["labels"][1:]), desc="filter")
-    truncated = sum(kept["truncated"])
-    if truncated or len(kept) < len(encoded):
-        log.warning("sft data: %d of %d samples cut to data.max_seq_len=%d; %d dropped with no response left",
-                    truncated, len(encoded), max_seq_len, len(encoded) - len(kept))
-    return kept.remove_columns("truncated")
+    return rows.map(encode, **map_kw).select_columns(["input_ids", "labels", "status"])

@@ -1,30 +1,99 @@
-"""Read local data files into a memory-mapped `datasets.Dataset`."""
+"""Read local data sources into `datasets` objects (memory-mapped Arrow, or streamed).
 
+A source is a file, a folder of data files, a glob, or a folder written by
+`datasets.Dataset.save_to_disk`. Read errors name the file and, for JSON lines, the line.
+"""
+
+import csv
+import json
 from pathlib import Path
 
 import datasets
 
 from llmtune.errors import UserError
+from llmtune.inputs import is_saved_dataset, resolve_data_files
 
 # .txt: one document per blank-line-separated paragraph, so a file can hold many documents.
-BUILDERS = {".jsonl": ("json", {}), ".json": ("json", {}), ".txt": ("text", {"sample_by": "paragraph"})}
+BUILDERS = {
+    ".jsonl": ("json", {}),
+    ".json": ("json", {}),
+    ".parquet": ("parquet", {}),
+    ".csv": ("csv", {"keep_default_na": False}),
+    ".txt": ("text", {"sample_by": "paragraph"}),
+}
 
 
-def load_rows(files: list[str]) -> datasets.Dataset:
-    kinds = {BUILDERS[Path(f).suffix][0] for f in files}
-    if len(kinds) > 1:
-        raise UserError(f"data.train_files: mixes {' and '.join(sorted(kinds))} files ({', '.join(files)}); "
-                        "use one kind of file per run")
-    builder, options = BUILDERS[Path(files[0]).suffix]
+def load_source(pattern: str, key: str, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
+    """All rows of one source, in file order."""
+    if is_saved_dataset(pattern):
+        dataset = datasets.load_from_disk(pattern)
+        if isinstance(dataset, datasets.DatasetDict):
+            raise UserError(f"{key}: {pattern} holds several splits ({', '.join(dataset)}); point at one split's folder")
+        return dataset.to_iterable_dataset() if streaming else dataset
+    files = resolve_data_files([pattern], key)
+    parts = []
+    for builder, group in _group_by_builder(files).items():
+        name, options = BUILDERS[builder]
+        if builder == ".csv":
+            options = {**options, "features": _text_columns(group[0])}
+        try:
+            parts.append(datasets.load_dataset(name, data_files=group, split="train", streaming=streaming, **options))
+        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as err:
+            raise UserError(_read_error(group, err)) from None
+    if len(parts) == 1:
+        return parts[0]
     try:
-        return datasets.load_dataset(builder, data_files=files, split="train", **options)
-    except (datasets.exceptions.DatasetGenerationError, ValueError) as err:
-        cause = err.__cause__ or err
-        raise UserError(f"data.train_files: could not read {', '.join(files)}: {' '.join(str(cause).split())}") from None
+        return datasets.concatenate_datasets(parts)
+    except ValueError as err:
+        raise UserError(f"{key}: the files of {pattern!r} have different columns ({err}); give each kind its own "
+                        "entry") from None
 
 
-def require_columns(dataset: datasets.Dataset, columns: tuple[str, ...], what: str, files: list[str]) -> None:
-    missing = [c for c in columns if c not in dataset.column_names]
+def _text_columns(csv_file: str) -> datasets.Features:
+    """Every CSV column read as text: a response "0.50" must not become the number 0.5."""
+    with open(csv_file, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return datasets.Features({column: datasets.Value("string") for column in header})
+
+
+def _group_by_builder(files: list[str]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for name in files:
+        groups.setdefault(_builder_of(name), []).append(name)
+    return groups
+
+
+def _builder_of(name: str) -> str:
+    suffix = Path(name).suffix
+    return ".jsonl" if suffix == ".json" else suffix
+
+
+def undecodable_error(pattern: str, key: str, err: UnicodeDecodeError) -> UserError:
+    """Text that is not UTF-8 can pass the reader and fail only when a row is read: name its line."""
+    files = [] if is_saved_dataset(pattern) else resolve_data_files([pattern], key)
+    return UserError(_read_error(files, err))
+
+
+def _read_error(files: list[str], err: Exception) -> str:
+    """Find the first unreadable line (the datasets library names neither file nor line)."""
+    for name in files:
+        with open(name, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    return f"{name}:{number}: not UTF-8 text; re-encode the file as UTF-8"
+                if _builder_of(name) == ".jsonl" and line.strip() and not name.endswith(".json"):
+                    try:
+                        json.loads(line)
+                    except json.JSONDecodeError as bad:
+                        return f"{name}:{number}: not valid JSON ({bad.msg}); write one JSON object per line"
+    cause = err.__cause__ or err
+    return f"could not read {', '.join(files)}: {' '.join(str(cause).split())}"
+
+
+def require_columns(columns: list[str], needed: tuple[str, ...], what: str, source: str) -> None:
+    missing = [c for c in needed if c not in columns]
     if missing:
-        raise UserError(f"{', '.join(files)}: {what} needs column(s) {', '.join(missing)}; the rows have "
-                        f"{', '.join(dataset.column_names)} (set data.format to match the data)")
+        raise UserError(f"{source}: {what} needs column(s) {', '.join(missing)}; the rows have "
+                        f"{', '.join(columns)} (set data.format to match the data)")

@@ -21,14 +21,16 @@ def trained(assets, tmp_path_factory):
     recipe = output_dir / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "model": {"config": str(assets / "model"), "tokenizer": str(assets / "tokenizer")},
-        "data": {"train_files": [str(assets / "data" / "pt.jsonl")], "max_seq_len": 64},
+        "data": {"train_files": [str(assets / "data" / "pt.jsonl")], "max_seq_len": 64,
+                 "cache_dir": str(output_dir / "cache")},
         "train": {"output_dir": str(output_dir), "max_steps": 3, "per_device_train_batch_size": 4,
                   "learning_rate": 1e-2, "logging_steps": 2},
     }))
     config = load_config(str(recipe), [], "pt", world_size=1)
     state = ParallelState.initialize()
     try:
-        trainer, tokenizer = build_trainer(config, check_inputs(config), state)
+        check_inputs(config)
+        trainer, tokenizer = build_trainer(config, state)
         trainer.train()
         export_hf(trainer.model, tokenizer, output_dir / "hf", state)
         input_ids = torch.tensor([tokenizer("The sum of 12 and 30 is 42. 7 + 8 = 15.")["input_ids"]])

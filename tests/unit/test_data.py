@@ -1,20 +1,22 @@
-import json
+"""The data pipeline: sources, pt packing, sft packing, bad input, cache, order, coverage and resume."""
 
+import json
+import logging
+
+import datasets
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from llmtune.config import DataConfig, TrainConfig
+from llmtune.data.build import build_datasets, build_stream, load_or_build
 from llmtune.data.collate import collate
-from llmtune.data.manager import DataManager, build_dataset
-from llmtune.data.templates import encode_prompt
+from llmtune.data.manager import DataManager, StreamingDataManager
+from llmtune.data.templates import apply_recipe_template
 from llmtune.errors import UserError
 from llmtune.loss import IGNORE_INDEX
+from llmtune.parallel import ParallelState
 
-
-@pytest.fixture(scope="module")
-def tokenizer(assets):
-    return AutoTokenizer.from_pretrained(assets / "tokenizer")
+QA = [{"prompt": f"What is {i} + {2 * i}?" + " Think." * (i % 5), "response": str(3 * i)} for i in range(40)]
 
 
 def write_jsonl(path, rows):
@@ -22,55 +24,184 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-def test_pt_packs_documents_with_eos_into_full_blocks(tmp_path, tokenizer):
+def config(tmp_path, files, **changes):
+    return DataConfig(train_files=files, cache_dir=str(tmp_path / "cache"), **changes)
+
+
+def no_barrier():
+    pass
+
+
+def test_pt_blocks_restart_positions_and_mask_labels_at_document_starts(tmp_path, tokenizer):
     docs = [{"text": f"The sum of {i} and {i + 1} is {2 * i + 1}."} for i in range(40)]
-    dataset = build_dataset("pt", DataConfig(max_seq_len=16), [write_jsonl(tmp_path / "pt.jsonl", docs)], tokenizer)
-    stream = [t for ids in tokenizer([d["text"] for d in docs])["input_ids"] for t in ids + [tokenizer.eos_token_id]]
-    blocks = dataset["input_ids"]
-    assert all(len(block) == 16 for block in blocks)
-    assert [t for block in blocks for t in block] == stream[:len(blocks) * 16]
-    assert len(stream) - len(blocks) * 16 < 16
+    data = config(tmp_path, [write_jsonl(tmp_path / "pt.jsonl", docs)], max_seq_len=16)
+    train, _, _ = build_datasets("pt", data, tokenizer, seed=0)
+    stream, starts = [], []
+    for doc in tokenizer([d["text"] for d in docs])["input_ids"]:
+        starts.append(len(stream))
+        stream += doc + [tokenizer.eos_token_id]
+    assert all(len(row) == 16 for row in train["input_ids"]), "pt_remainder drop keeps full blocks only"
+    flat = [t for row in train["input_ids"] for t in row]
+    assert flat == stream[:len(flat)] and len(stream) - len(flat) < 16
+    positions = [p for row in train["position_ids"] for p in row]
+    labels = [t for row in train["labels"] for t in row]
+    for i in range(len(flat)):
+        doc_start = max(s for s in starts if s <= i)
+        assert positions[i] == i - doc_start
+        assert labels[i] == (IGNORE_INDEX if i == doc_start else flat[i])
+    padded, _, _ = build_datasets("pt", config(tmp_path, data.train_files, max_seq_len=16, pt_remainder="pad"),
+                                  tokenizer, seed=0)
+    assert [t for row in padded["input_ids"] for t in row] == stream
 
 
-def test_sft_masks_prompt_and_keeps_response_and_eos(tmp_path, tokenizer):
-    rows = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"},
-            {"instruction": "Add these.", "input": "20 and 30", "output": "50"}]
-    dataset = build_dataset("sft", DataConfig(max_seq_len=64), [write_jsonl(tmp_path / "a.jsonl", rows)], tokenizer)
-    for row, (prompt, answer) in zip(dataset, [("Add 2 and 3.", "5"), ("Add these.\n\n20 and 30", "50")]):
-        n = len(encode_prompt(tokenizer, prompt))
-        assert row["input_ids"][:n] == encode_prompt(tokenizer, prompt)
-        assert row["labels"][:n] == [IGNORE_INDEX] * n
-        assert row["labels"][n:] == row["input_ids"][n:]
-        assert tokenizer.decode(row["labels"][n:], skip_special_tokens=True) == answer
-        assert row["labels"][-1] == tokenizer.eos_token_id
+def test_sources_of_every_kind_and_mixing_weights(tmp_path, tokenizer):
+    rows = QA[:10]
+    jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "b.parquet"))
+    datasets.Dataset.from_list(rows).to_csv(str(tmp_path / "c.csv"), index=False)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    sources = [jsonl, str(tmp_path / "*.parquet"), str(tmp_path / "c.csv"), str(tmp_path / "saved")]
+    data = config(tmp_path, sources, chat_template=None, packing=False)
+    train, _, _ = build_datasets("sft", data, tokenizer, seed=0)
+    assert len(train) == 40 and train["input_ids"][:10] == train["input_ids"][30:]
+    mixed, _, _ = build_datasets("sft", config(tmp_path, sources[:2], packing=False, mix_weights=[3, 1]), tokenizer, 0)
+    assert len(mixed) == 20
+    first = {tuple(ids) for ids in train["input_ids"][:10]}
+    assert sum(tuple(ids) in first for ids in mixed["input_ids"]) == 20, "both sources hold the same rows"
+    val_data = config(tmp_path, [jsonl], packing=False, val_ratio=0.3)
+    split_train, val, _ = build_datasets("sft", val_data, tokenizer, seed=0)
+    assert (len(split_train), len(val)) == (7, 3)
+    assert not {tuple(r) for r in split_train["input_ids"]} & {tuple(r) for r in val["input_ids"]}
 
 
-def test_sft_unknown_columns_name_the_file(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "odd.jsonl", [{"question": "q", "answer": "a"}])
-    with pytest.raises(UserError, match=r"odd.jsonl: cannot tell the sft format from the columns question, answer"):
-        build_dataset("sft", DataConfig(), [path], tokenizer)
+def test_sft_packing_restarts_positions_and_keeps_every_token(tmp_path, tokenizer):
+    data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64)
+    padded, _, _ = build_datasets("sft", config(tmp_path, data.train_files, max_seq_len=64, packing=False), tokenizer, 0)
+    packed, _, _ = build_datasets("sft", data, tokenizer, 0)
+    assert len(packed) < len(padded) and all(len(row) <= 64 for row in packed["input_ids"])
+    samples = sorted(tuple(ids) for ids in padded["input_ids"])
+    pieces = []
+    for ids, labels, positions in zip(packed["input_ids"], packed["labels"], packed["position_ids"]):
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
+        for a, b in zip(starts, starts[1:]):
+            pieces.append(tuple(ids[a:b]))
+            assert positions[a:b] == list(range(b - a))
+            assert labels[a] == IGNORE_INDEX, "no label crosses a sample boundary"
+    assert sorted(pieces) == samples
+
+
+def test_cache_second_run_does_no_tokenization(tmp_path, tokenizer, caplog, monkeypatch):
+    data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64)
+    with caplog.at_level(logging.INFO, logger="llmtune"):
+        first = load_or_build("sft", data, tokenizer, 0, 4, True, no_barrier)
+        monkeypatch.setattr("llmtune.data.build.build_datasets", lambda *a: pytest.fail("tokenized again"))
+        second = load_or_build("sft", data, tokenizer, 0, 4, True, no_barrier)
+    assert not first[2].cache_hit and second[2].cache_hit
+    assert "cache hit" in caplog.text
+    assert first[0]["input_ids"] == second[0]["input_ids"] and first[2].tokens == second[2].tokens
+    changed = config(tmp_path, data.train_files, max_seq_len=48)
+    with pytest.raises(pytest.fail.Exception, match="tokenized again"):
+        load_or_build("sft", changed, tokenizer, 0, 4, True, no_barrier)
+
+
+@pytest.mark.parametrize("content, rows, expected", [
+    (b'{"prompt": "a", "response": "b"}\n{"prompt": "a" "response": "b"}\n', None, r"bad.jsonl:2: not valid JSON"),
+    (b'{"prompt": "a", "response": "\xff"}\n', None, r"bad.jsonl:1: not UTF-8 text"),
+    (None, [{"prompt": "a", "response": "b"}, {"prompt": "c"}],
+     r"bad.jsonl: row 2: field 'response' is missing \(data.format prompt_response\)"),
+    (None, [{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}],
+     r"bad.jsonl: row 1: turn 1 has role 'robot'"),
+    (None, [{"prompt": "What is 1 + 1? " * 30, "response": "2"}] * 3,
+     r"every one of the 3 samples is longer than data.max_seq_len=16"),
+    (None, [{"messages": [{"role": "user", "content": "hi"}]}], r"no training sample is left"),
+])
+def test_bad_data_is_one_clear_message(tmp_path, tokenizer, content, rows, expected):
+    path = tmp_path / "bad.jsonl"
+    if content is not None:
+        path.write_bytes(content)
+    else:
+        write_jsonl(path, rows)
+    with pytest.raises(UserError, match=expected):
+        build_datasets("sft", config(tmp_path, [str(path)], max_seq_len=16, truncation="drop"), tokenizer, 0)
+
+
+def test_tokenizer_without_chat_template_needs_one_in_the_recipe(assets):
+    from transformers import AutoTokenizer
+
+    bare = AutoTokenizer.from_pretrained(assets / "tokenizer")
+    with pytest.raises(UserError, match="the tokenizer has no chat template; set data.chat_template"):
+        apply_recipe_template(bare, None)
 
 
 def test_collate_pads_right_and_shifts_labels():
     batch = collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9]}], pad_id=0)
-    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
-    assert batch["shift_labels"].tolist() == [[6, 7, -100], [9, -100, -100]]
+    assert batch.inputs["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
+    assert batch.inputs["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch.inputs["shift_labels"].tolist() == [[6, 7, -100], [9, -100, -100]]
+    assert batch.num_tokens == 5
+    packed = collate([{"input_ids": [5, 6, 7], "labels": [5, 6, 7], "position_ids": [0, 0, 1]}, {"input_ids": [8],
+                      "labels": [8], "position_ids": [0]}], pad_id=0)
+    assert "attention_mask" not in packed.inputs
+    assert packed.inputs["position_ids"].tolist() == [[0, 0, 1], [0, 0, 1]]
+
+
+def steps_of(dataset, dp, micro, acc, count, shuffle=True, state=None):
+    train = TrainConfig(per_device_train_batch_size=micro, gradient_accumulation_steps=acc, seed=1, max_steps=count)
+    managers = [DataManager(dataset, DataConfig(shuffle=shuffle), train, 0, dp, rank) for rank in range(dp)]
+    if state:
+        for m in managers:
+            m.load_state_dict(state)
+    per_rank = [list(m.steps(count)) for m in managers]
+    return [sorted(int(t) for r in per_rank for b in r[k][1] for t in b.inputs["input_ids"].flatten())
+            for k in range(count)], managers
 
 
 @pytest.mark.parametrize("dp_size, per_device, accumulation", [(2, 4, 1), (1, 1, 8), (2, 2, 2), (4, 1, 2)])
 def test_each_step_consumes_the_same_samples_whatever_the_layout(dp_size, per_device, accumulation):
-    """Step k takes the same global batch on every (ranks, micro-batch, accumulation) split."""
     dataset = [{"input_ids": [i]} for i in range(37)]
-
-    def step_sets(dp, micro, acc):
-        train = TrainConfig(per_device_train_batch_size=micro, gradient_accumulation_steps=acc, seed=1, max_steps=9)
-        managers = [DataManager(dataset, DataConfig(), train, 0, dp, rank) for rank in range(dp)]
-        per_rank = [list(m.steps(m.total_steps(train))) for m in managers]
-        return [sorted(int(t) for _, micro_batches in (r[k] for r in per_rank) for b in micro_batches
-                       for t in b["input_ids"].flatten()) for k in range(len(per_rank[0]))]
-
-    reference = step_sets(1, 8, 1)
-    assert len(reference) == 9  # 4 steps an epoch: the 9 steps cross two epoch boundaries
-    assert step_sets(dp_size, per_device, accumulation) == reference
+    reference, _ = steps_of(dataset, 1, 8, 1, 9)
+    assert steps_of(dataset, dp_size, per_device, accumulation, 9)[0] == reference
     assert reference[0] != reference[4], "a new epoch must reshuffle"
+    epoch = [t for step in reference[:4] for t in step]
+    assert len(epoch) == len(set(epoch)) == 32, "one epoch sees each sample at most once (37 = 4 steps of 8 + 5)"
+
+
+def test_one_epoch_on_two_ranks_sees_every_sample_once_and_no_shuffle_keeps_file_order():
+    dataset = [{"input_ids": [i]} for i in range(32)]
+    steps, _ = steps_of(dataset, 2, 2, 2, 4)
+    assert sorted(t for step in steps for t in step) == list(range(32))
+    ordered, _ = steps_of(dataset, 2, 2, 2, 4, shuffle=False)
+    assert ordered == [list(range(8 * k, 8 * k + 8)) for k in range(4)]
+
+
+def test_resume_continues_at_the_exact_next_sample_on_any_data_parallel_size():
+    dataset = [{"input_ids": [i]} for i in range(37)]
+    straight, _ = steps_of(dataset, 2, 2, 2, 10)
+    _, managers = steps_of(dataset, 2, 2, 2, 6)
+    state = managers[0].state_dict()
+    assert state == {"epoch": 1, "step_in_epoch": 2} and managers[1].state_dict() == state
+    assert steps_of(dataset, 2, 2, 2, 4, state=state)[0] == straight[6:]
+    assert steps_of(dataset, 1, 1, 8, 4, state=state)[0] == straight[6:], "resume on another data-parallel size"
+
+
+def test_streaming_resume_gives_the_next_batches_of_an_uninterrupted_run(tmp_path, tokenizer):
+    data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64, streaming=True,
+                  shuffle_buffer=8, packing=False)
+    train = TrainConfig(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=12, seed=3)
+    state = ParallelState.initialize()
+    try:
+        def manager():
+            return StreamingDataManager(build_stream("sft", data, tokenizer, 3), data, train, 0, state)
+
+        def ids(steps):
+            return [[b.inputs["input_ids"].tolist() for b in micro] for _, micro in steps]
+
+        straight = ids(manager().steps(14))
+        first = manager()
+        assert ids(first.steps(6)) == straight[:6]
+        saved = first.state_dict()
+        resumed = manager()
+        resumed.load_state_dict(saved)
+        assert ids(resumed.steps(8)) == straight[6:], "crosses into the next epoch too (40 samples = 10 steps)"
+    finally:
+        state.close()

@@ -1,0 +1,245 @@
+"""Sources -> canonical rows -> tokens -> (packing) -> the train and validation datasets.
+
+Preprocessing is paid once: the result is saved under a key of (source fingerprints,
+tokenizer, transform settings); on N ranks, local rank 0 of each node builds it while the
+others wait, then every rank memory-maps the same files.
+"""
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+
+from llmtune.data import packing, pretrain, sft
+from llmtune.data.formats import canonical_columns, detect_format, to_canonical
+from llmtune.data.sources import load_source, undecodable_error
+from llmtune.errors import UserError
+from llmtune.inputs import is_saved_dataset, resolve_data_files
+from llmtune.loss import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+# Bump when a change to the transforms changes their output, so old caches are not reused.
+CACHE_VERSION = 1
+# Settings that do not change the built datasets, left out of the cache key.
+NOT_IN_KEY = ("shuffle", "streaming", "num_proc", "cache_dir", "document_mask")
+
+
+@dataclass
+class DataStats:
+    samples: int
+    tokens: int
+    label_tokens: int
+    truncated: int
+    dropped_too_long: int
+    dropped_no_labels: int
+    efficiency: float  # non-pad tokens / all tokens of the batches the model will see
+    val_samples: int
+    cache_hit: bool
+
+    def summary(self) -> str:
+        return (f"{self.samples} samples, {self.tokens} tokens, label tokens {self.label_tokens / max(self.tokens, 1):.1%}, "
+                f"{self.truncated} truncated, {self.dropped_too_long} dropped as too long, {self.dropped_no_labels} "
+                f"dropped with no label, efficiency {self.efficiency:.1%} (non-pad tokens), "
+                f"{self.val_samples} validation samples")
+
+
+def map_options(dataset, num_proc: int, desc: str) -> dict:
+    """datasets' map options; an iterable (streaming) dataset takes neither."""
+    if isinstance(dataset, datasets.IterableDataset):
+        return {}
+    return {"num_proc": num_proc if num_proc > 1 else None, "desc": desc}
+
+
+def canonical_rows(pattern: str, task: str, data_cfg, streaming: bool, key: str):
+    rows = load_source(pattern, key, streaming)
+    columns = rows.column_names or list(next(iter(rows)).keys())
+    fmt = detect_format(columns, task, data_cfg.format, pattern)
+
+    def convert(row, index):
+        return to_canonical(row, fmt, f"{pattern}: row {index + 1}")
+
+    try:
+        converted = rows.map(convert, with_indices=True, remove_columns=columns,
+                             **map_options(rows, data_cfg.num_proc, f"read {Path(pattern).name}"))
+    except UnicodeDecodeError as err:
+        raise undecodable_error(pattern, key, err) from None
+    return converted.select_columns(list(canonical_columns(fmt))), fmt
+
+
+def tokenize_source(rows, fmt: str, tokenizer, data_cfg):
+    """Canonical rows -> input_ids, labels (and position_ids for pt blocks); samples keep a status column."""
+    if fmt == "text":
+        docs = pretrain.tokenize_documents(rows, tokenizer, map_options(rows, data_cfg.num_proc, "tokenize"))
+        return pretrain.pack_documents(docs, data_cfg.max_seq_len, data_cfg.pt_remainder,
+                                       map_options(rows, data_cfg.num_proc, "pack"))
+    return sft.tokenize_examples(rows, tokenizer, data_cfg, map_options(rows, data_cfg.num_proc, "tokenize"))
+
+
+def mix(parts: list[datasets.Dataset], weights: list[float], seed: int) -> datasets.Dataset:
+    """Concatenate the sources; with weights, source i gives round(total * w_i / sum(w)) samples,
+    drawn from a seeded permutation of it (repeated when it has fewer)."""
+    combined = datasets.concatenate_datasets(parts)
+    if not weights:
+        return combined
+    total, rng, indices, offset = len(combined), np.random.default_rng(seed), [], 0
+    for part, weight in zip(parts, weights):
+        wanted = round(total * weight / sum(weights))
+        order = rng.permutation(len(part))
+        indices.append(np.resize(order, wanted) + offset)
+        offset += len(part)
+    return combined.select(np.concatenate(indices)).flatten_indices()
+
+
+def count_statuses(samples: datasets.Dataset) -> tuple[datasets.Dataset, dict[int, int]]:
+    if "status" not in samples.column_names:
+        return samples, {}
+    values, counts = np.unique(np.asarray(samples.data.column("status")), return_counts=True)
+    statuses = dict(zip(values.tolist(), counts.tolist()))
+    kept = samples.filter(lambda status: status in (sft.KEPT, sft.TRUNCATED), input_columns="status")
+    return kept.remove_columns("status"), statuses
+
+
+def length_stats(samples: datasets.Dataset) -> tuple[np.ndarray, int]:
+    """Per-row lengths and the number of labels that count after the shift (all but each row's first)."""
+    table = samples.flatten_indices().data
+    lengths = np.asarray(pc.list_value_length(table.column("input_ids")))
+    labels = table.column("labels")
+    labelled = pc.sum(pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX)).as_py() or 0
+    first = pc.sum(pc.not_equal(pc.list_element(labels, 0), IGNORE_INDEX)).as_py() or 0
+    return lengths, labelled - first
+
+
+def padded_efficiency(lengths: np.ndarray, batch_size: int, seed: int) -> float:
+    """Non-pad share of batches padded to their longest row, over one seeded shuffle."""
+    if not len(lengths):
+        return 0.0
+    order = lengths[np.random.default_rng(seed).permutation(len(lengths))]
+    padded = sum(int(chunk.max()) * len(chunk) for chunk in np.array_split(order, math.ceil(len(order) / batch_size)))
+    return float(lengths.sum()) / padded
+
+
+def tokenized_sources(patterns: list[str], task: str, tokenizer, data_cfg, streaming: bool, key: str):
+    """(one tokenized dataset per source, whether they are samples rather than packed pt blocks)."""
+    sources = [canonical_rows(p, task, data_cfg, streaming, key) for p in patterns]
+    kinds = {fmt == "text" for _, fmt in sources}
+    if len(kinds) > 1:
+        raise UserError(f"{key}: raw text and pre-tokenized sources cannot be mixed in one run; "
+                        "tokenize the text sources too, or train on them separately")
+    return [tokenize_source(rows, fmt, tokenizer, data_cfg) for rows, fmt in sources], kinds == {False}
+
+
+def build_split(patterns: list[str], weights: list[float], task: str, tokenizer, data_cfg, seed: int, key: str):
+    parts, _ = tokenized_sources(patterns, task, tokenizer, data_cfg, False, key)
+    return count_statuses(mix(parts, weights, seed))
+
+
+def build_stream(task: str, data_cfg, tokenizer, seed: int) -> datasets.IterableDataset:
+    """The streaming pipeline: the same transforms, applied lazily as samples are read."""
+    parts, samples = tokenized_sources(data_cfg.train_files, task, tokenizer, data_cfg, True, "data.train_files")
+    weights = data_cfg.mix_weights
+    stream = datasets.interleave_datasets(parts, probabilities=[w / sum(weights) for w in weights], seed=seed,
+                                          stopping_strategy="all_exhausted") if weights and len(parts) > 1 \
+        else datasets.concatenate_datasets(parts)
+    if samples:
+        stream = stream.filter(lambda status: status in (sft.KEPT, sft.TRUNCATED), input_columns="status")
+        stream = stream.select_columns(["input_ids", "labels"])
+        if data_cfg.packing:
+            stream = packing.pack_samples(stream, data_cfg.max_seq_len, {})
+    return stream
+
+
+def build_datasets(task: str, data_cfg, tokenizer, seed: int):
+    """(train, validation or None, counts of truncated and dropped samples), built from scratch."""
+    train, statuses = build_split(data_cfg.train_files, data_cfg.mix_weights, task, tokenizer, data_cfg, seed,
+                                  "data.train_files")
+    too_long, no_labels = statuses.get(sft.TOO_LONG, 0), statuses.get(sft.NO_LABELS, 0)
+    if not len(train) and too_long and not no_labels:
+        raise UserError(f"data: every one of the {too_long} samples is longer than data.max_seq_len="
+                        f"{data_cfg.max_seq_len}; raise data.max_seq_len")
+    if not len(train):
+        raise UserError(f"data.train_files: no training sample is left after tokenization and filtering "
+                        f"({no_labels} had no label token, {too_long} were too long); check the data and data.format")
+    val = None
+    if data_cfg.val_files:
+        val, _ = build_split(data_cfg.val_files, [], task, tokenizer, data_cfg, seed, "data.val_files")
+    elif data_cfg.val_ratio > 0:
+        split = train.train_test_split(test_size=max(1, round(len(train) * data_cfg.val_ratio)), seed=seed)
+        train, val = split["train"], split["test"]
+    # pt text arrives as packed blocks already; samples (sft, pre-tokenized) are packed here.
+    if data_cfg.packing and "position_ids" not in train.column_names:
+        train, val = (packing.pack_samples(d, data_cfg.max_seq_len, map_options(d, data_cfg.num_proc, "pack"))
+                      if d is not None else None for d in (train, val))
+    counts = {"truncated": statuses.get(sft.TRUNCATED, 0), "dropped_too_long": too_long,
+              "dropped_no_labels": no_labels}
+    return train, val, counts
+
+
+def describe(train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: int, seed: int,
+             cache_hit: bool) -> DataStats:
+    lengths, label_tokens = length_stats(train)
+    packed = "position_ids" in train.column_names
+    efficiency = float(lengths.sum()) / (len(lengths) * data_cfg.max_seq_len) if packed \
+        else padded_efficiency(lengths, batch_size, seed)
+    return DataStats(samples=len(train), tokens=int(lengths.sum()), label_tokens=label_tokens, efficiency=efficiency,
+                     val_samples=len(val) if val is not None else 0, cache_hit=cache_hit, **counts)
+
+
+def cache_key(task: str, data_cfg, tokenizer, seed: int) -> str:
+    settings = {k: v for k, v in asdict(data_cfg).items() if k not in NOT_IN_KEY}
+    sources = [_fingerprint(p, "data") for p in data_cfg.train_files + data_cfg.val_files]
+    tok = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else \
+        json.dumps(sorted(tokenizer.get_vocab().items()))
+    parts = [CACHE_VERSION, task, settings, seed, sources, type(tokenizer).__name__,
+             hashlib.sha256(tok.encode()).hexdigest(), tokenizer.chat_template, tokenizer.eos_token_id]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _fingerprint(pattern: str, key: str) -> list:
+    if is_saved_dataset(pattern):
+        return [pattern, (Path(pattern) / "state.json").read_text() if (Path(pattern) / "state.json").is_file()
+                else (Path(pattern) / "dataset_dict.json").read_text()]
+    return [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in resolve_data_files([pattern], key)]
+
+
+def cache_root(data_cfg) -> Path:
+    if data_cfg.cache_dir:
+        return Path(data_cfg.cache_dir)
+    return Path(os.environ.get("LLMTUNE_CACHE", Path.home() / ".cache" / "llmtune")) / "data"
+
+
+def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, is_local_main: bool, barrier):
+    """(train, validation or None, stats): built by local rank 0 if its cache entry is missing, then read by all."""
+    folder = cache_root(data_cfg) / cache_key(task, data_cfg, tokenizer, seed)
+    built = False
+    if is_local_main and not (folder / "counts.json").is_file():
+        started = time.perf_counter()
+        train, val, counts = build_datasets(task, data_cfg, tokenizer, seed)
+        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+        train.save_to_disk(str(partial / "train"))
+        if val is not None:
+            val.save_to_disk(str(partial / "val"))
+        # Written last: its presence marks a complete entry.
+        (partial / "counts.json").write_text(json.dumps(counts))
+        try:
+            partial.rename(folder)
+        except OSError:  # another node's rank 0 finished the same entry first
+            shutil.rmtree(partial, ignore_errors=True)
+        built = True
+        log.info("data: built %s in %.1f s", folder, time.perf_counter() - started)
+    barrier()
+    if not built:
+        log.info("data: cache hit %s (no tokenization)", folder)
+    train = datasets.load_from_disk(str(folder / "train"))
+    val = datasets.load_from_disk(str(folder / "val")) if (folder / "val").is_dir() else None
+    counts = json.loads((folder / "counts.json").read_text())
+    return train, val, describe(train, val, counts, data_cfg, batch_size, seed, cache_hit=not built)
