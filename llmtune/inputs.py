@@ -1,6 +1,7 @@
 """Checks that every path a recipe names exists, before any process or process group starts."""
 
 import glob
+import json
 from pathlib import Path
 
 from llmtune.errors import UserError
@@ -55,9 +56,21 @@ def check_model_paths(model) -> None:
                         "written by a tokenizer's save_pretrained")
 
 
+def has_chat_template(tokenizer_dir: Path) -> bool:
+    """Where transformers keeps a saved chat template: its own file, or inside tokenizer_config.json."""
+    if (tokenizer_dir / "chat_template.jinja").is_file() or (tokenizer_dir / "chat_template.json").is_file():
+        return True
+    config = tokenizer_dir / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+
+
 def check_inputs(config) -> None:
-    """Every path the recipe names exists."""
+    """Every path the recipe names exists; sft has a chat template."""
     check_model_paths(config.model)
+    tokenizer_dir = Path(config.model.tokenizer or config.model.name_or_path)
+    if config.task == "sft" and not config.data.chat_template and not has_chat_template(tokenizer_dir):
+        raise UserError(f"data.chat_template: the tokenizer in {tokenizer_dir} has no chat template; set "
+                        "data.chat_template to a built-in one (basic) or to a .jinja file")
     check_data_sources(config.data.train_files, "data.train_files")
     check_data_sources(config.data.val_files, "data.val_files")
     template = config.data.chat_template

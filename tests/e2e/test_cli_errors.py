@@ -13,7 +13,7 @@ from tests.helpers import REPO, run_cli
 @pytest.fixture
 def recipe(tmp_path, tiny_model, sft_file):
     def write(**changes):
-        recipe = {"model": {"name_or_path": str(tiny_model)}, "data": {"train_files": [str(sft_file)]},
+        recipe = {"model": {"name_or_path": str(tiny_model)}, "data": {"train_files": [str(sft_file)], "chat_template": "basic"},
                   "train": {"output_dir": str(tmp_path / "out"), "max_steps": 1}}
         for key, value in changes.items():
             section, name = key.split("__")
@@ -30,6 +30,7 @@ def recipe(tmp_path, tiny_model, sft_file):
     ({"data__train_files": ["no/such/file.jsonl"]}, [], "data.train_files: 'no/such/file.jsonl' matches no data file"),
     ({"model__name_or_path": "no/such/model"}, [], "model.name_or_path: no/such/model is not a HF model folder"),
     ({}, ["--nproc", "0"], "--nproc: '0' is not a positive number of processes"),
+    ({"data__chat_template": None}, [], "data.chat_template: the tokenizer in "),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, changes, overrides, expected):
     result = run_cli("sft", recipe(**changes), *overrides, "--nproc", "2")
@@ -55,3 +56,12 @@ def test_recipe_errors_are_found_before_torch_is_imported(tmp_path, recipe):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert "train.max_stepz: unknown key" in result.stderr
+
+
+def test_bad_data_row_on_two_processes_exits_2_naming_file_and_line(tmp_path, recipe):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1 + 1?", "response": "2"}\n{"prompt": "2 + 2?", "response": 4\n')
+    result = run_cli("sft", recipe(data__train_files=[str(bad)]), "--nproc", "2")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"llmtune: error: {bad}:2: not valid JSON" in result.stderr
+    assert not (tmp_path / "out" / "hf").exists()
