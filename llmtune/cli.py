@@ -4,7 +4,7 @@ and before any process or process group starts."""
 import argparse
 import sys
 
-from llmtune.errors import UserError
+from llmtune.errors import TrainingStopped, UserError
 
 USAGE = """llmtune pt|sft RECIPE [section.key=value ...] [--section.key VALUE ...] [--nproc N]
        llmtune demo [--workdir DIR]"""
@@ -65,6 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         if not parsed.args or parsed.args[0].startswith("-"):
             raise UserError(f"{parsed.command} needs a recipe: llmtune {parsed.command} RECIPE.yaml")
         return train_command(parsed.command, parsed.args[0], parsed.args[1:])
-    except UserError as err:
+    except (UserError, TrainingStopped) as err:
         print(f"llmtune: error: {err}", file=sys.stderr)
         return err.exit_code

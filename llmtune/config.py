@@ -20,7 +20,7 @@ TASKS = ("pt", "sft")
 DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_response", "tokenized")
 TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
-LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
 def _field(default, help: str, **kwargs):
@@ -114,7 +114,8 @@ class TrainConfig:
     adam_beta1: float = _field(0.9, "AdamW beta1.")
     adam_beta2: float = _field(0.999, "AdamW beta2.")
     adam_epsilon: float = _field(1e-8, "AdamW epsilon.")
-    lr_scheduler_type: str = _field("cosine", "constant | constant_with_warmup | linear | cosine (decay to 0).")
+    lr_scheduler_type: str = _field("cosine", "constant | linear | cosine: the shape of the decay after warm-up.")
+    min_lr_ratio: float = _field(0.0, "Learning rate at the end of the decay, as a fraction of learning_rate.")
     warmup_ratio: float = _field(0.0, "Fraction of the total steps spent warming up linearly.")
     warmup_steps: int = _field(0, "Warm-up steps; overrides warmup_ratio when > 0.")
     max_steps: int = _field(-1, "Optimizer steps to run; > 0 overrides num_train_epochs.")
@@ -123,16 +124,26 @@ class TrainConfig:
     logging_steps: int = _field(10, "Log loss, lr, grad_norm and tokens/s every this many optimizer steps.")
     seed: int = _field(42, "Seed of model init and data order; identical on every rank.")
     bf16: bool = _field(False, "bf16 compute with fp32 master weights and fp32 gradient reduction.")
+    gradient_checkpointing: bool = _field(False, "Recompute each decoder layer's activations in backward.")
+    compile: bool = _field(False, "torch.compile each decoder layer.")
+    max_skipped_steps: int = _field(5, "Stop after this many optimizer steps in a row skipped for a non-finite "
+                                       "loss or gradient norm.")
+    eval_steps: int = _field(0, "Validation loss every this many steps (0: only at the end); needs validation data.")
+    per_device_eval_batch_size: int = _field(8, "Rows per validation micro-batch on each data-parallel rank.")
+    deterministic: bool = _field(False, "Use torch's deterministic algorithms (slower on GPU).")
 
     def problems(self) -> list[str]:
         out = []
         if not self.output_dir:
             out.append("train.output_dir: not set; name the folder where the run writes its outputs")
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps",
+                     "max_skipped_steps", "per_device_eval_batch_size"):
             if getattr(self, name) < 1:
                 out.append(f"train.{name}: {getattr(self, name)} must be at least 1")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             out.append(_choice_problem("train.lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            out.append(f"train.min_lr_ratio: {self.min_lr_ratio} must be in [0, 1]")
         if not 0.0 <= self.warmup_ratio < 1.0:
             out.append(f"train.warmup_ratio: {self.warmup_ratio} must be in [0, 1)")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
@@ -164,8 +175,17 @@ class CheckpointConfig:
 @dataclass
 class MonitorConfig:
     console: bool = _field(True, "Print each logged step on rank 0 (metrics.jsonl is always written).")
+    progress_bar: bool = _field(True, "A tqdm progress bar on rank 0 (only when stderr is a terminal).")
+    tensorboard: bool = _field(False, "Also write TensorBoard events to output_dir/tensorboard (needs tensorboard).")
+    wandb_project: str | None = _field(None, "Also log to this Weights & Biases project (needs wandb).")
+    peak_tflops: float | None = _field(None, "Peak dense TFLOP/s of one device, for MFU; default: a table of "
+                                             "known GPUs (none on CPU, so mfu is null).")
+    profile_steps: list[int] = _field([], "[start, end]: torch.profiler traces of these steps, per rank, in "
+                                          "output_dir/profile.")
 
     def problems(self) -> list[str]:
+        if self.profile_steps and (len(self.profile_steps) != 2 or not 0 < self.profile_steps[0] <= self.profile_steps[1]):
+            return [f"monitor.profile_steps: {self.profile_steps} must be [start, end] with 0 < start <= end"]
         return []
 
 

@@ -15,8 +15,8 @@ def world_size_from_env() -> int:
 def launch_local(nproc: int, module_args: list[str]) -> int:
     """`torchrun --standalone --nproc-per-node N -m llmtune ARGS`; returns the job's exit code.
 
-    A worker that stops on bad input exits 2; the job does too when that is the only exit code
-    among the workers (the others were stopped by torchrun with a signal).
+    A worker that stops on bad input exits 2, and so does the job: its peers then fail only
+    because it left (a closed connection, or torchrun's signal).
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -25,6 +25,5 @@ def launch_local(nproc: int, module_args: list[str]) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as err:
-        codes = {failure.exitcode for failure in err.failures.values() if failure.exitcode > 0}
-        return 2 if codes == {2} else 1
+        return 2 if any(failure.exitcode == 2 for failure in err.failures.values()) else 1
     return 0

@@ -1,8 +1,20 @@
-"""Build the model: load (or initialise) the HF model, wrap it for training, shard it with FSDP2."""
+"""Build the model in one order: meta device -> activation checkpointing -> (compile) -> fully_shard per
+decoder layer, then the root -> materialise -> load the weights, each rank reading only its own shard.
+
+No rank ever holds the full pretrained model. A model trained from a config is the exception: its
+random initialisation is done whole on every rank (with the same seed) and then sharded, so that
+the initial weights do not depend on the number of ranks.
+"""
+
+import json
+import math
+from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from llmtune.errors import UserError
@@ -37,32 +49,126 @@ def load_tokenizer(model_cfg):
                                          trust_remote_code=model_cfg.trust_remote_code)
 
 
-def load_hf_model(model_cfg, seed: int) -> PreTrainedModel:
-    """fp32 weights on CPU, identical on every rank (random init is seeded by `seed`)."""
-    kwargs = dict(attn_implementation=model_cfg.attn_implementation, trust_remote_code=model_cfg.trust_remote_code)
-    if model_cfg.name_or_path:
-        return AutoModelForCausalLM.from_pretrained(model_cfg.name_or_path, dtype=torch.float32, **kwargs)
-    config = AutoConfig.from_pretrained(model_cfg.config, trust_remote_code=model_cfg.trust_remote_code)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+def load_model_config(model_cfg):
+    return AutoConfig.from_pretrained(model_cfg.name_or_path or model_cfg.config,
+                                      trust_remote_code=model_cfg.trust_remote_code)
 
 
-def check_vocab(hf_model: PreTrainedModel, tokenizer, where: str) -> None:
-    if len(tokenizer) > hf_model.get_input_embeddings().num_embeddings:
-        raise UserError(f"{where}: the model's vocabulary ({hf_model.get_input_embeddings().num_embeddings}) is "
-                        f"smaller than the tokenizer's ({len(tokenizer)}); use a matching model config or tokenizer")
+def check_vocab(config, tokenizer) -> None:
+    if len(tokenizer) > config.vocab_size:
+        raise UserError(f"model.tokenizer: the model's vocabulary ({config.vocab_size}) is smaller than the "
+                        f"tokenizer's ({len(tokenizer)}); use a matching model config or tokenizer")
 
 
-def shard_model(module: CausalLMForTraining, mesh, bf16: bool) -> CausalLMForTraining:
-    """fully_shard every decoder layer, then the root (which keeps embeddings and lm_head)."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
-        MixedPrecisionPolicy()
-    layer_names = set(module.hf_model._no_split_modules or ())
-    layers = [m for m in module.hf_model.modules() if type(m).__name__ in layer_names]
+def decoder_layers(hf_model: PreTrainedModel) -> list[nn.Module]:
+    names = set(hf_model._no_split_modules or ())
+    layers = [m for m in hf_model.modules() if type(m).__name__ in names]
     if not layers:
-        raise UserError(f"model: {type(module.hf_model).__name__} declares no decoder layer class "
+        raise UserError(f"model: {type(hf_model).__name__} declares no decoder layer class "
                         "(_no_split_modules), so it cannot be sharded layer by layer")
+    return layers
+
+
+def build_model(model_cfg, train_cfg, mesh, device: torch.device) -> CausalLMForTraining:
+    config = load_model_config(model_cfg)
+    kwargs = dict(attn_implementation=model_cfg.attn_implementation, trust_remote_code=model_cfg.trust_remote_code,
+                  dtype=torch.float32)
+    pretrained = model_cfg.name_or_path is not None
+    if pretrained:
+        # Parameters on the meta device; buffers (e.g. RoPE frequencies) computed for real, they are small.
+        with init_empty_weights(include_buffers=False):
+            hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
+    else:
+        torch.manual_seed(train_cfg.seed)
+        hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
+    if train_cfg.gradient_checkpointing:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = decoder_layers(hf_model)
+    if train_cfg.compile:
+        for layer in layers:
+            layer.compile()
+    module = CausalLMForTraining(hf_model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if train_cfg.bf16 \
+        else MixedPrecisionPolicy()
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(module, mesh=mesh, mp_policy=policy)
+    if pretrained:
+        buffers = {name: buffer.clone() for name, buffer in module.named_buffers()}
+        module.to_empty(device=device)
+        for name, buffer in module.named_buffers():
+            buffer.copy_(buffers[name])
+        load_weights(hf_model, Path(model_cfg.name_or_path))
+    else:
+        module.to(device)
     return module
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def checkpoint_index(folder: Path) -> dict[str, tuple[Path, int, dict]]:
+    """Tensor name -> (safetensors file, where its data starts, its header entry)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        raise UserError(f"model.name_or_path: {folder} holds no model.safetensors (or its index); llmtune loads "
+                        "safetensors weights only — convert .bin weights with save_pretrained")
+    tensors = {}
+    for path in files:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        tensors.update({name: (path, 8 + size, entry) for name, entry in header.items()})
+    return tensors
+
+
+def read_rows(path: Path, data_start: int, entry: dict, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of one tensor, read from the file alone: plain reads, not a memory map, so
+    the process holds nothing of the file but these rows."""
+    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+    shape = entry["shape"]
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    with open(path, "rb") as f:
+        f.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
+        data = bytearray(f.read((stop - start) * row_bytes))
+    return torch.frombuffer(data, dtype=dtype).reshape(stop - start, *shape[1:]) if data else \
+        torch.empty(0, *shape[1:], dtype=dtype)
+
+
+def load_weights(hf_model: PreTrainedModel, folder: Path) -> None:
+    """Copy into every parameter's local shard the rows of the checkpoint tensor that shard holds.
+
+    Parameters tied to another (lm_head to the embeddings) appear once and are loaded once.
+    """
+    tensors = checkpoint_index(folder)
+    params = dict(hf_model.named_parameters())
+    missing = [name for name in params if name not in tensors]
+    if missing:
+        raise UserError(f"model.name_or_path: {folder} lacks weights for {', '.join(missing[:5])}"
+                        f"{' and more' if len(missing) > 5 else ''}; is it the checkpoint of this architecture?")
+    for name, param in params.items():
+        path, data_start, entry = tensors[name]
+        if list(entry["shape"]) != list(param.shape):
+            raise UserError(f"model.name_or_path: {name} has shape {entry['shape']} in {path.name} but the config "
+                            f"gives {list(param.shape)}")
+        local = param.to_local() if isinstance(param, DTensor) else param.data
+        with torch.no_grad():
+            local.copy_(read_rows(path, data_start, entry, *shard_rows(param)))
+
+
+def shard_rows(param: torch.Tensor) -> tuple[int, int]:
+    """Rows [start, stop) of dim 0 held by this rank: FSDP2 shards dim 0 as torch.chunk does."""
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0]
+    ranks, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+    rows = param.shape[0]
+    per_rank = -(-rows // ranks)
+    start = min(rank * per_rank, rows)
+    return start, min(start + per_rank, rows)

@@ -1,40 +1,159 @@
-"""TrainMonitor: turns per-step numbers into logged metrics (metrics.jsonl and the console), on rank 0."""
+"""TrainMonitor: per-step numbers -> logged records (metrics.jsonl, console, progress bar, TensorBoard, W&B).
+
+Every number is global (summed over ranks by the trainer before it gets here) except memory,
+which is this rank's. Only rank 0 writes.
+"""
 
 import json
+import resource
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+
+# Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name().
+PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0,
+               "L4": 121.0, "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
+
+
+@dataclass
+class StepRecord:
+    """What the trainer knows about one optimizer step."""
+    loss: float
+    lr: float
+    grad_norm: float
+    label_tokens: int
+    input_tokens: int
+    samples: int
+    step_time: float
+    data_wait: float
+    skipped: bool
+
+
+def flops_per_token(config, seq_len: int) -> float:
+    """6 x parameters (without the embeddings) for the matmuls forward and backward, plus attention's
+    12 x layers x hidden x sequence (PaLM's estimate), for a dense decoder."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * hidden * config.intermediate_size
+    return 6.0 * layers * (attention + mlp) + 12.0 * layers * heads * head_dim * seq_len
+
+
+def peak_tflops(configured: float | None) -> float | None:
+    if configured:
+        return configured
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def memory_gib() -> tuple[float, float]:
+    """(peak memory: CUDA max allocated, else peak RSS; current RSS), in GiB."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * resource.getpagesize() / 2**30
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30, rss
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, rss
 
 
 class TrainMonitor:
-    def __init__(self, output_dir: Path, logging_steps: int, total_steps: int, console: bool, is_main: bool):
-        self.path = output_dir / "metrics.jsonl"
+    def __init__(self, output_dir: Path, monitor_cfg, logging_steps: int, total_steps: int, flops_token: float,
+                 world_size: int, is_main: bool):
         self.logging_steps = logging_steps
         self.total_steps = total_steps
-        self.console = console and is_main
+        self.flops_token = flops_token
+        self.world_size = world_size
+        self.peak = peak_tflops(monitor_cfg.peak_tflops)
         self.is_main = is_main
-        self._reset()
-
-    def _reset(self) -> None:
-        self.losses: list[float] = []
-        self.tokens = 0
+        self.console = monitor_cfg.console and is_main
+        self.path = output_dir / "metrics.jsonl"
+        self.skipped_steps = 0
         self.started = time.perf_counter()
+        self.window: list[StepRecord] = []
+        self.window_started = self.started
+        self.sinks = self._sinks(output_dir, monitor_cfg) if is_main else []
 
-    def log_step(self, step: int, epoch: int, loss: float, lr: float, grad_norm: float, tokens: int) -> None:
-        """Record one optimizer step; every logging_steps (and at the last step) write the window's metrics:
-        the mean of its step losses (each already the global token-weighted mean), the last lr and
-        grad norm, and the tokens per second over the window."""
-        self.losses.append(loss)
-        self.tokens += tokens
-        if step % self.logging_steps and step != self.total_steps:
-            return
-        elapsed = time.perf_counter() - self.started
-        record = {"step": step, "epoch": epoch, "loss": sum(self.losses) / len(self.losses), "lr": lr,
-                  "grad_norm": grad_norm, "tokens_per_s": self.tokens / elapsed if elapsed > 0 else 0.0}
-        self._reset()
-        if not self.is_main:
-            return
+    def _sinks(self, output_dir: Path, monitor_cfg) -> list:
+        sinks = []
+        if monitor_cfg.progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.total_steps, desc="train", dynamic_ncols=True)
+            sinks.append(lambda record: (bar.update(record["step"] - bar.n),
+                                         bar.set_postfix(loss=f"{record['loss']:.4f}")))
+        if monitor_cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(str(output_dir / "tensorboard"))
+            sinks.append(lambda record: [writer.add_scalar(k, v, record["step"]) for k, v in record.items()
+                                         if isinstance(v, (int, float)) and k != "step"] and writer.flush())
+        if monitor_cfg.wandb_project:
+            import wandb
+
+            wandb.init(project=monitor_cfg.wandb_project, dir=str(output_dir))
+            sinks.append(lambda record: wandb.log(record, step=record["step"]))
+        return sinks
+
+    def record(self, step: int, epoch: int, stats: StepRecord, eval_loss: float | None = None) -> dict | None:
+        """Add one optimizer step; every logging_steps, at the last step and when evaluation ran, write and
+        return the record of the window since the last one."""
+        self.window.append(stats)
+        self.skipped_steps += stats.skipped
+        if step % self.logging_steps and step != self.total_steps and eval_loss is None:
+            return None
+        now = time.perf_counter()
+        elapsed = max(now - self.window_started, 1e-9)
+        steps = self.window
+        input_tokens = sum(s.input_tokens for s in steps)
+        tokens_per_s = input_tokens / elapsed
+        tflops = self.flops_token * tokens_per_s / self.world_size / 1e12
+        peak_mem, rss = memory_gib()
+        record = {
+            "step": step, "epoch": epoch,
+            "loss": sum(s.loss for s in steps) / len(steps),
+            "lr": stats.lr, "grad_norm": stats.grad_norm,
+            "tokens": stats.label_tokens, "input_tokens": input_tokens,
+            "tokens_per_s": tokens_per_s, "samples_per_s": sum(s.samples for s in steps) / elapsed,
+            "step_time_s": sum(s.step_time for s in steps) / len(steps),
+            "data_wait_frac": sum(s.data_wait for s in steps) / elapsed,
+            "tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
+            "mem_gib": peak_mem, "rss_gib": rss,
+            "eta_s": (now - self.started) / step * (self.total_steps - step),
+            "skipped_steps": self.skipped_steps,
+        }
+        if eval_loss is not None:
+            record["eval_loss"] = eval_loss
+        self.window, self.window_started = [], now
+        if self.is_main:
+            self._write(record)
+        return record
+
+    def _write(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink(record)
         if self.console:
-            print(f"step {step}/{self.total_steps} epoch {epoch} loss {record['loss']:.4f} lr {lr:.3e} "
-                  f"grad_norm {grad_norm:.3f} tokens/s {record['tokens_per_s']:.0f}", flush=True)
+            extra = f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+            print(f"step {record['step']}/{self.total_steps} epoch {record['epoch']} loss {record['loss']:.4f}{extra} "
+                  f"lr {record['lr']:.3e} grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
+                  f"mem {record['mem_gib']:.2f} GiB skipped {record['skipped_steps']}", flush=True)
+
+
+def make_profiler(profile_steps: list[int], output_dir: Path, rank: int):
+    """A started torch.profiler recording optimizer steps [start, end] (1-based) into output_dir/profile, or None."""
+    if not profile_steps:
+        return None
+    start, end = profile_steps
+    profiler = torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=start - 1, warmup=0, active=end - start + 1, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(output_dir / "profile"), worker_name=f"rank{rank}"),
+    )
+    profiler.start()
+    return profiler

@@ -3,7 +3,7 @@
 import math
 
 import torch
-from transformers import get_scheduler
+from torch.optim.lr_scheduler import LambdaLR
 
 
 def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.AdamW:
@@ -13,11 +13,22 @@ def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.AdamW:
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": train_cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    # foreach applies each update to all tensors at once; fused kernels exist for CUDA only.
     return torch.optim.AdamW(groups, lr=train_cfg.learning_rate, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
-                             eps=train_cfg.adam_epsilon)
+                             eps=train_cfg.adam_epsilon, foreach=True, fused=False)
 
 
-def build_scheduler(optimizer, train_cfg, total_steps: int):
+def lr_factor(step: int, warmup: int, total: int, kind: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warm-up from 0, then a
+    constant, linear or cosine decay to min_ratio at the last step."""
+    if step < warmup:
+        return step / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[kind]
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def build_scheduler(optimizer, train_cfg, total_steps: int) -> LambdaLR:
     warmup = train_cfg.warmup_steps or math.ceil(train_cfg.warmup_ratio * total_steps)
-    return get_scheduler(train_cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                         num_training_steps=total_steps)
+    return LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total_steps, train_cfg.lr_scheduler_type,
+                                                      train_cfg.min_lr_ratio))

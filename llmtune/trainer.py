@@ -1,42 +1,75 @@
-"""Trainer: the loop (optimizer steps of micro-batches), with global token counting."""
+"""Trainer: the loop (optimizer steps of micro-batches) with global token counting, a non-finite guard
+agreed by every rank, and evaluation."""
+
+import math
+import time
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from llmtune.errors import TrainingStopped
 from llmtune.loss import IGNORE_INDEX
+from llmtune.monitor import StepRecord
 
 
 class Trainer:
-    def __init__(self, model, optimizer, scheduler, data, monitor, state, train_cfg):
+    def __init__(self, model, optimizer, scheduler, data, monitor, state, train_cfg, validation=None, profiler=None):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.data = data
         self.monitor = monitor
         self.state = state
-        self.max_grad_norm = train_cfg.max_grad_norm
+        self.cfg = train_cfg
+        self.validation = validation  # callable -> this rank's validation micro-batches, or None
+        self.profiler = profiler
         self.total_steps = data.total_steps(train_cfg)
+        self.step = 0
+        self.skipped_in_a_row = 0
 
     def train(self) -> None:
         self.model.train()
-        for step, (epoch, micro_batches) in enumerate(self.data.steps(self.total_steps), start=1):
-            lr = self.scheduler.get_last_lr()[0]
-            loss, grad_norm, tokens = self.train_step(micro_batches)
-            self.monitor.log_step(step, epoch, loss, lr, grad_norm, tokens)
+        steps = self.data.steps(self.total_steps - self.step)
+        while self.step < self.total_steps:
+            started = time.perf_counter()
+            epoch, micro_batches = next(steps)
+            data_wait = time.perf_counter() - started
+            stats = self.train_step(micro_batches)
+            stats.data_wait, stats.step_time = data_wait, time.perf_counter() - started
+            self.step += 1
+            eval_loss = self.evaluate() if self._evaluation_due() else None
+            self.monitor.record(self.step, epoch, stats, eval_loss)
+            if self.profiler:
+                self.profiler.step()
+            if self.profiler and self.step == self.total_steps:
+                self.profiler.stop()
+            if self.skipped_in_a_row >= self.cfg.max_skipped_steps:
+                raise TrainingStopped(
+                    f"stopped at step {self.step}: {self.skipped_in_a_row} optimizer steps in a row had a non-finite "
+                    f"loss or gradient norm (train.max_skipped_steps={self.cfg.max_skipped_steps}); lower "
+                    "train.learning_rate, check the data, or train in fp32")
 
-    def train_step(self, micro_batches: list[dict]) -> tuple[float, float, int]:
-        """One optimizer step; returns (global token-weighted mean loss, gradient norm, input tokens on all ranks).
+    def _evaluation_due(self) -> bool:
+        if self.validation is None:
+            return False
+        every = self.cfg.eval_steps
+        return self.step == self.total_steps or (every > 0 and self.step % every == 0)
+
+    def train_step(self, micro_batches) -> StepRecord:
+        """One optimizer step.
 
         Every micro-batch contributes sum(CE) / T, T the labelled tokens of the whole step on all
         ranks, counted before the first forward. FSDP averages gradients over its N ranks, so the
         loss is also multiplied by N: the gradient is then exactly that of the global mean,
-        whatever the split over ranks, micro-batches and accumulation steps.
+        whatever the split over ranks, micro-batches and accumulation steps. A non-finite loss or
+        gradient norm (both global, so every rank sees the same) skips the update on every rank.
         """
         device = self.state.device
         batches = [b.to(device).inputs for b in micro_batches]
         counts = torch.tensor([sum(int((b["shift_labels"] != IGNORE_INDEX).sum()) for b in batches),
-                               sum(b.num_tokens for b in micro_batches)], device=device, dtype=torch.float64)
-        label_tokens, input_tokens = self.state.all_reduce_sum(counts).tolist()
+                               sum(b.num_tokens for b in micro_batches),
+                               sum(len(b["input_ids"]) for b in batches)], device=device, dtype=torch.float64)
+        label_tokens, input_tokens, samples = self.state.all_reduce_sum(counts).tolist()
         scale = self.state.fsdp_group_size / max(label_tokens, 1.0)
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         for i, batch in enumerate(batches):
@@ -44,11 +77,29 @@ class Trainer:
             loss = self.model(**batch)
             (loss * scale).backward()
             loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf"))
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         mean_loss = self.state.all_reduce_sum(loss_sum).item() / max(label_tokens, 1.0)
-        return mean_loss, grad_norm.item(), int(input_tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
+        grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+        lr = self.scheduler.get_last_lr()[0]
+        finite = math.isfinite(mean_loss) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return StepRecord(loss=mean_loss, lr=lr, grad_norm=grad_norm, label_tokens=int(label_tokens),
+                          input_tokens=int(input_tokens), samples=int(samples), step_time=0.0, data_wait=0.0,
+                          skipped=not finite)
+
+    def evaluate(self) -> float:
+        """Validation loss: the token-weighted mean over the whole validation set, on all ranks."""
+        self.model.eval()
+        totals = torch.zeros(2, device=self.state.device, dtype=torch.float64)
+        with torch.no_grad():
+            for batch in self.validation():
+                inputs = batch.to(self.state.device).inputs
+                totals[0] += self.model(**inputs).double()
+                totals[1] += (inputs["shift_labels"] != IGNORE_INDEX).sum()
+        self.model.train()
+        loss_sum, count = self.state.all_reduce_sum(totals).tolist()
+        return loss_sum / max(count, 1.0)

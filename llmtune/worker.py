@@ -1,16 +1,18 @@
 """What each process runs: wire the parts from the config, train, export."""
 
 import logging
+from functools import partial
 from pathlib import Path
 
+import torch
 from transformers import set_seed
 
 from llmtune.checkpoint.hf_export import export_hf
 from llmtune.data.build import build_stream, load_or_build
-from llmtune.data.manager import DataManager, StreamingDataManager
+from llmtune.data.manager import DataManager, StreamingDataManager, validation_batches
 from llmtune.data.templates import apply_recipe_template
-from llmtune.model import CausalLMForTraining, check_vocab, load_hf_model, load_tokenizer, shard_model
-from llmtune.monitor import TrainMonitor
+from llmtune.model import build_model, check_vocab, load_model_config, load_tokenizer
+from llmtune.monitor import TrainMonitor, flops_per_token, make_profiler
 from llmtune.optim import build_optimizer, build_scheduler
 from llmtune.parallel import ParallelState
 from llmtune.trainer import Trainer
@@ -19,7 +21,7 @@ log = logging.getLogger("llmtune")
 
 
 def build_data(config, tokenizer, state: ParallelState):
-    """The DataManager of this rank, and the validation dataset (or None)."""
+    """(this rank's DataManager, a callable giving this rank's validation micro-batches or None)."""
     data_cfg, train_cfg = config.data, config.train
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if data_cfg.streaming:
@@ -29,7 +31,10 @@ def build_data(config, tokenizer, state: ParallelState):
                                       train_cfg.per_device_train_batch_size, state.local_rank == 0, state.barrier)
     if state.is_main:
         log.info("data: %s", stats.summary())
-    return DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank), val
+    validation = None if val is None else partial(
+        validation_batches, val, train_cfg.per_device_eval_batch_size, pad_id, data_cfg.document_mask,
+        state.dp_size, state.dp_rank)
+    return DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank), validation
 
 
 def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
@@ -39,19 +44,27 @@ def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
         output_dir.mkdir(parents=True, exist_ok=True)
         config.write(output_dir / "config.yaml")
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if config.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    # The same seed on every rank: identical initial weights and data order.
     set_seed(config.train.seed)
     tokenizer = load_tokenizer(config.model)
     if config.task == "sft":
         apply_recipe_template(tokenizer, config.data.chat_template)
-    data, _ = build_data(config, tokenizer, state)
-    hf_model = load_hf_model(config.model, config.train.seed)
-    check_vocab(hf_model, tokenizer, "model.tokenizer")
-    model = shard_model(CausalLMForTraining(hf_model), state.mesh, config.train.bf16)
+    data, validation = build_data(config, tokenizer, state)
+    model_config = load_model_config(config.model)
+    check_vocab(model_config, tokenizer)
+    model = build_model(config.model, config.train, state.mesh, state.device)
+    # From here on ranks draw different random numbers (dropout), each from its own stream.
+    torch.manual_seed(config.train.seed + state.rank)
     optimizer = build_optimizer(model, config.train)
     total_steps = data.total_steps(config.train)
     scheduler = build_scheduler(optimizer, config.train, total_steps)
-    monitor = TrainMonitor(output_dir, config.train.logging_steps, total_steps, config.monitor.console, state.is_main)
-    return Trainer(model, optimizer, scheduler, data, monitor, state, config.train), tokenizer
+    monitor = TrainMonitor(output_dir, config.monitor, config.train.logging_steps, total_steps,
+                           flops_per_token(model_config, config.data.max_seq_len), state.world_size, state.is_main)
+    profiler = make_profiler(config.monitor.profile_steps, output_dir, state.rank)
+    trainer = Trainer(model, optimizer, scheduler, data, monitor, state, config.train, validation, profiler)
+    return trainer, tokenizer
 
 
 def run(config) -> None:

@@ -21,6 +21,24 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from llmtune.data.collate import collate
 from llmtune.errors import UserError
+from llmtune.loss import IGNORE_INDEX
+
+
+def validation_batches(dataset: datasets.Dataset, batch_size: int, pad_id: int, document_mask: bool, dp_size: int,
+                       dp_rank: int):
+    """This rank's share of the validation set (every D-th row) in micro-batches.
+
+    Every rank yields the same number of batches, so FSDP's collectives stay in step: a rank
+    whose share has run out yields a batch whose labels are all -100, which adds nothing.
+    """
+    share = range(dp_rank, len(dataset), dp_size)
+    for start in range(0, math.ceil(len(dataset) / dp_size), batch_size):
+        rows = [dataset[i] for i in share[start:start + batch_size]]
+        batch = collate(rows or [dataset[0]], pad_id=pad_id, document_mask=document_mask)
+        if not rows:
+            batch.inputs["shift_labels"].fill_(IGNORE_INDEX)
+            batch.num_tokens = 0
+        yield batch
 
 
 class ResumableSampler(DistributedSampler):
