@@ -1,6 +1,7 @@
 """Checks that every path a recipe names exists, before any process or process group starts."""
 
 import glob
+import importlib.util
 import json
 from pathlib import Path
 
@@ -64,8 +65,17 @@ def has_chat_template(tokenizer_dir: Path) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
+def check_optional_packages(monitor) -> None:
+    for wanted, package, key in ((monitor.tensorboard, "tensorboard", "monitor.tensorboard"),
+                                 (monitor.wandb_project, "wandb", "monitor.wandb_project")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise UserError(f"{key}: needs the {package} package, which is not installed; pip install {package}, "
+                            f"or turn {key} off")
+
+
 def check_inputs(config) -> None:
-    """Every path the recipe names exists; sft has a chat template."""
+    """Every path the recipe names exists; sft has a chat template; optional sinks are installed."""
+    check_optional_packages(config.monitor)
     check_model_paths(config.model)
     tokenizer_dir = Path(config.model.tokenizer or config.model.name_or_path)
     if config.task == "sft" and not config.data.chat_template and not has_chat_template(tokenizer_dir):

@@ -82,7 +82,7 @@ def build_model(model_cfg, train_cfg, mesh, device: torch.device) -> CausalLMFor
         torch.manual_seed(train_cfg.seed)
         hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
     if train_cfg.gradient_checkpointing:
-        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(hf_model)
     if train_cfg.compile:
         for layer in layers:

@@ -65,3 +65,12 @@ def test_bad_data_row_on_two_processes_exits_2_naming_file_and_line(tmp_path, re
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"llmtune: error: {bad}:2: not valid JSON" in result.stderr
     assert not (tmp_path / "out" / "hf").exists()
+
+
+def test_optional_sink_without_its_package_is_refused_up_front(tmp_path, recipe, monkeypatch, capsys):
+    from llmtune import cli
+
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert cli.main(["sft", recipe(), "monitor.tensorboard=true"]) == 2
+    assert "monitor.tensorboard: needs the tensorboard package" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
