@@ -7,7 +7,9 @@ import sys
 from llmtune.errors import TrainingStopped, UserError
 
 USAGE = """llmtune pt|sft RECIPE [section.key=value ...] [--section.key VALUE ...] [--nproc N]
-       llmtune demo [--workdir DIR]"""
+               [--resume_from_checkpoint PATH|latest]
+       llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite]
+       llmtune demo"""
 
 
 def parse_overrides(tokens: list[str]) -> tuple[list[str], int | None]:
@@ -21,7 +23,9 @@ def parse_overrides(tokens: list[str]) -> tuple[list[str], int | None]:
                 raise UserError(f"{token} needs a value")
             name, i = f"{name}={tokens[i + 1]}", i + 1
         key, _, value = name.partition("=")
-        if key == "nproc":
+        if key == "resume_from_checkpoint":
+            overrides.append(f"checkpoint.resume_from_checkpoint={value}")
+        elif key == "nproc":
             if not value.isdigit() or int(value) < 1:
                 raise UserError(f"--nproc: {value!r} is not a positive number of processes")
             nproc = int(value)
@@ -51,13 +55,39 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
     return 0
 
 
+def export_command(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="llmtune export", description="DCP checkpoint -> HF folder, offline, one "
+                                                                        "process")
+    parser.add_argument("checkpoint")
+    parser.add_argument("out_dir")
+    parser.add_argument("--dtype", help="bf16 or fp32; default: the run's checkpoint.export_dtype")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    parsed = parser.parse_args(args)
+    from pathlib import Path
+
+    import yaml
+
+    recipe = Path(parsed.checkpoint) / "config.yaml"
+    if not recipe.is_file():
+        raise UserError(f"{parsed.checkpoint}: not a checkpoint folder (no config.yaml beside the shards)")
+    saved = yaml.safe_load(recipe.read_text())["checkpoint"]
+    from llmtune.checkpoint.hf_export import export_checkpoint
+
+    export_checkpoint(Path(parsed.checkpoint), Path(parsed.out_dir), parsed.dtype or saved["export_dtype"],
+                      saved["max_shard_size"], parsed.overwrite)
+    print(f"exported {parsed.checkpoint} to {parsed.out_dir}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtune", usage=USAGE,
                                      description="FSDP2 pre-training (pt) and supervised fine-tuning (sft) of HF causal LMs.")
-    parser.add_argument("command", choices=["pt", "sft", "demo"])
+    parser.add_argument("command", choices=["pt", "sft", "export", "demo"])
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
     try:
+        if parsed.command == "export":
+            return export_command(parsed.args)
         if parsed.command == "demo":
             from llmtune.demo.run import main as demo_main
 

@@ -23,6 +23,19 @@ REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
+SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' -> bytes (transformers' max_shard_size notation)."""
+    upper = text.strip().upper()
+    for unit, factor in SIZE_UNITS.items():
+        number = upper.removesuffix(unit).strip()
+        if upper.endswith(unit) and number.replace(".", "", 1).isdigit():
+            return int(float(number) * factor)
+    raise ValueError(f"{text!r} is not a size like 5GB or 500MB")
+
+
 def _field(default, help: str, **kwargs):
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help}, **kwargs)
@@ -166,10 +179,30 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
+    save_steps: int = _field(0, "Save a checkpoint every this many optimizer steps (0: never), and at the end.")
+    save_epochs: int = _field(0, "Save a checkpoint every this many epochs (0: never), and at the end.")
+    save_total_limit: int | None = _field(None, "Keep at most this many complete checkpoints (oldest deleted "
+                                                "first, never the latest).")
+    save_only_model: bool = _field(False, "Save the model only, no optimizer state (smaller; a resume starts the "
+                                          "optimizer fresh).")
+    async_save: bool = _field(False, "Write checkpoints in the background while training goes on.")
+    resume_from_checkpoint: str | None = _field(None, "A checkpoint folder, or latest (the newest in output_dir; "
+                                                      "starts fresh when there is none).")
     export_hf: bool = _field(True, "At the end, write output_dir/hf: a folder AutoModelForCausalLM loads.")
+    export_dtype: str = _field("bf16", "Dtype of the exported weights: bf16 or fp32.")
+    max_shard_size: str = _field("5GB", "Largest safetensors file of the export (e.g. 5GB, 500MB).")
 
     def problems(self) -> list[str]:
-        return []
+        out = []
+        if self.export_dtype not in ("bf16", "fp32"):
+            out.append(_choice_problem("checkpoint.export_dtype", self.export_dtype, ("bf16", "fp32")))
+        try:
+            parse_size(self.max_shard_size)
+        except ValueError as err:
+            out.append(f"checkpoint.max_shard_size: {err}")
+        if self.save_steps < 0 or self.save_epochs < 0 or (self.save_total_limit is not None and self.save_total_limit < 1):
+            out.append("checkpoint: save_steps and save_epochs must be >= 0, save_total_limit >= 1")
+        return out
 
 
 @dataclass

@@ -1,9 +1,39 @@
 """Token cross-entropy as a SUM over the labelled tokens: the trainer divides by the global count."""
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from llmtune.features.chunk_loss import chunked_cross_entropy_sum
+
 IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """chunk_size 0 computes the full [tokens, vocab] logits (the reference, as HF models do);
+    > 0 computes them that many tokens at a time. logit_softcap is the model config's
+    final_logit_softcapping (Gemma); z_loss adds z_loss * logsumexp(logits)**2 per token;
+    label_smoothing is F.cross_entropy's."""
+
+    chunk_size: int = 0
+    logit_softcap: float | None = None
+    z_loss: float = 0.0
+    label_smoothing: float = 0.0
+
+    def __post_init__(self):
+        problems = []
+        if self.chunk_size < 0:
+            problems.append(f"chunk_size is {self.chunk_size}; use 0 (full logits) or a number of tokens per chunk")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            problems.append(f"logit_softcap is {self.logit_softcap}; use a positive cap or None for no capping")
+        if self.z_loss < 0:
+            problems.append(f"z_loss is {self.z_loss}; use a coefficient >= 0")
+        if not 0 <= self.label_smoothing <= 1:
+            problems.append(f"label_smoothing is {self.label_smoothing}; use a value in [0, 1]")
+        if problems:
+            raise ValueError("LossOptions: " + "; ".join(problems))
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -16,7 +46,21 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      shifted_labels: torch.Tensor) -> torch.Tensor:
+                      shifted_labels: torch.Tensor, options: LossOptions = LossOptions()) -> torch.Tensor:
+    """fp32 sum of the per-token losses over the labels != IGNORE_INDEX; hidden [..., H], labels [...]."""
+    hidden = hidden.reshape(-1, hidden.size(-1))
+    shifted_labels = shifted_labels.reshape(-1)
+    if options.chunk_size:
+        return chunked_cross_entropy_sum(hidden, weight, bias, shifted_labels, options, IGNORE_INDEX)
+    return _full_logits_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
+
+
+def _full_logits_cross_entropy_sum(hidden, weight, bias, labels, options: LossOptions) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), shifted_labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    if options.logit_softcap is not None:
+        logits = options.logit_softcap * torch.tanh(logits / options.logit_softcap)
+    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum",
+                           label_smoothing=options.label_smoothing)
+    if options.z_loss:
+        loss = loss + options.z_loss * torch.logsumexp(logits[labels != IGNORE_INDEX], dim=-1).square().sum()
+    return loss

@@ -78,6 +78,8 @@ def build_model(model_cfg, train_cfg, mesh, device: torch.device) -> CausalLMFor
         # Parameters on the meta device; buffers (e.g. RoPE frequencies) computed for real, they are small.
         with init_empty_weights(include_buffers=False):
             hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
+        # from_config leaves meta parameters untied: tie them, so a tied lm_head is the embedding itself.
+        hf_model.tie_weights()
     else:
         torch.manual_seed(train_cfg.seed)
         hf_model = AutoModelForCausalLM.from_config(config, **kwargs)

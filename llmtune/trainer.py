@@ -13,7 +13,8 @@ from llmtune.monitor import StepRecord
 
 
 class Trainer:
-    def __init__(self, model, optimizer, scheduler, data, monitor, state, train_cfg, validation=None, profiler=None):
+    def __init__(self, model, optimizer, scheduler, data, monitor, state, train_cfg, validation=None, profiler=None,
+                 checkpoints=None):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -23,6 +24,7 @@ class Trainer:
         self.cfg = train_cfg
         self.validation = validation  # callable -> this rank's validation micro-batches, or None
         self.profiler = profiler
+        self.checkpoints = checkpoints
         self.total_steps = data.total_steps(train_cfg)
         self.step = 0
         self.skipped_in_a_row = 0
@@ -43,11 +45,32 @@ class Trainer:
                 self.profiler.step()
             if self.profiler and self.step == self.total_steps:
                 self.profiler.stop()
-            if self.skipped_in_a_row >= self.cfg.max_skipped_steps:
+            stopping = self.skipped_in_a_row >= self.cfg.max_skipped_steps
+            # A stop saves too: the skipped steps left the weights at the last good state.
+            if self.checkpoints and (stopping or self.checkpoints.due(self.step, self.data.epoch_done, epoch,
+                                                                       self.step == self.total_steps)):
+                self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
+            if stopping:
+                if self.checkpoints:
+                    self.checkpoints.finish_pending()
                 raise TrainingStopped(
                     f"stopped at step {self.step}: {self.skipped_in_a_row} optimizer steps in a row had a non-finite "
                     f"loss or gradient norm (train.max_skipped_steps={self.cfg.max_skipped_steps}); lower "
                     "train.learning_rate, check the data, or train in fp32")
+        if self.checkpoints:
+            self.checkpoints.finish_pending()
+
+    def state_dict(self) -> dict:
+        """Everything besides model and optimizer that decides what comes next; plain data."""
+        return {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row,
+                "skipped_steps": self.monitor.skipped_steps, "data": self.data.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.skipped_in_a_row = state["step"], state["skipped_in_a_row"]
+        self.monitor.skipped_steps = state["skipped_steps"]
+        self.data.load_state_dict(state["data"])
+        self.scheduler.load_state_dict(state["scheduler"])
 
     def _evaluation_due(self) -> bool:
         if self.validation is None:

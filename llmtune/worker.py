@@ -1,5 +1,6 @@
 """What each process runs: wire the parts from the config, train, export."""
 
+import json
 import logging
 from functools import partial
 from pathlib import Path
@@ -7,7 +8,9 @@ from pathlib import Path
 import torch
 from transformers import set_seed
 
-from llmtune.checkpoint.hf_export import export_hf
+from llmtune.checkpoint.hf_export import export_trained
+from llmtune.checkpoint.manager import CheckpointManager, resolve_resume
+from llmtune.checkpoint.validate import check_complete
 from llmtune.data.build import build_stream, load_or_build
 from llmtune.data.manager import DataManager, StreamingDataManager, validation_batches
 from llmtune.data.templates import apply_recipe_template
@@ -37,13 +40,23 @@ def build_data(config, tokenizer, state: ParallelState):
     return DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank), validation
 
 
+def keep_metrics_up_to(path: Path, step: int) -> None:
+    """A resumed run logs again the steps after its checkpoint: drop the records the crash left of them."""
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
 def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
-    """(trainer, tokenizer) for this rank; rank 0 writes the resolved config first."""
+    """(trainer, tokenizer) for this rank, resumed when the recipe says so; rank 0 writes the resolved config."""
     output_dir = Path(config.train.output_dir)
+    # Decided on rank 0 and broadcast: a check that differed between ranks would hang the next collective.
+    resume = [resolve_resume(config.checkpoint.resume_from_checkpoint, output_dir) if state.is_main else None]
+    torch.distributed.broadcast_object_list(resume, src=0)
+    resume = resume[0]
     if state.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         config.write(output_dir / "config.yaml")
-        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
     if config.train.deterministic:
         torch.use_deterministic_algorithms(True)
     # The same seed on every rank: identical initial weights and data order.
@@ -55,6 +68,8 @@ def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
     model_config = load_model_config(config.model)
     check_vocab(model_config, tokenizer)
     model = build_model(config.model, config.train, state.mesh, state.device)
+    if resume:
+        check_complete(resume)
     # From here on ranks draw different random numbers (dropout), each from its own stream.
     torch.manual_seed(config.train.seed + state.rank)
     optimizer = build_optimizer(model, config.train)
@@ -63,7 +78,18 @@ def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
     monitor = TrainMonitor(output_dir, config.monitor, config.train.logging_steps, total_steps,
                            flops_per_token(model_config, config.data.max_seq_len), state.world_size, state.is_main)
     profiler = make_profiler(config.monitor.profile_steps, output_dir, state.rank)
-    trainer = Trainer(model, optimizer, scheduler, data, monitor, state, config.train, validation, profiler)
+    ckpt = config.checkpoint
+    checkpoints = CheckpointManager(output_dir, ckpt, state, config, tokenizer, model.hf_model) \
+        if ckpt.save_steps or ckpt.save_epochs or resume else None
+    trainer = Trainer(model, optimizer, scheduler, data, monitor, state, config.train, validation, profiler,
+                      checkpoints)
+    if resume:
+        trainer.load_state_dict(checkpoints.load(resume, model, optimizer))
+    if state.is_main:
+        if resume:
+            keep_metrics_up_to(output_dir / "metrics.jsonl", trainer.step)
+        else:
+            (output_dir / "metrics.jsonl").unlink(missing_ok=True)
     return trainer, tokenizer
 
 
@@ -75,6 +101,7 @@ def run(config) -> None:
         trainer, tokenizer = build_trainer(config, state)
         trainer.train()
         if config.checkpoint.export_hf:
-            export_hf(trainer.model, tokenizer, Path(config.train.output_dir) / "hf", state)
+            export_trained(trainer.model.hf_model, tokenizer, Path(config.train.output_dir) / "hf", config.checkpoint,
+                           state)
     finally:
         state.close()

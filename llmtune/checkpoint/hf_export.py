@@ -1,35 +1,105 @@
-"""Write the trained weights as a HF folder that AutoModelForCausalLM.from_pretrained loads."""
+"""Write weights as a HF folder that AutoModelForCausalLM.from_pretrained loads: safetensors shards with
+their index, config.json, generation_config.json and the tokenizer (with its chat template).
 
+Two sources share one writer: the FSDP model at the end of training (gathered one parameter at a
+time to rank 0, which keeps only the export-dtype copy: one full copy of the model in the export
+dtype plus one parameter in fp32 at the peak), and a DCP checkpoint of any world size, offline.
+"""
+
+import copy
+import json
 import shutil
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-PREFIX = "hf_model."
+from llmtune.checkpoint.validate import check_complete
+from llmtune.config import parse_size
+from llmtune.errors import UserError
+
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def export_hf(model, tokenizer, out_dir: Path, state) -> None:
-    """Gather the full state dict to rank 0's CPU and save it with config and tokenizer.
+def gather_weights(hf_model, dtype: torch.dtype, is_main: bool) -> dict[str, torch.Tensor]:
+    """name -> full tensor in `dtype` on rank 0's CPU (empty elsewhere). Every rank takes part in each gather.
+    Tied parameters appear once (named_parameters skips the second name)."""
+    weights = {}
+    for name, param in hf_model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        if is_main:
+            weights[name] = full.to(device="cpu", dtype=dtype)
+        del full
+    return weights
 
-    Every rank takes part in the gather; only rank 0 writes. The folder is written under a
-    temporary name and renamed when complete, so a crash never leaves a half-written export.
-    """
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+def write_hf_folder(weights: dict[str, torch.Tensor], config, generation_config, tokenizer, out_dir: Path,
+                    max_shard_bytes: int, dtype: torch.dtype) -> None:
+    """Write under a temporary name and swap it in: a failed export never leaves a half-written folder."""
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in weights.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], partial / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for number, shard in enumerate(shards, start=1):
+            filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, partial / filename, metadata={"format": "pt"})
+            weight_map.update({name: filename for name in shard})
+        total = sum(t.numel() * t.element_size() for t in weights.values())
+        (partial / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config = copy.deepcopy(config)
+    config.dtype = dtype
+    config.save_pretrained(partial)
+    if generation_config is not None:
+        generation_config.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    replaced = out_dir.with_name(out_dir.name + ".replaced")
+    shutil.rmtree(replaced, ignore_errors=True)
+    if out_dir.exists():
+        out_dir.rename(replaced)
+    partial.rename(out_dir)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def export_trained(hf_model, tokenizer, out_dir: Path, checkpoint_cfg, state) -> None:
+    dtype = EXPORT_DTYPES[checkpoint_cfg.export_dtype]
+    weights = gather_weights(hf_model, dtype, state.is_main)
     if state.is_main:
-        hf_model = model.hf_model
-        weights = {k.removeprefix(PREFIX): v for k, v in full.items()}
-        # Built on the meta device and given the gathered tensors: no second copy of the weights.
-        with torch.device("meta"):
-            export = AutoModelForCausalLM.from_config(hf_model.config)
-        export.load_state_dict(weights, assign=True)
-        export.tie_weights()
-        export.generation_config = hf_model.generation_config
-        partial = out_dir.with_name(out_dir.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        export.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        partial.rename(out_dir)
+        write_hf_folder(weights, hf_model.config, hf_model.generation_config, tokenizer, out_dir,
+                        parse_size(checkpoint_cfg.max_shard_size), dtype)
     state.barrier()
+
+
+def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str, max_shard_size: str, overwrite: bool) -> None:
+    """Offline, one process: a DCP checkpoint (any world size) -> the same HF folder as the end of training."""
+    check_complete(checkpoint)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(f"{out_dir}: exists and is not empty; choose another folder or pass --overwrite")
+    if dtype_name not in EXPORT_DTYPES:
+        raise UserError(f"--dtype: {dtype_name!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    source = checkpoint / "hf_config"
+    config = AutoConfig.from_pretrained(source)
+    with torch.device("meta"):
+        names = {name: param.shape for name, param in AutoModelForCausalLM.from_config(config).named_parameters()}
+    state = {f"model.hf_model.{name}": torch.empty(shape, dtype=torch.float32) for name, shape in names.items()}
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    dtype = EXPORT_DTYPES[dtype_name]
+    weights = {name: state.pop(f"model.hf_model.{name}").to(dtype) for name in names}
+    generation = GenerationConfig.from_pretrained(source) if (source / "generation_config.json").is_file() else None
+    write_hf_folder(weights, config, generation, AutoTokenizer.from_pretrained(source), out_dir,
+                    parse_size(max_shard_size), dtype)

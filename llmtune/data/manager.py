@@ -62,6 +62,7 @@ class DataManager:
         self.loader = DataLoader(dataset, batch_size=self.micro_batch, sampler=self.sampler, drop_last=True,
                                  collate_fn=partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask))
         self.steps_per_epoch = len(self.sampler) // (self.micro_batch * self.accumulation)
+        self.global_batch = self.micro_batch * self.accumulation * dp_size
         self.epoch = 0
         self.step_in_epoch = 0
         self._batches = None
@@ -92,11 +93,21 @@ class DataManager:
             self.step_in_epoch += 1
             yield self.epoch, micro_batches
 
+    @property
+    def epoch_done(self) -> bool:
+        return self.step_in_epoch == self.steps_per_epoch
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+        """The position in samples, so that a resume with another split of the same global batch continues."""
+        return {"epoch": self.epoch, "samples_in_epoch": self.step_in_epoch * self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        steps, rest = divmod(state["samples_in_epoch"], self.global_batch)
+        if rest:
+            raise UserError(f"checkpoint: {state['samples_in_epoch']} samples of epoch {state['epoch']} were consumed, "
+                            f"not a whole number of global batches of {self.global_batch}; resume with the global "
+                            "batch size of the checkpoint")
+        self.epoch, self.step_in_epoch = state["epoch"], steps
         self._batches = None
 
 
@@ -151,9 +162,14 @@ class StreamingDataManager:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
         return bool(flag.item())
 
+    epoch_done = False  # a stream's epoch ends only when it runs dry
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "dp_size": self.state.dp_size}
 
     def load_state_dict(self, state: dict) -> None:
+        if state["dp_size"] != self.state.dp_size:
+            raise UserError(f"checkpoint: a stream is sharded by data-parallel rank; resume it on {state['dp_size']} "
+                            f"data-parallel ranks, not {self.state.dp_size}")
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
         self._batches = None

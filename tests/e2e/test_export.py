@@ -1,12 +1,15 @@
 """pt from scratch (tied embeddings), in this process: the exported HF folder loads with from_pretrained and
 gives the trained model's logits; the run writes its resolved config and metrics."""
 
+import dataclasses
+import json
+
 import pytest
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmtune.checkpoint.hf_export import export_hf
+from llmtune.checkpoint.hf_export import export_trained
 from llmtune.config import load_config
 from llmtune.inputs import check_inputs
 from llmtune.parallel import ParallelState
@@ -25,6 +28,7 @@ def trained(assets, tmp_path_factory):
                  "cache_dir": str(output_dir / "cache")},
         "train": {"output_dir": str(output_dir), "max_steps": 3, "per_device_train_batch_size": 4,
                   "learning_rate": 1e-2, "logging_steps": 2},
+        "checkpoint": {"export_dtype": "fp32", "max_shard_size": "200KB"},
     }))
     config = load_config(str(recipe), [], "pt", world_size=1)
     state = ParallelState.initialize()
@@ -32,7 +36,9 @@ def trained(assets, tmp_path_factory):
         check_inputs(config)
         trainer, tokenizer = build_trainer(config, state)
         trainer.train()
-        export_hf(trainer.model, tokenizer, output_dir / "hf", state)
+        export_trained(trainer.model.hf_model, tokenizer, output_dir / "hf", config.checkpoint, state)
+        bf16 = dataclasses.replace(config.checkpoint, export_dtype="bf16", max_shard_size="5GB")
+        export_trained(trainer.model.hf_model, tokenizer, output_dir / "hf_bf16", bf16, state)
         input_ids = torch.tensor([tokenizer("The sum of 12 and 30 is 42. 7 + 8 = 15.")["input_ids"]])
         trainer.model.eval()
         with torch.no_grad():
@@ -44,6 +50,9 @@ def trained(assets, tmp_path_factory):
 
 def test_exported_folder_gives_the_trained_logits(trained, assets):
     output_dir, logits, input_ids = trained
+    index = json.loads((output_dir / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "200KB shards: the export is split"
+    assert "lm_head.weight" not in index["weight_map"], "tied weights are written once"
     model = AutoModelForCausalLM.from_pretrained(output_dir / "hf", dtype=torch.float32)
     assert model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -51,6 +60,17 @@ def test_exported_folder_gives_the_trained_logits(trained, assets):
         torch.testing.assert_close(model(input_ids).logits, logits, rtol=0, atol=1e-5)
     tokenizer = AutoTokenizer.from_pretrained(output_dir / "hf")
     assert tokenizer("7 + 8")["input_ids"] == AutoTokenizer.from_pretrained(assets / "tokenizer")("7 + 8")["input_ids"]
+
+
+def test_bf16_export_is_within_bf16_rounding(trained):
+    output_dir, logits, input_ids = trained
+    assert (output_dir / "hf_bf16" / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(output_dir / "hf_bf16")
+    assert model.dtype == torch.bfloat16
+    with torch.no_grad():
+        exported = model.float()(input_ids).logits
+    torch.testing.assert_close(exported, logits, rtol=0, atol=0.05 * logits.abs().max().item())
+    assert not torch.equal(exported, logits)
 
 
 def test_run_writes_resolved_config_and_metrics(trained):

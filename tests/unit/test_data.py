@@ -179,7 +179,7 @@ def test_resume_continues_at_the_exact_next_sample_on_any_data_parallel_size():
     straight, _ = steps_of(dataset, 2, 2, 2, 10)
     _, managers = steps_of(dataset, 2, 2, 2, 6)
     state = managers[0].state_dict()
-    assert state == {"epoch": 1, "step_in_epoch": 2} and managers[1].state_dict() == state
+    assert state == {"epoch": 1, "samples_in_epoch": 16} and managers[1].state_dict() == state
     assert steps_of(dataset, 2, 2, 2, 4, state=state)[0] == straight[6:]
     assert steps_of(dataset, 1, 1, 8, 4, state=state)[0] == straight[6:], "resume on another data-parallel size"
 

@@ -1,0 +1,179 @@
+"""CheckpointManager: atomic DCP checkpoints of model, optimizer and trainer state; resume; retention.
+
+    <output_dir>/checkpoints/global_step_<N>/   DCP shards of model + optimizer, .metadata
+                                 extra_state/   rank_<r>.pt: that rank's RNG states (plain data)
+                                 trainer_state.json, config.yaml, hf_config/ (config + tokenizer)
+    <output_dir>/checkpoints/latest             names the newest complete checkpoint
+
+A checkpoint is written under `.global_step_<N>.partial`, renamed once every rank has finished,
+and only then named by `latest`: a folder called global_step_<N> is complete by construction,
+and nothing else is ever loaded or counted.
+"""
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+from llmtune.checkpoint.validate import check_complete, check_model_matches
+from llmtune.errors import UserError
+
+log = logging.getLogger(__name__)
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint folders, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(value: str | None, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from: a path, or `latest` (None, said in the log, when there is none yet)."""
+    if not value:
+        return None
+    if value != "latest":
+        path = Path(value)
+        if not path.is_dir():
+            raise UserError(f"checkpoint.resume_from_checkpoint: {value} is not a checkpoint folder")
+        return path
+    pointer = output_dir / "checkpoints" / "latest"
+    if not pointer.is_file():
+        log.warning("checkpoint: resume_from_checkpoint=latest, but %s has no checkpoint yet; starting fresh",
+                    output_dir / "checkpoints")
+        return None
+    return output_dir / "checkpoints" / pointer.read_text().strip()
+
+
+def rng_state() -> dict:
+    numpy_state = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    def __init__(self, output_dir: Path, checkpoint_cfg, state, config, tokenizer, hf_model):
+        self.root = output_dir / "checkpoints"
+        self.cfg = checkpoint_cfg
+        self.state = state
+        self.config = config
+        self.tokenizer = tokenizer
+        self.hf_model = hf_model
+        self.pending = None  # (future, partial folder, final folder) of an asynchronous save
+        # Asynchronous saves run their collectives on a group of their own, beside training's.
+        self.group = dist.new_group(backend="gloo") if checkpoint_cfg.async_save else None
+        self.stall_seconds: list[float] = []
+
+    def due(self, step: int, epoch_done: bool, epoch: int, last: bool) -> bool:
+        every_steps = self.cfg.save_steps > 0 and step % self.cfg.save_steps == 0
+        every_epochs = self.cfg.save_epochs > 0 and epoch_done and (epoch + 1) % self.cfg.save_epochs == 0
+        return every_steps or every_epochs or (last and (self.cfg.save_steps > 0 or self.cfg.save_epochs > 0))
+
+    def save(self, step: int, model, optimizer, trainer_state: dict) -> None:
+        started = time.perf_counter()
+        self.finish_pending()
+        final = self.root / f"global_step_{step}"
+        partial = self.root / f".global_step_{step}.partial"
+        if self.state.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+            (partial / "extra_state").mkdir(parents=True)
+        self.state.barrier()
+        if self.cfg.save_only_model:
+            content = {"model": get_model_state_dict(model)}
+        else:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            content = {"model": model_state, "optim": optim_state}
+        torch.save(rng_state(), partial / "extra_state" / f"rank_{self.state.rank}.pt")
+        if self.state.is_main:
+            (partial / "trainer_state.json").write_text(json.dumps(
+                {**trainer_state, "world_size": self.state.world_size, "save_only_model": self.cfg.save_only_model},
+                indent=1))
+            self.config.write(partial / "config.yaml")
+            # What an offline export needs to rebuild the HF folder from this checkpoint alone.
+            self.hf_model.config.save_pretrained(partial / "hf_config")
+            self.hf_model.generation_config.save_pretrained(partial / "hf_config")
+            self.tokenizer.save_pretrained(partial / "hf_config")
+        if self.cfg.async_save:
+            self.pending = (dcp.async_save(content, checkpoint_id=str(partial), process_group=self.group), partial, final)
+        else:
+            dcp.save(content, checkpoint_id=str(partial))
+            self._publish(partial, final)
+        self.stall_seconds.append(time.perf_counter() - started)
+
+    def finish_pending(self) -> None:
+        """Wait for an asynchronous save, then publish it."""
+        if self.pending is None:
+            return
+        future, partial, final = self.pending
+        self.pending = None
+        future.result()
+        self._publish(partial, final)
+
+    def _publish(self, partial: Path, final: Path) -> None:
+        """Every rank has written: rename, point `latest` at it, then drop what retention allows."""
+        self.state.barrier()
+        if self.state.is_main:
+            shutil.rmtree(final, ignore_errors=True)
+            partial.rename(final)
+            pointer = self.root / "latest"
+            tmp = self.root / ".latest.tmp"
+            tmp.write_text(final.name)
+            os.replace(tmp, pointer)
+            self._retain(final)
+            log.info("checkpoint: saved %s", final)
+        self.state.barrier()
+
+    def _retain(self, newest: Path) -> None:
+        limit = self.cfg.save_total_limit
+        if not limit:
+            return
+        complete = complete_checkpoints(self.root)
+        for old in complete[:max(0, len(complete) - limit)]:
+            if old != newest:
+                shutil.rmtree(old)
+
+    def load(self, path: Path, model, optimizer) -> dict:
+        """Restore model, optimizer and this rank's RNG; returns the trainer state to continue from."""
+        check_complete(path)
+        trainer_state = json.loads((path / "trainer_state.json").read_text())
+        model_state, optim_state = get_state_dict(model, optimizer)
+        check_model_matches(path, model_state)
+        content = {"model": model_state}
+        if not trainer_state["save_only_model"]:
+            content["optim"] = optim_state
+        dcp.load(content, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=content["model"],
+                       optim_state_dict=content.get("optim", optim_state),
+                       options=StateDictOptions(strict=True))
+        if trainer_state["save_only_model"]:
+            log.warning("checkpoint: %s holds the model only; the optimizer starts fresh", path)
+        saved_world = trainer_state["world_size"]
+        if saved_world == self.state.world_size:
+            set_rng_state(torch.load(path / "extra_state" / f"rank_{self.state.rank}.pt", weights_only=True))
+        elif self.state.is_main:
+            log.warning("checkpoint: saved on %d ranks, resumed on %d: model, optimizer and data position carry "
+                        "over; per-rank RNG states cannot and are reseeded", saved_world, self.state.world_size)
+        log.info("checkpoint: resumed from %s at step %d", path, trainer_state["step"])
+        return trainer_state

@@ -1,0 +1,52 @@
+"""Checks on a checkpoint before anything is loaded from it: complete, not truncated, the same model."""
+
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from llmtune.errors import UserError
+
+REQUIRED = (".metadata", "trainer_state.json", "config.yaml")
+
+
+def check_complete(path: Path) -> None:
+    """Every file the checkpoint needs is there and as long as its metadata says."""
+    if not path.is_dir():
+        raise UserError(f"{path}: no such checkpoint folder")
+    if path.name.startswith("."):
+        raise UserError(f"{path}: an unfinished checkpoint (its save never completed); resume from a "
+                        "global_step_N folder or from latest")
+    missing = [name for name in REQUIRED if not (path / name).is_file()]
+    if missing:
+        raise UserError(f"{path}: incomplete checkpoint, missing {', '.join(missing)}; resume from another checkpoint")
+    ends: dict[str, int] = {}
+    for info in FileSystemReader(str(path)).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise UserError(f"{path}: shard {name} is missing; the checkpoint cannot be loaded")
+        if shard.stat().st_size < end:
+            raise UserError(f"{path}: shard {name} is truncated ({shard.stat().st_size} of {end} bytes)")
+
+
+def saved_model_shapes(path: Path, prefix: str = "model.") -> dict[str, list[int]]:
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {key[len(prefix):]: list(entry.size) for key, entry in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+
+
+def check_model_matches(path: Path, model_state: dict) -> None:
+    """The model being built has the checkpoint's parameter names and shapes; else say which differ."""
+    saved = saved_model_shapes(path)
+    current = {name: list(tensor.shape) for name, tensor in model_state.items()}
+    problems = [f"{name} missing from the checkpoint" for name in current.keys() - saved.keys()]
+    problems += [f"{name} not in this model" for name in saved.keys() - current.keys()]
+    problems += [f"{name}: checkpoint {saved[name]} vs model {current[name]}"
+                 for name in current.keys() & saved.keys() if saved[name] != current[name]]
+    if problems:
+        shown = "; ".join(sorted(problems)[:6])
+        more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
+        raise UserError(f"{path}: the recipe's model differs from the checkpoint's: {shown}{more}; resume with the "
+                        "model the checkpoint was trained with")

@@ -1,0 +1,142 @@
+"""Checkpoints in one process: retention, asynchronous saves, offline export equal to the end-of-training
+export (Llama with GQA, Qwen2, tied embeddings), and every kind of bad checkpoint refused clearly."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from llmtune.checkpoint.hf_export import export_checkpoint
+from llmtune.checkpoint.validate import check_complete
+from llmtune.cli import main as cli_main
+from llmtune.config import load_config
+from llmtune.errors import UserError
+from llmtune.parallel import ParallelState
+from llmtune.worker import build_trainer, run
+
+
+def recipe(root, model: str, sft_file, **checkpoint) -> str:
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"name_or_path": model},
+        "data": {"train_files": [str(sft_file)], "chat_template": "basic", "max_seq_len": 64},
+        "train": {"output_dir": str(root / "out"), "max_steps": 5, "per_device_train_batch_size": 2,
+                  "logging_steps": 1, "learning_rate": 1e-3},
+        "checkpoint": {"save_steps": 1, "export_dtype": "fp32", **checkpoint},
+    }))
+    return str(path)
+
+
+def train(path: str, *overrides: str) -> None:
+    run(load_config(path, list(overrides), "sft", world_size=1))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(assets, tmp_path_factory):
+    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizer")
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tied_llama(assets, tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(assets / "model")
+    assert config.tie_word_embeddings
+    torch.manual_seed(2)
+    path = tmp_path_factory.mktemp("tied_llama")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(assets / "tokenizer").save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_retention_keeps_the_newest_complete_checkpoints(tmp_path, tiny_model, sft_file, async_save):
+    train(recipe(tmp_path, str(tiny_model), sft_file, save_total_limit=2, async_save=async_save))
+    root = tmp_path / "out" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_4", "global_step_5", "latest"]
+    assert (root / "latest").read_text() == "global_step_5"
+    for step in (4, 5):
+        check_complete(root / f"global_step_{step}")
+        assert json.loads((root / f"global_step_{step}" / "trainer_state.json").read_text())["step"] == step
+
+
+@pytest.mark.parametrize("model", ["tiny_model", "tiny_qwen2", "tied_llama"])
+def test_offline_export_equals_the_end_of_training_export(tmp_path, sft_file, model, request):
+    folder = request.getfixturevalue(model)
+    train(recipe(tmp_path, str(folder), sft_file, save_steps=5))
+    out = tmp_path / "out"
+    assert cli_main(["export", str(out / "checkpoints" / "global_step_5"), str(tmp_path / "offline")]) == 0
+    online, offline = load_file(out / "hf" / "model.safetensors"), load_file(tmp_path / "offline" / "model.safetensors")
+    assert online.keys() == offline.keys()
+    assert all(torch.equal(online[k], offline[k]) and online[k].dtype == torch.float32 for k in online)
+    assert ("lm_head.weight" in online) == (model != "tied_llama")
+    assert (tmp_path / "offline" / "chat_template.jinja").is_file(), "the sft chat template travels with the export"
+    assert cli_main(["export", str(out / "checkpoints" / "global_step_5"), str(tmp_path / "offline")]) == 2
+    assert cli_main(["export", str(out / "checkpoints" / "global_step_5"), str(tmp_path / "offline"), "--overwrite",
+                     "--dtype", "bf16"]) == 0
+    assert load_file(tmp_path / "offline" / "model.safetensors")["model.norm.weight"].dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_model, sft_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("saved")
+    train(recipe(root, str(tiny_model), sft_file, save_steps=5))
+    return root / "out" / "checkpoints" / "global_step_5"
+
+
+def corrupt_copy(saved, tmp_path, damage) -> str:
+    target = tmp_path / "global_step_5"
+    shutil.copytree(saved, target)
+    damage(target)
+    return target
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: (p / ".metadata").unlink(), "incomplete checkpoint, missing .metadata"),
+    (lambda p: next(p.glob("*.distcp")).unlink(), "shard __0_0.distcp is missing"),
+    (lambda p: next(p.glob("*.distcp")).write_bytes(next(p.glob("*.distcp")).read_bytes()[:1000]),
+     "shard __0_0.distcp is truncated"),
+    (lambda p: (p / "trainer_state.json").unlink(), "incomplete checkpoint, missing trainer_state.json"),
+])
+def test_a_damaged_checkpoint_is_named_and_refused(saved, tmp_path, damage, message):
+    target = corrupt_copy(saved, tmp_path, damage)
+    with pytest.raises(UserError, match=message):
+        check_complete(target)
+    with pytest.raises(UserError, match=message):
+        export_checkpoint(target, tmp_path / "export", "bf16", "5GB", overwrite=False)
+
+
+def test_an_unfinished_save_is_never_loaded(saved, tmp_path):
+    partial = tmp_path / ".global_step_7.partial"
+    shutil.copytree(saved, partial)
+    with pytest.raises(UserError, match="an unfinished checkpoint"):
+        check_complete(partial)
+
+
+def test_resume_with_another_model_says_which_shapes_differ(saved, tmp_path, tiny_qwen2, sft_file):
+    path = recipe(tmp_path, str(tiny_qwen2), sft_file)
+    config = load_config(path, [f"checkpoint.resume_from_checkpoint={saved}"], "sft", world_size=1)
+    state = ParallelState.initialize()
+    try:
+        with pytest.raises(UserError, match=r"the recipe's model differs from the checkpoint's: .*q_proj.bias"):
+            build_trainer(config, state)
+    finally:
+        state.close()
+
+
+def test_resume_latest_without_checkpoint_starts_fresh(tmp_path, tiny_model, sft_file, caplog):
+    train(recipe(tmp_path, str(tiny_model), sft_file, save_steps=0), "checkpoint.resume_from_checkpoint=latest",
+          "train.max_steps=2")
+    assert "has no checkpoint yet; starting fresh" in caplog.text
+    assert (tmp_path / "out" / "hf").is_dir()
