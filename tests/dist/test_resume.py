@@ -1,0 +1,110 @@
+"""Resume after SIGKILL (2 processes, fp32): the resumed run's losses and final weights are bitwise those of
+an uninterrupted run, also when the kill lands while a checkpoint is being written; and a run
+resumes across world sizes (2 -> 1, 1 -> 2) on the same curve within 1e-5. Every resume lands in
+epoch 1 (an epoch is 4 steps here)."""
+
+import shutil
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import kill_tree, read_metrics, run_cli, start_cli
+
+STEPS = 8
+
+
+def args(tiny_model, sft_file, output_dir, nproc, *extra):
+    return ["sft", "recipes/demo/sft.yaml", f"model.name_or_path={tiny_model}", f"data.train_files={sft_file}",
+            "data.packing=false", f"train.output_dir={output_dir}", f"train.max_steps={STEPS}", "train.logging_steps=1",
+            "train.per_device_train_batch_size=4", f"train.gradient_accumulation_steps={4 // nproc}",
+            "train.learning_rate=2e-3", "checkpoint.save_steps=2", "checkpoint.export_dtype=fp32", "--nproc",
+            str(nproc), *extra]
+
+
+def wait_for(condition, process, timeout=300.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, "the run ended before the kill"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def killed_run(tiny_model, sft_file, output_dir, nproc, condition):
+    process = start_cli(*args(tiny_model, sft_file, output_dir, nproc))
+    wait_for(lambda: condition(output_dir), process)
+    kill_tree(process)
+
+
+def resume(tiny_model, sft_file, output_dir, nproc):
+    result = run_cli(*args(tiny_model, sft_file, output_dir, nproc, "--resume_from_checkpoint", "latest"))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def logged_steps(output_dir):
+    path = output_dir / "metrics.jsonl"
+    return [m["step"] for m in read_metrics(output_dir)] if path.is_file() else []
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, sft_file, tmp_path_factory):
+    out = {}
+    straight = tmp_path_factory.mktemp("straight")
+    assert run_cli(*args(tiny_model, sft_file, straight, 2)).returncode == 0
+    out["straight"] = straight
+
+    after_step_5 = tmp_path_factory.mktemp("killed")
+    killed_run(tiny_model, sft_file, after_step_5, 2, lambda d: 5 in logged_steps(d))
+    out["latest_at_kill"] = (after_step_5 / "checkpoints" / "latest").read_text()
+    for name, nproc in (("resumed", 2), ("resumed_on_1", 1)):
+        copy = tmp_path_factory.mktemp(name) / "run"
+        shutil.copytree(after_step_5, copy)
+        resume(tiny_model, sft_file, copy, nproc)
+        out[name] = copy
+
+    mid_save = tmp_path_factory.mktemp("killed_mid_save")
+    killed_run(tiny_model, sft_file, mid_save, 2, lambda d: (d / "checkpoints" / ".global_step_6.partial").exists())
+    out["partial_left"] = (mid_save / "checkpoints" / ".global_step_6.partial").exists()
+    out["latest_mid_save"] = (mid_save / "checkpoints" / "latest").read_text()
+    resume(tiny_model, sft_file, mid_save, 2)
+    out["resumed_mid_save"] = mid_save
+
+    one_proc = tmp_path_factory.mktemp("one_proc")
+    killed_run(tiny_model, sft_file, one_proc, 1, lambda d: 5 in logged_steps(d))
+    resume(tiny_model, sft_file, one_proc, 2)
+    out["resumed_on_2"] = one_proc
+    return out
+
+
+def losses(output_dir):
+    return [m["loss"] for m in read_metrics(output_dir)]
+
+
+def weights(output_dir):
+    return load_file(output_dir / "hf" / "model.safetensors")
+
+
+def test_killed_run_resumes_bitwise(runs):
+    assert runs["latest_at_kill"] == "global_step_4"
+    assert [m["step"] for m in read_metrics(runs["resumed"])] == list(range(1, STEPS + 1))
+    assert losses(runs["resumed"]) == losses(runs["straight"])
+    reference = weights(runs["straight"])
+    assert all(torch.equal(reference[k], v) for k, v in weights(runs["resumed"]).items())
+
+
+def test_kill_while_a_checkpoint_is_written_resumes_from_the_previous_one(runs):
+    assert runs["partial_left"], "the kill landed while global_step_6 was being written"
+    assert runs["latest_mid_save"] == "global_step_4"
+    assert losses(runs["resumed_mid_save"]) == losses(runs["straight"])
+    reference = weights(runs["straight"])
+    assert all(torch.equal(reference[k], v) for k, v in weights(runs["resumed_mid_save"]).items())
+    assert not (runs["resumed_mid_save"] / "checkpoints" / ".global_step_6.partial").exists()
+
+
+@pytest.mark.parametrize("name", ["resumed_on_1", "resumed_on_2"])
+def test_resume_on_another_world_size_continues_the_curve(runs, name):
+    assert losses(runs[name]) == pytest.approx(losses(runs["straight"]), rel=1e-5)
+    reference = weights(runs["straight"])
+    for key, value in weights(runs[name]).items():
+        torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-5)
