@@ -137,6 +137,10 @@ class TrainConfig:
     logging_steps: int = _field(10, "Log loss, lr, grad_norm and tokens/s every this many optimizer steps.")
     seed: int = _field(42, "Seed of model init and data order; identical on every rank.")
     bf16: bool = _field(False, "bf16 compute with fp32 master weights and fp32 gradient reduction.")
+    chunk_loss_size: int = _field(1024, "Tokens per chunk of the LM loss, computed from the hidden states without "
+                                        "the full [tokens, vocab] logits; 0 computes the full logits.")
+    z_loss: float = _field(0.0, "Coefficient of the z-loss (logsumexp(logits)^2 per labelled token); 0 = off.")
+    label_smoothing: float = _field(0.0, "Label smoothing of the cross-entropy, as in torch's cross_entropy.")
     gradient_checkpointing: bool = _field(False, "Recompute each decoder layer's activations in backward.")
     compile: bool = _field(False, "torch.compile each decoder layer.")
     max_skipped_steps: int = _field(5, "Stop after this many optimizer steps in a row skipped for a non-finite "
@@ -155,6 +159,10 @@ class TrainConfig:
                 out.append(f"train.{name}: {getattr(self, name)} must be at least 1")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             out.append(_choice_problem("train.lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS))
+        if self.chunk_loss_size < 0 or self.z_loss < 0:
+            out.append("train: chunk_loss_size and z_loss must not be negative (0 turns them off)")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            out.append(f"train.label_smoothing: {self.label_smoothing} must be in [0, 1]")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             out.append(f"train.min_lr_ratio: {self.min_lr_ratio} must be in [0, 1]")
         if not 0.0 <= self.warmup_ratio < 1.0:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from llmtune.errors import UserError
-from llmtune.loss import cross_entropy_sum
+from llmtune.loss import LossOptions, cross_entropy_sum
 
 
 class CausalLMForTraining(nn.Module):
@@ -29,19 +29,23 @@ class CausalLMForTraining(nn.Module):
     needs them, and the HF model class is never edited.
     """
 
-    def __init__(self, hf_model: PreTrainedModel):
+    def __init__(self, hf_model: PreTrainedModel, loss_options: LossOptions):
         super().__init__()
         self.hf_model = hf_model
+        self.loss_options = loss_options
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None):
-        """Summed cross-entropy over the labelled tokens, or the logits when no labels are given."""
+        """Summed loss over the labelled tokens (the lm_head never runs on the whole sequence), or the
+        logits, as the HF model gives them, when no labels are given."""
         hidden = self.hf_model.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         head = self.hf_model.get_output_embeddings()
         if shift_labels is None:
-            return head(hidden)
-        return cross_entropy_sum(hidden, head.weight, head.bias, shift_labels)
+            logits = head(hidden)
+            cap = self.loss_options.logit_softcap
+            return cap * torch.tanh(logits / cap) if cap else logits
+        return cross_entropy_sum(hidden, head.weight, head.bias, shift_labels, self.loss_options)
 
 
 def load_tokenizer(model_cfg):
@@ -89,7 +93,10 @@ def build_model(model_cfg, train_cfg, mesh, device: torch.device) -> CausalLMFor
     if train_cfg.compile:
         for layer in layers:
             layer.compile()
-    module = CausalLMForTraining(hf_model)
+    options = LossOptions(chunk_size=train_cfg.chunk_loss_size, z_loss=train_cfg.z_loss,
+                          label_smoothing=train_cfg.label_smoothing,
+                          logit_softcap=getattr(config, "final_logit_softcapping", None))
+    module = CausalLMForTraining(hf_model, options)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if train_cfg.bf16 \
         else MixedPrecisionPolicy()
     for layer in layers:

@@ -1,7 +1,9 @@
-"""Training options change how the work is done, not the numbers: activation checkpointing and
-torch.compile give the fp32 losses of the plain run; bf16 stays within bf16 rounding of them."""
+"""Training options change how the work is done, not the numbers (fp32, one process): the chunked loss
+and activation checkpointing give the per-step losses and final weights of the plain run, and
+torch.compile its losses; bf16 stays within bf16 rounding of them."""
 
 import pytest
+import torch
 import yaml
 
 from llmtune.config import load_config
@@ -12,7 +14,7 @@ from tests.helpers import read_metrics
 
 @pytest.fixture(scope="module")
 def train(tiny_model, sft_file, tmp_path_factory):
-    def losses(*overrides: str) -> list[float]:
+    def run(*overrides: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         root = tmp_path_factory.mktemp("options")
         recipe = root / "recipe.yaml"
         recipe.write_text(yaml.safe_dump({
@@ -26,23 +28,31 @@ def train(tiny_model, sft_file, tmp_path_factory):
         try:
             trainer, _ = build_trainer(config, state)
             trainer.train()
+            weights = {k: v.full_tensor() for k, v in trainer.model.hf_model.state_dict().items()}
         finally:
             state.close()
-        return [m["loss"] for m in read_metrics(root)]
-    return losses
+        return [m["loss"] for m in read_metrics(root)], weights
+    return run
 
 
 @pytest.fixture(scope="module")
 def plain(train):
-    return train()
+    return train("train.chunk_loss_size=0")
 
 
-@pytest.mark.parametrize("option", ["train.gradient_checkpointing=true", "train.compile=true"])
-def test_option_gives_the_same_losses(train, plain, option):
-    assert train(option) == pytest.approx(plain, rel=1e-5)
+@pytest.mark.parametrize("option", ["train.chunk_loss_size=16", "train.gradient_checkpointing=true"])
+def test_option_gives_the_same_losses_and_weights(train, plain, option):
+    losses, weights = train(option, "train.chunk_loss_size=0" if "chunk" not in option else option)
+    assert losses == pytest.approx(plain[0], rel=1e-5)
+    for key, value in weights.items():
+        torch.testing.assert_close(value, plain[1][key], rtol=0, atol=1e-5)
+
+
+def test_compile_gives_the_same_losses(train, plain):
+    assert train("train.compile=true", "train.chunk_loss_size=0")[0] == pytest.approx(plain[0], rel=1e-5)
 
 
 def test_bf16_stays_within_bf16_rounding(train, plain):
-    bf16 = train("train.bf16=true")
-    assert bf16 == pytest.approx(plain, rel=2e-2)
-    assert bf16 != plain
+    bf16, _ = train("train.bf16=true")
+    assert bf16 == pytest.approx(plain[0], rel=2e-2)
+    assert bf16 != plain[0]
