@@ -15,8 +15,6 @@ import random
 import shutil
 import tempfile
 
-from llmtune.data.templates import BUILTIN_PROMPT
-
 MAX_OPERAND = 99
 PT_DOCS = 6000
 PT_SENTENCES = (6, 12)  # sentences per document, inclusive range
@@ -37,6 +35,10 @@ MODEL = dict(
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
+# How the SFT recipe's "basic" chat template lays out one exchange (llmtune.data.templates);
+# the tokenizer is trained on it too, so '#' and '\n' are pieces, not <unk>.
+_EXCHANGE = "### Instruction:\n{prompt}\n\n### Response:\n{response}"
+
 _FACT_TEMPLATES = (
     "{a} + {b} = {c}.",
     "{a} plus {b} is {c}.",
@@ -44,6 +46,8 @@ _FACT_TEMPLATES = (
     "If you add {a} and {b}, you get {c}.",
     "Adding {b} to {a} gives {c}.",
     "{name} had {a} {things} and found {b} more, so now {name} has {c} {things}.",
+    "{name} asked what {a} plus {b} is, and {name2} said that {a} + {b} = {c}.",
+    "{name} asked: what is {a} + {b}? {name2} answered: {a} + {b} = {c}.",
 )
 _QUESTION_TEMPLATES = (
     "What is {a} + {b}?",
@@ -61,14 +65,15 @@ _FILLER_TEMPLATES = (
     "{name} {verb} the {adj} {thing} {place}.",
     "It was a {adj} day {place}.",
     "{name} and {name2} met {place}.",
-    "The {thing} were {adj}, and {name} liked them.",
+    "The {things} were {adj}, and {name} liked them.",
     "Numbers help {name} keep track of {things} {place}.",
 )
 
 
 def _fact(rng: random.Random, a: int, b: int) -> str:
     template = rng.choice(_FACT_TEMPLATES)
-    return template.format(a=a, b=b, c=a + b, name=rng.choice(_NAMES), things=rng.choice(_THINGS))
+    name, name2 = rng.sample(_NAMES, 2)
+    return template.format(a=a, b=b, c=a + b, name=name, name2=name2, things=rng.choice(_THINGS))
 
 
 def _filler(rng: random.Random) -> str:
@@ -80,8 +85,12 @@ def _filler(rng: random.Random) -> str:
     )
 
 
+RESTATE = True
+
+
 def _question(rng: random.Random, a: int, b: int) -> dict:
-    return {"prompt": rng.choice(_QUESTION_TEMPLATES).format(a=a, b=b), "response": str(a + b)}
+    answer = f"{a} + {b} = {a + b}" if RESTATE else str(a + b)
+    return {"prompt": rng.choice(_QUESTION_TEMPLATES).format(a=a, b=b), "response": answer}
 
 
 def generate_data(seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
@@ -158,10 +167,9 @@ def write_demo_assets(root: pathlib.Path, seed: int = 0) -> None:
     _write_jsonl(root / "data" / "sft_train.jsonl", sft_train)
     _write_jsonl(root / "data" / "sft_eval.jsonl", sft_eval)
 
-    # The tokenizer sees the corpus and the SFT rows rendered as they are trained, so the
-    # prompt template's characters ('#', '\n') are in its vocabulary, not <unk>.
+    # The tokenizer sees the corpus and the SFT rows rendered as they are trained.
     lines = [d["text"] for d in docs]
-    lines += [BUILTIN_PROMPT.format(prompt=r["prompt"]) + r["response"] for r in sft_train]
+    lines += [_EXCHANGE.format(**row) for row in sft_train]
     _train_tokenizer(lines, root / "tokenizer")
 
     config = LlamaConfig(

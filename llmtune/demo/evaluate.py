@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from llmtune.data.templates import encode_prompt
+from llmtune.data.templates import apply_recipe_template, encode_prompt
 from llmtune.errors import UserError
 
 _BATCH = 64
@@ -67,12 +67,20 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int) 
     return answers
 
 
-def exact_match(model_dir: str, eval_file: str, limit: int | None = None) -> float:
-    """Fraction of rows whose greedy answer, stripped, equals the stripped response."""
+def exact_match(model_dir: str, eval_file: str, limit: int | None = None,
+                chat_template: str | None = None) -> float:
+    """Fraction of rows whose greedy answer, stripped, equals the stripped response.
+
+    Prompts are rendered with the model folder's chat template (an SFT export carries the one
+    it was trained with); `chat_template` overrides it, and a tokenizer without any (a
+    pre-trained-only model) gets the built-in "basic" one the demo's SFT recipe uses.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     rows = _read_rows(eval_file, limit)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if chat_template or not tokenizer.chat_template:
+        apply_recipe_template(tokenizer, chat_template or "basic")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.to("cpu").eval()
     # Room for the longest reference answer and its eos; a longer answer is wrong anyway.
