@@ -176,13 +176,16 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    cp_size: int = _field(1, "Context-parallel (Ulysses) ranks per sequence; 1 = off.")
+    cp_size: int = _field(1, "Context-parallel ranks per sequence, each holding 1/cp_size of its tokens; 1 = off.")
+    cp_type: str = _field("ulysses", "Context parallelism: ulysses (all-to-all attention over heads).")
 
     def problems(self) -> list[str]:
-        if self.cp_size != 1:
-            return [f"parallel.cp_size: {self.cp_size} is not supported yet (context parallelism is not "
-                    "built in this version); set parallel.cp_size: 1"]
-        return []
+        out = []
+        if self.cp_size < 1:
+            out.append(f"parallel.cp_size: {self.cp_size} must be at least 1")
+        if self.cp_type != "ulysses":
+            out.append(_choice_problem("parallel.cp_type", self.cp_type, ("ulysses",)))
+        return out
 
 
 @dataclass
@@ -382,7 +385,8 @@ def _choice_problem(key: str, value: str, choices) -> str:
 def _batch_problems(config: Config, world_size: int, provided: set[str]) -> list[str]:
     train, cp = config.train, config.parallel.cp_size
     if cp < 1 or world_size % cp:
-        return [f"parallel.cp_size: {cp} does not divide the world size {world_size}"]
+        return [f"parallel.cp_size: {cp} does not divide the world size {world_size}; use a world size that is a "
+                "multiple of it"]
     if config.data.streaming and train.max_steps <= 0:
         return ["train.max_steps: a stream has no known length, so data.streaming needs train.max_steps > 0"]
     if train.global_batch_size is None:

@@ -73,10 +73,10 @@ def decoder_layers(hf_model: PreTrainedModel) -> list[nn.Module]:
     return layers
 
 
-def build_model(model_cfg, train_cfg, mesh, device: torch.device) -> CausalLMForTraining:
+def build_model(model_cfg, train_cfg, mesh, device: torch.device, attention: str) -> CausalLMForTraining:
+    """`attention`: the transformers attention implementation to build with (the recipe's, or a wrapper of it)."""
     config = load_model_config(model_cfg)
-    kwargs = dict(attn_implementation=model_cfg.attn_implementation, trust_remote_code=model_cfg.trust_remote_code,
-                  dtype=torch.float32)
+    kwargs = dict(attn_implementation=attention, trust_remote_code=model_cfg.trust_remote_code, dtype=torch.float32)
     pretrained = model_cfg.name_or_path is not None
     if pretrained:
         # Parameters on the meta device; buffers (e.g. RoPE frequencies) computed for real, they are small.

@@ -15,18 +15,27 @@ from llmtune.launch import launched_by_torchrun
 
 @dataclass
 class ParallelState:
+    """World = dp_shard x cp. cp peers (consecutive ranks) hold slices of the same sequences; the data
+    sampler sees the dp_shard ranks only; FSDP shards over the whole world, because cp ranks hold
+    different tokens and so different gradients, which must be reduced too."""
+
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: DeviceMesh
+    cp_size: int
+    mesh: DeviceMesh  # ("dp_shard", "cp")
+    fsdp_mesh: DeviceMesh  # 1-D over every rank
 
     @classmethod
-    def initialize(cls) -> "ParallelState":
-        """Join the job's process group: torchrun's env:// when launched by it, else a world of one."""
+    def initialize(cls, cp_size: int = 1) -> "ParallelState":
+        """Join the job's process group (torchrun's env:// when launched by it, else a world of one), or reuse
+        the one this process already joined, and lay the meshes over it."""
         use_cuda = torch.cuda.is_available()
         backend = "nccl" if use_cuda else "gloo"
-        if launched_by_torchrun():
+        if dist.is_initialized():
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        elif launched_by_torchrun():
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             dist.init_process_group(backend)
         else:
@@ -37,16 +46,25 @@ class ParallelState:
             torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         world_size = dist.get_world_size()
-        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
-        return cls(dist.get_rank(), world_size, local_rank, device, mesh)
+        mesh = init_device_mesh(device.type, (world_size // cp_size, cp_size), mesh_dim_names=("dp_shard", "cp"))
+        fsdp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard_cp",))
+        return cls(dist.get_rank(), world_size, local_rank, device, cp_size, mesh, fsdp_mesh)
 
     @property
     def dp_size(self) -> int:
-        return self.world_size
+        return self.world_size // self.cp_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank
+        return self.rank // self.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp_size
+
+    @property
+    def cp_group(self):
+        return self.mesh.get_group("cp")
 
     @property
     def is_main(self) -> bool:

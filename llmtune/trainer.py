@@ -14,7 +14,7 @@ from llmtune.monitor import StepRecord
 
 class Trainer:
     def __init__(self, model, optimizer, scheduler, data, monitor, state, train_cfg, validation=None, profiler=None,
-                 checkpoints=None):
+                 checkpoints=None, sequence_shard=None):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -25,6 +25,8 @@ class Trainer:
         self.validation = validation  # callable -> this rank's validation micro-batches, or None
         self.profiler = profiler
         self.checkpoints = checkpoints
+        # Context parallelism: cuts each micro-batch to this rank's slice of the sequence.
+        self.sequence_shard = sequence_shard or (lambda inputs: inputs)
         self.total_steps = data.total_steps(train_cfg)
         self.step = 0
         self.skipped_in_a_row = 0
@@ -88,10 +90,14 @@ class Trainer:
         gradient norm (both global, so every rank sees the same) skips the update on every rank.
         """
         device = self.state.device
-        batches = [b.to(device).inputs for b in micro_batches]
+        batches = [self.sequence_shard(b.to(device).inputs) for b in micro_batches]
+        # Labels are counted on the slices (each token once over dp x cp); whole rows only by one rank of each
+        # cp group, whose peers hold the same rows.
+        rows_here = self.state.cp_rank == 0
         counts = torch.tensor([sum(int((b["shift_labels"] != IGNORE_INDEX).sum()) for b in batches),
-                               sum(b.num_tokens for b in micro_batches),
-                               sum(len(b["input_ids"]) for b in batches)], device=device, dtype=torch.float64)
+                               sum(b.num_tokens for b in micro_batches) * rows_here,
+                               sum(len(b["input_ids"]) for b in batches) * rows_here], device=device,
+                              dtype=torch.float64)
         label_tokens, input_tokens, samples = self.state.all_reduce_sum(counts).tolist()
         scale = self.state.fsdp_group_size / max(label_tokens, 1.0)
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -120,7 +126,7 @@ class Trainer:
         totals = torch.zeros(2, device=self.state.device, dtype=torch.float64)
         with torch.no_grad():
             for batch in self.validation():
-                inputs = batch.to(self.state.device).inputs
+                inputs = self.sequence_shard(batch.to(self.state.device).inputs)
                 totals[0] += self.model(**inputs).double()
                 totals[1] += (inputs["shift_labels"] != IGNORE_INDEX).sum()
         self.model.train()

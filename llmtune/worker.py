@@ -14,6 +14,7 @@ from llmtune.checkpoint.validate import check_complete
 from llmtune.data.build import build_stream, load_or_build
 from llmtune.data.manager import DataManager, StreamingDataManager, validation_batches
 from llmtune.data.templates import apply_recipe_template
+from llmtune.features.ulysses import SequenceShard, register_attention
 from llmtune.model import build_model, check_vocab, load_model_config, load_tokenizer
 from llmtune.monitor import TrainMonitor, flops_per_token, make_profiler
 from llmtune.optim import build_optimizer, build_scheduler
@@ -67,7 +68,12 @@ def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
     data, validation = build_data(config, tokenizer, state)
     model_config = load_model_config(config.model)
     check_vocab(model_config, tokenizer)
-    model = build_model(config.model, config.train, state.mesh, state.device)
+    attention, shard = config.model.attn_implementation, None
+    if state.cp_size > 1:
+        attention = register_attention(state.cp_group, config.model.attn_implementation)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        shard = SequenceShard(state.cp_group, state.cp_size, state.cp_rank, pad_id)
+    model = build_model(config.model, config.train, state.fsdp_mesh, state.device, attention)
     if resume:
         check_complete(resume)
     # From here on ranks draw different random numbers (dropout), each from its own stream.
@@ -82,7 +88,7 @@ def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
     checkpoints = CheckpointManager(output_dir, ckpt, state, config, tokenizer, model.hf_model) \
         if ckpt.save_steps or ckpt.save_epochs or resume else None
     trainer = Trainer(model, optimizer, scheduler, data, monitor, state, config.train, validation, profiler,
-                      checkpoints)
+                      checkpoints, shard)
     if resume:
         trainer.load_state_dict(checkpoints.load(resume, model, optimizer))
     if state.is_main:
@@ -96,7 +102,7 @@ def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
 def run(config) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("llmtune").setLevel(logging.INFO)
-    state = ParallelState.initialize()
+    state = ParallelState.initialize(config.parallel.cp_size)
     try:
         trainer, tokenizer = build_trainer(config, state)
         trainer.train()

@@ -30,7 +30,7 @@ def peak_rss_mib() -> float:
 def load_report(big_model: str, recipe: str, state: ParallelState) -> dict:
     config = load_config(recipe, [f"model.name_or_path={big_model}"], "sft", state.world_size)
     before = peak_rss_mib()
-    model = build_model(config.model, config.train, state.mesh, state.device)
+    model = build_model(config.model, config.train, state.fsdp_mesh, state.device, config.model.attn_implementation)
     grown = peak_rss_mib() - before
     expected = load_file(Path(big_model) / "model.safetensors")
     mismatched = [name for name, param in model.hf_model.named_parameters()

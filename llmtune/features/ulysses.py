@@ -1,0 +1,142 @@
+"""Ulysses context parallelism on stock HF models: each of cp ranks holds 1/cp of a sequence's tokens.
+
+Two plug-in points. `shard_batch` cuts a micro-batch: labels were shifted before (each slice keeps
+the label of its last token), the sequence is padded to a multiple of cp with label -100, and
+every rank keeps a contiguous slice of input_ids, labels and GLOBAL position_ids (RoPE sees true
+positions; packed documents keep their restarts). `register_attention` installs, through
+transformers' attention interface, a function that wraps the backend the model would use:
+all-to-all from [sequence shard, all heads] to [full sequence, heads/cp], the backend's attention
+over the full sequence with causal, document and sliding-window masking built here, all-to-all back.
+
+Because the function's name is not in transformers' mask registry, the model hands it no mask;
+the mask is built from the full position_ids instead. Right padding needs none: a real token never
+attends to the pads after it, and the pads carry no label.
+"""
+
+import types
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from llmtune.loss import IGNORE_INDEX
+
+ATTENTION = "llmtune_ulysses"
+
+
+def layout_problems(model_config: dict, cp: int) -> list[str]:
+    """What stops this model from running with cp ranks per sequence (read from config.json, no torch)."""
+    heads = model_config.get("num_attention_heads")
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    problems = []
+    if heads is None or heads % cp:
+        problems.append(f"parallel.cp_size: {cp} does not divide the model's {heads} attention heads; "
+                        "choose a cp_size that divides it")
+    elif kv_heads % cp and cp % kv_heads:
+        problems.append(f"parallel.cp_size: the model's {kv_heads} key/value heads are neither a multiple nor a "
+                        f"divisor of cp_size {cp}, so they cannot be spread over the cp ranks")
+    if model_config.get("attention_sinks") or model_config.get("model_type") == "gpt_oss":
+        problems.append("parallel.cp_size: attention sinks are not supported with context parallelism")
+    return problems
+
+
+class SequenceShard:
+    """This rank's contiguous slice of every sequence of a micro-batch."""
+
+    def __init__(self, group, size: int, rank: int, pad_id: int):
+        self.group, self.size, self.rank, self.pad_id = group, size, rank, pad_id
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        input_ids, labels = inputs["input_ids"], inputs["shift_labels"]
+        batch, length = input_ids.shape
+        positions = inputs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+        padded = -(-length // self.size) * self.size
+        extra = padded - length
+        if extra:
+            input_ids = F.pad(input_ids, (0, extra), value=self.pad_id)
+            labels = F.pad(labels, (0, extra), value=IGNORE_INDEX)
+            tail = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
+            positions = torch.cat([positions, tail], dim=1)
+        part = slice(self.rank * padded // self.size, (self.rank + 1) * padded // self.size)
+        return {"input_ids": input_ids[:, part].contiguous(), "shift_labels": labels[:, part].contiguous(),
+                "position_ids": positions[:, part].contiguous()}
+
+
+class _AllToAll(torch.autograd.Function):
+    """Scatter `scatter_dim` over the group and gather `gather_dim`; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _exchange(tensor, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def _exchange(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    send = torch.stack(tensor.chunk(size, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+def _full_positions(positions: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, positions.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _mask(positions: torch.Tensor, sliding_window: int | None, backend: str, dtype: torch.dtype):
+    """Causal, same-document (position_ids restart at each document) and sliding-window mask over the full
+    sequence; None when plain causal attention is all it takes."""
+    restarts = torch.diff(positions, dim=1, prepend=positions[:, :1] - 1) != 1
+    documents = restarts.cumsum(dim=1)
+    single = bool((documents[:, -1] == documents[:, 0]).all())
+    if single and not sliding_window:
+        return None
+    index = torch.arange(positions.shape[1], device=positions.device)
+    allowed = (index[None, :, None] >= index[None, None, :]) & (documents[:, :, None] == documents[:, None, :])
+    if sliding_window:
+        allowed &= (index[None, :, None] - index[None, None, :]) < sliding_window
+    allowed = allowed[:, None]
+    if backend == "eager":
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
+                                                                                          torch.finfo(dtype).min)
+    return allowed
+
+
+def ulysses_attention(module, query, key, value, attention_mask, *, group, backend: str, dropout: float = 0.0,
+                      scaling: float | None = None, sliding_window: int | None = None, position_ids=None, **kwargs):
+    """query [b, H, s/cp, d], key/value [b, KV, s/cp, d] -> output [b, s/cp, H, d]."""
+    cp = dist.get_world_size(group)
+    kv_heads = key.shape[1]
+    if kv_heads < cp:
+        # Too few key/value heads to give each rank one: repeat them, so that rank r's query heads
+        # (a contiguous 1/cp of them) meet the key/value head of their group.
+        key, value = (t.repeat_interleave(cp // kv_heads, dim=1) for t in (key, value))
+    # [b, heads, s/cp, d] -> [b, heads/cp, S, d]: scatter the heads, gather the sequence.
+    query, key, value = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))
+    heads = query.shape[1]
+    key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+    mask = _mask(_full_positions(position_ids, group), sliding_window, backend, query.dtype)
+    # The local query heads now each have their key/value head: tell the backend there is no grouping.
+    local = types.SimpleNamespace(num_key_value_groups=1, is_causal=True, training=module.training,
+                                  config=module.config)
+    out, _ = ALL_ATTENTION_FUNCTIONS[backend](local, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                              **kwargs)
+    # out is [b, S, H/cp, d]: scatter the sequence back, gather the heads.
+    return _AllToAll.apply(out, group, 1, 2), None
+
+
+def register_attention(group, backend: str) -> str:
+    """Install the Ulysses attention for this process's cp group around `backend`; returns its name."""
+    AttentionInterface.register(ATTENTION, partial(ulysses_attention, group=group, backend=backend))
+    return ATTENTION

@@ -1,0 +1,44 @@
+"""Training cases for the context-parallel tests: run in pytest's process (world of one) or under torchrun
+(`torchrun --nproc-per-node 2 tests/dist/cp_worker.py CASES.json`), one case after another.
+
+Each case trains a recipe with overrides and leaves, in its output_dir, metrics.jsonl and
+grads.pt: every parameter's full gradient at step 1, taken just before the optimizer step.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from llmtune.config import load_config
+from llmtune.parallel import ParallelState
+from llmtune.worker import build_trainer
+
+
+def run_case(recipe: str, overrides: list[str], world_size: int, keep_process_group: bool = False) -> None:
+    """keep_process_group: leave the process group for the next case (a torchrun worker cannot join a second)."""
+    config = load_config(recipe, overrides, "sft", world_size)
+    state = ParallelState.initialize(config.parallel.cp_size)
+    try:
+        trainer, _ = build_trainer(config, state)
+        step = trainer.optimizer.step
+
+        def capture_then_step(*args, **kwargs):
+            if trainer.step == 0:
+                grads = {name: p.grad.full_tensor() for name, p in trainer.model.hf_model.named_parameters()}
+                if state.is_main:
+                    torch.save(grads, Path(config.train.output_dir) / "grads.pt")
+            return step(*args, **kwargs)
+
+        trainer.optimizer.step = capture_then_step
+        trainer.train()
+    finally:
+        if not keep_process_group:
+            state.close()
+
+
+if __name__ == "__main__":
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    for number, case in enumerate(cases, start=1):
+        run_case(case["recipe"], case["overrides"], 2, keep_process_group=number < len(cases))

@@ -1,0 +1,114 @@
+"""Ulysses context parallelism (fp32, 2 processes in one launch): cp=2 gives the per-step losses (1e-5
+relative) and the step-1 gradients (1e-5 relative to the largest entry) of cp=1, for a Llama with
+fewer key/value heads than cp and for Qwen2, with padded sft batches, packed sequences and lengths
+that are not a multiple of cp; dp=2,cp=1 and dp=1,cp=2 agree on the same global batch. Invalid
+layouts are refused before anything starts."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from tests.dist.cp_worker import run_case
+from tests.helpers import REPO, read_metrics, run_cli
+
+# name: (model, packing, extra overrides of the 2-process run)
+CASES = {"llama_kv1_padded": ("llama_kv1", False, ["parallel.cp_size=2"]),
+         "llama_kv1_packed": ("llama_kv1", True, ["parallel.cp_size=2"]),
+         "qwen2_packed": ("qwen2", True, ["parallel.cp_size=2"]),
+         "llama_kv1_padded_dp2": ("llama_kv1", False, ["parallel.cp_size=1", "train.gradient_accumulation_steps=1"])}
+
+
+def save_model(model_cls, config, tokenizer, path):
+    torch.manual_seed(0)
+    model_cls(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(assets, tmp_path_factory):
+    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizer")
+    root = tmp_path_factory.mktemp("cp_models")
+    common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
+    return {"llama_kv1": save_model(LlamaForCausalLM, LlamaConfig(num_key_value_heads=1, **common), tokenizer,
+                                    root / "llama_kv1"),
+            "qwen2": save_model(Qwen2ForCausalLM, Qwen2Config(num_key_value_heads=2, **common), tokenizer,
+                                root / "qwen2")}
+
+
+def recipe(root, model, sft_file, packing) -> str:
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"name_or_path": model},
+        "data": {"train_files": [str(sft_file)], "chat_template": "basic", "packing": packing, "max_seq_len": 96},
+        "train": {"output_dir": str(root / "out"), "max_steps": 4, "per_device_train_batch_size": 2,
+                  "gradient_accumulation_steps": 2, "logging_steps": 1, "learning_rate": 2e-3, "chunk_loss_size": 0},
+    }))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def runs(models, sft_file, tmp_path_factory):
+    references, cases = {}, []
+    for name, (model, packing, overrides) in CASES.items():
+        root = tmp_path_factory.mktemp(name)
+        cases.append({"recipe": recipe(root, models[model], sft_file, packing), "overrides": overrides,
+                      "out": str(root / "out")})
+        key = (model, packing)
+        if key not in references:
+            ref_root = tmp_path_factory.mktemp(f"ref_{model}_{packing}")
+            run_case(recipe(ref_root, models[model], sft_file, packing), [], 1)
+            references[key] = ref_root / "out"
+    spec = tmp_path_factory.mktemp("cases") / "cases.json"
+    spec.write_text(json.dumps(cases))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             str(REPO / "tests" / "dist" / "cp_worker.py"), str(spec)], cwd=REPO, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {name: (references[(model, packing)], case["out"])
+            for (name, (model, packing, _)), case in zip(CASES.items(), cases)}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_losses_and_gradients_match_one_rank(runs, name):
+    reference, out = runs[name]
+    from pathlib import Path
+
+    out = Path(out)
+    ref_losses = [m["loss"] for m in read_metrics(reference)]
+    assert len(ref_losses) == 4
+    assert [m["loss"] for m in read_metrics(out)] == pytest.approx(ref_losses, rel=1e-5)
+    ref_grads, grads = torch.load(reference / "grads.pt"), torch.load(out / "grads.pt")
+    for key, expected in ref_grads.items():
+        scale = expected.abs().max().item()
+        assert scale > 0, key
+        torch.testing.assert_close(grads[key], expected, rtol=0, atol=1e-5 * scale, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("overrides, nproc, message", [
+    (["parallel.cp_size=3"], 2, "parallel.cp_size: 3 does not divide the world size 2"),
+    (["parallel.cp_size=2", "model.name_or_path={odd_heads}"], 2, "does not divide the model's 3 attention heads"),
+    (["parallel.cp_size=4", "model.name_or_path={kv3}"], 4, "key/value heads are neither a multiple nor a divisor"),
+])
+def test_invalid_layouts_are_refused_up_front(overrides, nproc, message, assets, sft_file, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizer")
+    odd = LlamaConfig(vocab_size=len(tokenizer), hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=3, num_key_value_heads=3)
+    kv3 = LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=12, num_key_value_heads=3)
+    folders = {"odd_heads": tmp_path / "odd", "kv3": tmp_path / "kv3"}
+    for name, config in (("odd_heads", odd), ("kv3", kv3)):
+        folders[name].mkdir()
+        config.save_pretrained(folders[name])
+        tokenizer.save_pretrained(folders[name])
+    path = recipe(tmp_path, str(folders["odd_heads"]), sft_file, False)
+    result = run_cli("sft", path, *[o.format(**folders) for o in overrides], "--nproc", str(nproc))
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not (tmp_path / "out").exists()
