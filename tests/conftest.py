@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import save_tiny_model
+
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Path:
@@ -17,21 +19,38 @@ def assets(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(assets, tmp_path_factory) -> Path:
-    """A random tiny Llama with GQA and untied embeddings, saved with the demo tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def bare_tokenizer(assets):
+    """The demo's sentencepiece tokenizer as saved (no chat template)."""
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizer")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return AutoTokenizer.from_pretrained(assets / "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(bare_tokenizer, tmp_path_factory) -> Path:
+    """A random tiny Llama with GQA and untied embeddings."""
+    from transformers import LlamaForCausalLM
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), LlamaForCausalLM, bare_tokenizer,
+                           num_key_value_heads=2, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(bare_tokenizer, tmp_path_factory) -> Path:
+    """A random tiny Qwen2 (attention biases, GQA)."""
+    from transformers import Qwen2ForCausalLM
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), Qwen2ForCausalLM, bare_tokenizer, seed=1,
+                           num_key_value_heads=2, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tied_llama(bare_tokenizer, tmp_path_factory) -> Path:
+    """A random tiny Llama whose lm_head is its input embedding."""
+    from transformers import LlamaForCausalLM
+
+    return save_tiny_model(tmp_path_factory.mktemp("tied_llama"), LlamaForCausalLM, bare_tokenizer, seed=2,
+                           num_key_value_heads=2, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

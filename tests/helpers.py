@@ -56,3 +56,16 @@ def kill_tree(process: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     process.wait()
+
+
+def save_tiny_model(path: Path, model_cls, tokenizer, seed: int = 0, **config) -> Path:
+    """A random tiny model of `model_cls` sized for the demo tokenizer, saved with it as a HF folder."""
+    import torch
+
+    defaults = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model_cls(model_cls.config_class(**{**defaults, **config})).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 import yaml
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.dist.cp_worker import run_case
-from tests.helpers import REPO, read_metrics, run_cli
+from tests.helpers import REPO, read_metrics, run_cli, save_tiny_model
 
 # name: (model, packing, extra overrides of the 2-process run)
 CASES = {"llama_kv1_padded": ("llama_kv1", False, ["parallel.cp_size=2"]),
@@ -23,23 +23,12 @@ CASES = {"llama_kv1_padded": ("llama_kv1", False, ["parallel.cp_size=2"]),
          "llama_kv1_padded_dp2": ("llama_kv1", False, ["parallel.cp_size=1", "train.gradient_accumulation_steps=1"])}
 
 
-def save_model(model_cls, config, tokenizer, path):
-    torch.manual_seed(0)
-    model_cls(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
-def models(assets, tmp_path_factory):
-    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizer")
-    root = tmp_path_factory.mktemp("cp_models")
-    common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
-    return {"llama_kv1": save_model(LlamaForCausalLM, LlamaConfig(num_key_value_heads=1, **common), tokenizer,
-                                    root / "llama_kv1"),
-            "qwen2": save_model(Qwen2ForCausalLM, Qwen2Config(num_key_value_heads=2, **common), tokenizer,
-                                root / "qwen2")}
+def models(bare_tokenizer, tiny_qwen2, tmp_path_factory):
+    """A Llama with fewer key/value heads (1) than cp ranks, and Qwen2."""
+    llama = save_tiny_model(tmp_path_factory.mktemp("llama_kv1"), LlamaForCausalLM, bare_tokenizer,
+                            num_key_value_heads=1, tie_word_embeddings=False)
+    return {"llama_kv1": str(llama), "qwen2": str(tiny_qwen2)}
 
 
 def recipe(root, model, sft_file, packing) -> str:
@@ -96,8 +85,8 @@ def test_losses_and_gradients_match_one_rank(runs, name):
     (["parallel.cp_size=2", "model.name_or_path={odd_heads}"], 2, "does not divide the model's 3 attention heads"),
     (["parallel.cp_size=4", "model.name_or_path={kv3}"], 4, "key/value heads are neither a multiple nor a divisor"),
 ])
-def test_invalid_layouts_are_refused_up_front(overrides, nproc, message, assets, sft_file, tmp_path):
-    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizer")
+def test_invalid_layouts_are_refused_up_front(overrides, nproc, message, bare_tokenizer, sft_file, tmp_path):
+    tokenizer = bare_tokenizer
     odd = LlamaConfig(vocab_size=len(tokenizer), hidden_size=24, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=3, num_key_value_heads=3)
     kv3 = LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=32, num_hidden_layers=1,

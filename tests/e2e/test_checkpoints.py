@@ -8,7 +8,6 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from llmtune.checkpoint.hf_export import export_checkpoint
 from llmtune.checkpoint.validate import check_complete
@@ -33,31 +32,6 @@ def recipe(root, model: str, sft_file, **checkpoint) -> str:
 
 def train(path: str, *overrides: str) -> None:
     run(load_config(path, list(overrides), "sft", world_size=1))
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen2(assets, tmp_path_factory):
-    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizer")
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(1)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tied_llama(assets, tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(assets / "model")
-    assert config.tie_word_embeddings
-    torch.manual_seed(2)
-    path = tmp_path_factory.mktemp("tied_llama")
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(assets / "tokenizer").save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize("async_save", [False, True])
