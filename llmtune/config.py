@@ -70,8 +70,9 @@ class DataConfig:
                                    "used when val_files is empty.")
     format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_response | tokenized; auto: "
                                  "detected from the columns of each source.")
-    chat_template: str | None = _field(None, "sft chat template: a built-in name (basic) or a .jinja file; default: the "
-                                             "tokenizer's own. It is saved with the exported tokenizer.")
+    chat_template: str | None = _field(None, "Chat template: a built-in name (basic) or a .jinja file; default: the "
+                                             "tokenizer's own. sft renders with it; it is saved with the exported "
+                                             "tokenizer (pt too).")
     train_on_prompt: bool = _field(False, "sft: also train on the non-assistant tokens (system, user, template).")
     max_seq_len: int = _field(2048, "Tokens per row: pt packs blocks of this length; longer sft samples follow "
                                     "data.truncation.")

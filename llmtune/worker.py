@@ -63,7 +63,8 @@ def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
     # The same seed on every rank: identical initial weights and data order.
     set_seed(config.train.seed)
     tokenizer = load_tokenizer(config.model)
-    if config.task == "sft":
+    # sft needs a chat template; a pt recipe may name one too, for the exported model to carry.
+    if config.task == "sft" or config.data.chat_template:
         apply_recipe_template(tokenizer, config.data.chat_template)
     data, validation = build_data(config, tokenizer, state)
     model_config = load_model_config(config.model)

@@ -111,7 +111,7 @@ def count_statuses(samples: datasets.Dataset) -> tuple[datasets.Dataset, dict[in
 
 def length_stats(samples: datasets.Dataset) -> tuple[np.ndarray, int]:
     """Per-row lengths and the number of labels that count after the shift (all but each row's first)."""
-    table = samples.flatten_indices().data
+    table = samples.data  # read back from the cache: flat, no indices mapping
     lengths = np.asarray(pc.list_value_length(table.column("input_ids")))
     labels = table.column("labels")
     labelled = pc.sum(pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX)).as_py() or 0
