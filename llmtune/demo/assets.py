@@ -1,6 +1,6 @@
 """Generate the demo's data, tokenizer and tiny model config, with nothing downloaded.
 
-The task is two-number addition (operands 0..99). The pre-training corpus states sums in
+The task is two-number addition (operands 0..49). The pre-training corpus states sums in
 plain prose ("The sum of 23 and 45 is 68.", "23 + 45 = 68.") mixed with filler sentences; the
 SFT set teaches the question/answer format ("What is 23 + 45?" -> "68") on some pairs; the
 held-out eval set asks about pairs that never appear in the SFT set, so answering them needs
@@ -15,18 +15,19 @@ import random
 import shutil
 import tempfile
 
-MAX_OPERAND = 99
+MIN_OPERAND = 10
+MAX_OPERAND = 49
 PT_DOCS = 6000
 PT_SENTENCES = (6, 12)  # sentences per document, inclusive range
 PT_FILLER_FRACTION = 0.2
-SFT_TRAIN_ROWS = 3000
+SFT_TRAIN_ROWS = 1500
 SFT_EVAL_ROWS = 200
 VOCAB_SIZE = 256
 
 MODEL = dict(
     hidden_size=128,
     intermediate_size=512,
-    num_hidden_layers=4,
+    num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=512,
@@ -96,7 +97,8 @@ def _question(rng: random.Random, a: int, b: int) -> dict:
 def generate_data(seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
     """(pt documents, sft train rows, sft eval rows); eval pairs never occur in sft train."""
     rng = random.Random(seed)
-    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    operands = range(MIN_OPERAND, MAX_OPERAND + 1)
+    pairs = [(a, b) for a in operands for b in operands]
     rng.shuffle(pairs)
     eval_pairs = pairs[:SFT_EVAL_ROWS]
     train_pairs = pairs[SFT_EVAL_ROWS:SFT_EVAL_ROWS + SFT_TRAIN_ROWS]
@@ -110,7 +112,8 @@ def generate_data(seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
             if rng.random() < PT_FILLER_FRACTION:
                 sentences.append(_filler(rng))
             else:
-                sentences.append(_fact(rng, rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)))
+                a, b = rng.choice(operands), rng.choice(operands)
+                sentences.append(_fact(rng, a, b))
         docs.append({"text": " ".join(sentences)})
     return docs, sft_train, sft_eval
 
@@ -122,10 +125,16 @@ def _write_jsonl(path: pathlib.Path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def _train_tokenizer(lines: list[str], out_dir: pathlib.Path) -> None:
+def _train_tokenizer(lines: list[str], out_dir: pathlib.Path, spm_dir: pathlib.Path) -> None:
+    """sentencepiece BPE model in spm_dir/tokenizer.model, converted to a transformers
+    LlamaTokenizer folder in out_dir (the raw model stays for checks and for other tools)."""
     import sentencepiece as spm
     from transformers import LlamaTokenizer
 
+    for folder in (out_dir, spm_dir):
+        if folder.exists():
+            shutil.rmtree(folder)
+    spm_dir.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines),
@@ -152,13 +161,13 @@ def _train_tokenizer(lines: list[str], out_dir: pathlib.Path) -> None:
         tokenizer = LlamaTokenizer.from_pretrained(
             tmp, pad_token="<pad>", add_bos_token=True, add_eos_token=False
         )
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
+        shutil.copyfile(pathlib.Path(tmp) / "tokenizer.model", spm_dir / "tokenizer.model")
     tokenizer.save_pretrained(str(out_dir))
 
 
 def write_demo_assets(root: pathlib.Path, seed: int = 0) -> None:
-    """Write data/{pt,sft_train,sft_eval}.jsonl, tokenizer/ and model/config.json under root."""
+    """Write data/{pt,sft_train,sft_eval}.jsonl, tokenizer/ (transformers), sentencepiece/
+    (the raw tokenizer.model) and model/config.json under root."""
     from transformers import LlamaConfig
 
     root = pathlib.Path(root)
@@ -170,7 +179,7 @@ def write_demo_assets(root: pathlib.Path, seed: int = 0) -> None:
     # The tokenizer sees the corpus and the SFT rows rendered as they are trained.
     lines = [d["text"] for d in docs]
     lines += [_EXCHANGE.format(**row) for row in sft_train]
-    _train_tokenizer(lines, root / "tokenizer")
+    _train_tokenizer(lines, root / "tokenizer", root / "sentencepiece")
 
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
