@@ -114,3 +114,10 @@ def test_resume_latest_without_checkpoint_starts_fresh(tmp_path, tiny_model, sft
           "train.max_steps=2")
     assert "has no checkpoint yet; starting fresh" in caplog.text
     assert (tmp_path / "out" / "hf").is_dir()
+
+
+def test_save_epochs_saves_at_each_epoch_end_and_at_the_end(tmp_path, tiny_model, sft_file):
+    path = recipe(tmp_path, str(tiny_model), sft_file, save_steps=0, save_epochs=1)
+    train(path, "data.packing=false", "train.per_device_train_batch_size=16", "train.max_steps=5")
+    names = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
+    assert names == ["global_step_4", "global_step_5", "latest"], "64 samples = 4 steps an epoch, then the end"

@@ -56,3 +56,9 @@ def test_bf16_stays_within_bf16_rounding(train, plain):
     bf16, _ = train("train.bf16=true")
     assert bf16 == pytest.approx(plain[0], rel=2e-2)
     assert bf16 != plain[0]
+
+
+def test_profiler_writes_a_trace_of_the_chosen_steps(train, tmp_path_factory):
+    train("monitor.profile_steps=[2, 3]")
+    traces = list(tmp_path_factory.getbasetemp().glob("options*/profile/rank0*.json*"))
+    assert traces, "a torch.profiler trace of steps 2-3 for rank 0"
