@@ -2,7 +2,7 @@
 lengths, cp=1 (one process) against cp=2 (two processes), on a small Llama; and the longest
 sequence each fits under a memory cap.
 
-    python benchmarks/context_parallel.py [--lengths 2048 4096 8192 16384] [--cap-gib 3]
+    python benchmarks/context_parallel.py [--lengths 2048 4096 8192 16384] [--cap-gib 1.5]
 
 Each (length, cp) case runs in fresh processes; memory is each rank's peak RSS growth during the
 step (activations, gradients, optimizer state are what grows; the model is built before).
@@ -67,7 +67,7 @@ def run(model_dir: Path, length: int, cp: int, tmp: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--cap-gib", type=float, default=3.0)
+    parser.add_argument("--cap-gib", type=float, default=1.5)
     parser.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
