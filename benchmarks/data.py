@@ -34,7 +34,7 @@ def skewed_rows(count: int, seed: int) -> list[dict]:
 
 def timed_build(data: DataConfig, tokenizer, batch_size: int):
     started = time.perf_counter()
-    train, _, stats = load_or_build("sft", data, tokenizer, 0, batch_size, True, lambda: None)
+    train, _, stats = load_or_build("sft", data, tokenizer, 0, batch_size, True, lambda error: error)
     return time.perf_counter() - started, stats
 
 

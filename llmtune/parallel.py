@@ -82,6 +82,12 @@ class ParallelState:
     def barrier(self) -> None:
         dist.barrier()
 
+    def first_error(self, error: str | None) -> str | None:
+        """Every rank learns the first rank's error message (None when no rank had one)."""
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, error)
+        return next((e for e in errors if e), None)
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

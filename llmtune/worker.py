@@ -32,7 +32,7 @@ def build_data(config, tokenizer, state: ParallelState):
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         return StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state), None
     train, val, stats = load_or_build(config.task, data_cfg, tokenizer, train_cfg.seed,
-                                      train_cfg.per_device_train_batch_size, state.local_rank == 0, state.barrier)
+                                      train_cfg.per_device_train_batch_size, state.local_rank == 0, state.first_error)
     if state.is_main:
         log.info("data: %s", stats.summary())
     validation = None if val is None else partial(

@@ -217,29 +217,43 @@ def cache_root(data_cfg) -> Path:
     return Path(os.environ.get("LLMTUNE_CACHE", Path.home() / ".cache" / "llmtune")) / "data"
 
 
-def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, is_local_main: bool, barrier):
-    """(train, validation or None, stats): built by local rank 0 if its cache entry is missing, then read by all."""
+def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, is_local_main: bool, first_error):
+    """(train, validation or None, stats): built by local rank 0 if its cache entry is missing, then read by all.
+
+    first_error(message or None) -> the first rank's message or None, on every rank: it is the
+    barrier after the build, and it makes every rank stop with the builder's message on bad data
+    (a rank left waiting would otherwise die of the closed connection instead).
+    """
     folder = cache_root(data_cfg) / cache_key(task, data_cfg, tokenizer, seed)
-    built = False
+    built, error = False, None
     if is_local_main and not (folder / "counts.json").is_file():
-        started = time.perf_counter()
-        train, val, counts = build_datasets(task, data_cfg, tokenizer, seed)
-        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-        train.save_to_disk(str(partial / "train"))
-        if val is not None:
-            val.save_to_disk(str(partial / "val"))
-        # Written last: its presence marks a complete entry.
-        (partial / "counts.json").write_text(json.dumps(counts))
         try:
-            partial.rename(folder)
-        except OSError:  # another node's rank 0 finished the same entry first
-            shutil.rmtree(partial, ignore_errors=True)
-        built = True
-        log.info("data: built %s in %.1f s", folder, time.perf_counter() - started)
-    barrier()
+            built = _build_entry(folder, task, data_cfg, tokenizer, seed)
+        except UserError as err:
+            error = str(err)
+    error = first_error(error)
+    if error:
+        raise UserError(error)
     if not built:
         log.info("data: cache hit %s (no tokenization)", folder)
     train = datasets.load_from_disk(str(folder / "train"))
     val = datasets.load_from_disk(str(folder / "val")) if (folder / "val").is_dir() else None
     counts = json.loads((folder / "counts.json").read_text())
     return train, val, describe(train, val, counts, data_cfg, batch_size, seed, cache_hit=not built)
+
+
+def _build_entry(folder: Path, task: str, data_cfg, tokenizer, seed: int) -> bool:
+    started = time.perf_counter()
+    train, val, counts = build_datasets(task, data_cfg, tokenizer, seed)
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    train.save_to_disk(str(partial / "train"))
+    if val is not None:
+        val.save_to_disk(str(partial / "val"))
+    # Written last: its presence marks a complete entry.
+    (partial / "counts.json").write_text(json.dumps(counts))
+    try:
+        partial.rename(folder)
+    except OSError:  # another node's rank 0 finished the same entry first
+        shutil.rmtree(partial, ignore_errors=True)
+    log.info("data: built %s in %.1f s", folder, time.perf_counter() - started)
+    return True

@@ -28,8 +28,9 @@ def config(tmp_path, files, **changes):
     return DataConfig(train_files=files, cache_dir=str(tmp_path / "cache"), **changes)
 
 
-def no_barrier():
-    pass
+def one_rank(error):
+    """first_error of a world of one."""
+    return error
 
 
 def test_pt_blocks_restart_positions_and_mask_labels_at_document_starts(tmp_path, tokenizer):
@@ -93,15 +94,15 @@ def test_sft_packing_restarts_positions_and_keeps_every_token(tmp_path, tokenize
 def test_cache_second_run_does_no_tokenization(tmp_path, tokenizer, caplog, monkeypatch):
     data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64)
     with caplog.at_level(logging.INFO, logger="llmtune"):
-        first = load_or_build("sft", data, tokenizer, 0, 4, True, no_barrier)
+        first = load_or_build("sft", data, tokenizer, 0, 4, True, one_rank)
         monkeypatch.setattr("llmtune.data.build.build_datasets", lambda *a: pytest.fail("tokenized again"))
-        second = load_or_build("sft", data, tokenizer, 0, 4, True, no_barrier)
+        second = load_or_build("sft", data, tokenizer, 0, 4, True, one_rank)
     assert not first[2].cache_hit and second[2].cache_hit
     assert "cache hit" in caplog.text
     assert first[0]["input_ids"] == second[0]["input_ids"] and first[2].tokens == second[2].tokens
     changed = config(tmp_path, data.train_files, max_seq_len=48)
     with pytest.raises(pytest.fail.Exception, match="tokenized again"):
-        load_or_build("sft", changed, tokenizer, 0, 4, True, no_barrier)
+        load_or_build("sft", changed, tokenizer, 0, 4, True, one_rank)
 
 
 @pytest.mark.parametrize("content, rows, expected", [
