@@ -1,9 +1,11 @@
-"""The baseline of benchmarks/throughput.py: a plain hand-written FSDP2 loop, run under torchrun.
+"""The baseline of benchmarks/throughput.py: a plain hand-written FSDP2 loop.
 
     torchrun --nproc-per-node N benchmarks/plain_fsdp_loop.py MODEL_CONFIG TOKENIZER DATA.jsonl SEQ BATCH STEPS WARMUP
 
 Same model (from the config, seeded), same data (documents + EOS cut into SEQ-token blocks), same
-optimizer; prints one JSON line from rank 0: tokens/s after WARMUP steps and peak RSS.
+optimizer; prints one JSON line from rank 0: the wall time of every step after WARMUP, the
+tokens of one step (all ranks) and peak RSS. throughput.py also imports it, to run its steps
+between llmtune's in the same processes.
 """
 
 import json
@@ -27,34 +29,44 @@ def blocks(tokenizer, path: str, seq: int) -> torch.Tensor:
     return torch.tensor(stream[:usable]).view(-1, seq)
 
 
+class PlainLoop:
+    """The model sharded per decoder layer and at the root, AdamW, clipping; one step per call."""
+
+    def __init__(self, config_dir: str, tokenizer_dir: str, data: str, seq: int, batch: int, mesh):
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=True)
+        self.rows = blocks(AutoTokenizer.from_pretrained(tokenizer_dir), data, seq)
+        self.batch, self.rank, self.world = batch, dist.get_rank(), dist.get_world_size()
+        self.step = 0
+        self.tokens_per_step = batch * self.world * seq
+
+    def __call__(self) -> None:
+        start = (self.step * self.world + self.rank) * self.batch
+        ids = self.rows[torch.arange(start, start + self.batch) % len(self.rows)]
+        loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.step += 1
+
+
 def main() -> None:
     config_dir, tokenizer_dir, data, seq, batch, steps, warmup = sys.argv[1:8]
-    seq, batch, steps, warmup = int(seq), int(batch), int(steps), int(warmup)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    rows = blocks(AutoTokenizer.from_pretrained(tokenizer_dir), data, seq)
-    started = None
-    for step in range(steps):
-        if step == warmup:
-            started = time.perf_counter()
-        index = torch.arange(step * batch * world + rank * batch, step * batch * world + (rank + 1) * batch)
-        ids = rows[index % len(rows)]
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-    elapsed = time.perf_counter() - started
-    if rank == 0:
-        tokens = (steps - warmup) * batch * world * seq
-        print(json.dumps({"tokens_per_s": tokens / elapsed,
+    loop = PlainLoop(config_dir, tokenizer_dir, data, int(seq), int(batch),
+                     init_device_mesh("cpu", (dist.get_world_size(),)))
+    step_times = []
+    for _ in range(int(steps)):
+        started = time.perf_counter()
+        loop()
+        step_times.append(time.perf_counter() - started)
+    if dist.get_rank() == 0:
+        print(json.dumps({"step_times_s": step_times[int(warmup):], "tokens_per_step": loop.tokens_per_step,
                           "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
     dist.destroy_process_group()
 

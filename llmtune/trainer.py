@@ -35,32 +35,37 @@ class Trainer:
         self.model.train()
         steps = self.data.steps(self.total_steps - self.step)
         while self.step < self.total_steps:
-            started = time.perf_counter()
-            epoch, micro_batches = next(steps)
-            data_wait = time.perf_counter() - started
-            stats = self.train_step(micro_batches)
-            stats.data_wait, stats.step_time = data_wait, time.perf_counter() - started
-            self.step += 1
-            eval_loss = self.evaluate() if self._evaluation_due() else None
-            self.monitor.record(self.step, epoch, stats, eval_loss)
-            if self.profiler:
-                self.profiler.step()
-            if self.profiler and self.step == self.total_steps:
-                self.profiler.stop()
-            stopping = self.skipped_in_a_row >= self.cfg.max_skipped_steps
-            # A stop saves too: the skipped steps left the weights at the last good state.
-            if self.checkpoints and (stopping or self.checkpoints.due(self.step, self.data.epoch_done, epoch,
-                                                                       self.step == self.total_steps)):
-                self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
-            if stopping:
-                if self.checkpoints:
-                    self.checkpoints.finish_pending()
-                raise TrainingStopped(
-                    f"stopped at step {self.step}: {self.skipped_in_a_row} optimizer steps in a row had a non-finite "
-                    f"loss or gradient norm (train.max_skipped_steps={self.cfg.max_skipped_steps}); lower "
-                    "train.learning_rate, check the data, or train in fp32")
+            self.advance(steps)
         if self.checkpoints:
             self.checkpoints.finish_pending()
+
+    def advance(self, steps) -> None:
+        """One turn of the loop: the next optimizer step from `steps` (DataManager.steps), then its evaluation,
+        record, profiler step and checkpoint when they are due."""
+        started = time.perf_counter()
+        epoch, micro_batches = next(steps)
+        data_wait = time.perf_counter() - started
+        stats = self.train_step(micro_batches)
+        stats.data_wait, stats.step_time = data_wait, time.perf_counter() - started
+        self.step += 1
+        eval_loss = self.evaluate() if self._evaluation_due() else None
+        self.monitor.record(self.step, epoch, stats, eval_loss)
+        if self.profiler:
+            self.profiler.step()
+        if self.profiler and self.step == self.total_steps:
+            self.profiler.stop()
+        stopping = self.skipped_in_a_row >= self.cfg.max_skipped_steps
+        # A stop saves too: the skipped steps left the weights at the last good state.
+        if self.checkpoints and (stopping or self.checkpoints.due(self.step, self.data.epoch_done, epoch,
+                                                                   self.step == self.total_steps)):
+            self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
+        if stopping:
+            if self.checkpoints:
+                self.checkpoints.finish_pending()
+            raise TrainingStopped(
+                f"stopped at step {self.step}: {self.skipped_in_a_row} optimizer steps in a row had a non-finite "
+                f"loss or gradient norm (train.max_skipped_steps={self.cfg.max_skipped_steps}); lower "
+                "train.learning_rate, check the data, or train in fp32")
 
     def state_dict(self) -> dict:
         """Everything besides model and optimizer that decides what comes next; plain data."""

@@ -36,6 +36,7 @@ def test_no_decay_for_biases_and_norms_and_tied_weights_once():
     optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1))
     decayed, plain = optimizer.param_groups
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert optimizer.defaults["fused"]
     assert all(p.ndim >= 2 for p in decayed["params"]) and all(p.ndim == 1 for p in plain["params"])
     ids = [id(p) for group in optimizer.param_groups for p in group["params"]]
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
