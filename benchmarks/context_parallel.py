@@ -1,17 +1,28 @@
-"""Context parallelism: per-rank peak memory and step time of one training step at growing sequence
-lengths, cp=1 (one process) against cp=2 (two processes), on a small Llama; and the longest
-sequence each fits under a memory cap.
+"""Context parallelism: per-rank memory and step time of a training step at growing sequence lengths,
+cp=1 (one process) against cp=2 (two processes), on a small Llama; and the longest sequence each
+fits under a memory cap.
 
-    python benchmarks/context_parallel.py [--lengths 2048 4096 8192 16384] [--cap-gib 1.5]
+    python benchmarks/context_parallel.py [--lengths 2048 4096 8192 16384] [--cap-gib 1.0] [--doc-len 0]
 
-Each (length, cp) case runs in fresh processes; memory is each rank's peak RSS growth during the
-step (activations, gradients, optimizer state are what grows; the model is built before).
+Each (length, cp) case runs in fresh processes: one step to warm up (it also creates the optimizer
+state), one timed step, one measured step. Memory is counted in tensors, as CUDA's
+max_memory_allocated would count it, per rank (the largest rank is shown):
+- activations: the bytes of every tensor autograd keeps for backward, after the forward;
+- peak: the highest total of live tensor bytes during the step above what was live before it
+  (activations, gradients, optimizer work and the transient buffers of attention and
+  all-to-all), read from the profiler's memory events.
+Peak RSS is not used: glibc keeps freed memory for reuse and its mmap threshold moves with what a
+process happened to free before, which added about 0.2 GiB to either case and made cp=2/cp=1
+read 0.65 when the tensors said 0.54.
+
+--doc-len N packs documents of N tokens into each sequence (position_ids restart at each): the
+attention then needs a document mask, whose size grows with the square of the full sequence on
+every cp rank.
 """
 
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -21,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def step_case(model_dir: str, length: int, out: str) -> None:
-    """Under torchrun: one forward+backward+optimizer step on one sequence of `length` tokens."""
+def step_case(model_dir: str, length: int, doc_len: int, out: str) -> None:
+    """Under torchrun: three training steps on one sequence of `length` tokens; appends this rank's figures."""
     import torch
 
     from llmtune.config import ModelConfig, TrainConfig
@@ -37,41 +48,65 @@ def step_case(model_dir: str, length: int, out: str) -> None:
     model = build_model(ModelConfig(config=model_dir, tokenizer=model_dir), TrainConfig(), state.fsdp_mesh,
                         state.device, attention)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 256, (1, length), generator=generator)
+    ids = torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "shift_labels": shift_labels(ids)}
+    if doc_len:
+        inputs["position_ids"] = (torch.arange(length) % doc_len)[None]
     if cp > 1:
         inputs = SequenceShard(state.cp_group, cp, state.cp_rank, 0)(inputs)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    storages, activations = {}, []
+
+    def keep(tensor):
+        # Storages by address: one activation saved by two nodes counts once; the layers' gathered
+        # parameters, also saved, are freed by FSDP after the forward and count zero.
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage()
+        return tensor
+
+    def step(record_saved: bool = False) -> None:
+        with torch.autograd.graph.saved_tensors_hooks(keep if record_saved else (lambda t: t), lambda t: t):
+            loss = model(**inputs)
+        if record_saved:
+            activations.append(sum(storage.nbytes() for storage in storages.values()))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
     started = time.perf_counter()
-    model(**inputs).backward()
-    optimizer.step()
+    step()
     seconds = time.perf_counter() - started
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            step(record_saved=True)
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    peak = max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"), default=0)
     with open(out, "a") as f:
-        f.write(json.dumps({"rank": state.rank, "peak_growth_gib": grown, "seconds": seconds}) + "\n")
+        f.write(json.dumps({"rank": state.rank, "activations_gib": activations[0] / 2**30, "peak_gib": peak / 2**30,
+                            "seconds": seconds}) + "\n")
     state.close()
 
 
-def run(model_dir: Path, length: int, cp: int, tmp: Path) -> dict:
+def run(model_dir: Path, length: int, cp: int, doc_len: int, tmp: Path) -> dict:
     out = tmp / f"case_{length}_{cp}.jsonl"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}",
-                             __file__, "--case", str(model_dir), str(length), str(out)], cwd=REPO,
+                             __file__, "--case", str(model_dir), str(length), str(doc_len), str(out)], cwd=REPO,
                             capture_output=True, text=True)
     if result.returncode:
         return {"failed": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}
     ranks = [json.loads(line) for line in out.read_text().splitlines()]
-    return {"peak_growth_gib": max(r["peak_growth_gib"] for r in ranks), "seconds": max(r["seconds"] for r in ranks)}
+    return {key: max(r[key] for r in ranks) for key in ("activations_gib", "peak_gib", "seconds")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--cap-gib", type=float, default=1.5)
-    parser.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--cap-gib", type=float, default=1.0)
+    parser.add_argument("--doc-len", type=int, default=0, help="pack documents of this many tokens (0: one)")
+    parser.add_argument("--case", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
-        step_case(args.case[0], int(args.case[1]), args.case[2])
+        step_case(args.case[0], int(args.case[1]), int(args.case[2]), args.case[3])
         return
     from transformers import LlamaConfig
 
@@ -79,22 +114,24 @@ def main() -> None:
         model_dir = Path(tmp) / "model"
         LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                     num_key_value_heads=4, max_position_embeddings=max(args.lengths)).save_pretrained(model_dir)
-        print(f"Llama hidden 256, 4 layers, 8 heads (4 kv), fp32, batch 1; cap {args.cap_gib} GiB per rank")
-        print(f"{'tokens':>8} | {'cp=1 GiB':>9} {'s':>7} | {'cp=2 GiB/rank':>13} {'s':>7} | {'memory cp2/cp1':>14}")
+        documents = f"documents of {args.doc_len} tokens" if args.doc_len else "one document"
+        print(f"Llama hidden 256, 4 layers, 8 heads (4 kv), fp32, sdpa, batch 1, {documents}; GiB per rank; "
+              f"cap {args.cap_gib} GiB")
+        print(f"{'tokens':>7} | {'cp=1 act':>8} {'peak':>6} {'s':>6} | {'cp=2 act':>8} {'peak':>6} {'s':>6} | "
+              f"{'cp2/cp1 act':>11} {'peak':>6}")
         fits = {1: 0, 2: 0}
         for length in args.lengths:
-            one, two = run(model_dir, length, 1, Path(tmp)), run(model_dir, length, 2, Path(tmp))
-            for cp, result in ((1, one), (2, two)):
-                if "failed" not in result and result["peak_growth_gib"] <= args.cap_gib:
+            results = {cp: run(model_dir, length, cp, args.doc_len, Path(tmp)) for cp in (1, 2)}
+            for cp, result in results.items():
+                if "failed" not in result and result["peak_gib"] <= args.cap_gib:
                     fits[cp] = length
-
-            def show(r):
-                return f"{'failed':>9} {'':>7}" if "failed" in r else f"{r['peak_growth_gib']:9.2f} {r['seconds']:7.1f}"
-
-            ratio = two["peak_growth_gib"] / one["peak_growth_gib"] if "failed" not in one and "failed" not in two \
-                else float("nan")
-            print(f"{length:>8} | {show(one)} | {show(two):>21} | {ratio:14.2f}")
-        print(f"longest sequence under {args.cap_gib} GiB per rank: cp=1 {fits[1]}, cp=2 {fits[2]} tokens")
+            cells = [f"{'failed':>22}" if "failed" in r else
+                     f"{r['activations_gib']:8.3f} {r['peak_gib']:6.3f} {r['seconds']:6.1f}" for r in results.values()]
+            one, two = results[1], results[2]
+            ratios = f"{'':>18}" if "failed" in one or "failed" in two else \
+                f"{two['activations_gib'] / one['activations_gib']:11.3f} {two['peak_gib'] / one['peak_gib']:6.3f}"
+            print(f"{length:>7} | {cells[0]} | {cells[1]} | {ratios}")
+        print(f"longest sequence whose peak fits {args.cap_gib} GiB per rank: cp=1 {fits[1]}, cp=2 {fits[2]} tokens")
 
 
 if __name__ == "__main__":

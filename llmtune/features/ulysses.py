@@ -124,12 +124,12 @@ def ulysses_attention(module, query, key, value, attention_mask, *, group, backe
         key, value = (t.repeat_interleave(cp // kv_heads, dim=1) for t in (key, value))
     # [b, heads, s/cp, d] -> [b, heads/cp, S, d]: scatter the heads, gather the sequence.
     query, key, value = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))
-    heads = query.shape[1]
-    key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
     mask = _mask(_full_positions(position_ids, group), sliding_window, backend, query.dtype)
-    # The local query heads now each have their key/value head: tell the backend there is no grouping.
-    local = types.SimpleNamespace(num_key_value_groups=1, is_causal=True, training=module.training,
-                                  config=module.config)
+    # Rank r holds query heads [r*H/cp, (r+1)*H/cp) and the key/value heads of exactly those groups. The
+    # backend groups them as it does on one rank (sdpa without a mask attends grouped heads natively), so
+    # backward keeps key/value at their own size, not repeated per query head.
+    local = types.SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], is_causal=True,
+                                  training=module.training, config=module.config)
     out, _ = ALL_ATTENTION_FUNCTIONS[backend](local, query, key, value, mask, dropout=dropout, scaling=scaling,
                                               **kwargs)
     # out is [b, S, H/cp, d]: scatter the sequence back, gather the heads.
