@@ -10,9 +10,11 @@ over the full sequence with causal, document and sliding-window masking built he
 
 Because the function's name is not in transformers' mask registry, the model hands it no mask;
 the mask is built from the full position_ids instead. Right padding needs none: a real token never
-attends to the pads after it, and the pads carry no label.
+attends to the pads after it, and the pads carry no label. Long packed sequences are attended
+document span by document span, so that no mask grows with the square of the sequence.
 """
 
+import sys
 import types
 from functools import partial
 
@@ -25,6 +27,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from llmtune.loss import IGNORE_INDEX
 
 ATTENTION = "llmtune_ulysses"
+# Longest stretch of the full sequence that one attention call (and one mask) covers; see `attend`.
+DOCUMENT_WINDOW = 2048
 
 
 def layout_problems(model_config: dict, cp: int) -> list[str]:
@@ -94,23 +98,73 @@ def _full_positions(positions: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _mask(positions: torch.Tensor, sliding_window: int | None, backend: str, dtype: torch.dtype):
-    """Causal, same-document (position_ids restart at each document) and sliding-window mask over the full
-    sequence; None when plain causal attention is all it takes."""
-    restarts = torch.diff(positions, dim=1, prepend=positions[:, :1] - 1) != 1
-    documents = restarts.cumsum(dim=1)
+def _document_starts(positions: torch.Tensor) -> torch.Tensor:
+    """For each token of [b, s] position_ids: True where a document starts (the positions restart)."""
+    return torch.diff(positions, dim=1, prepend=positions[:, :1] - 1) != 1
+
+
+def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtype: torch.dtype):
+    """Causal, same-document and sliding-window mask over a stretch of the full sequence; None when the
+    backend's own causal attention is all it takes (sdpa, one document, no window reached). Eager attention
+    has no causal mode of its own: it always gets one, additive."""
+    documents = _document_starts(positions).cumsum(dim=1)
+    length = positions.shape[1]
     single = bool((documents[:, -1] == documents[:, 0]).all())
-    if single and not sliding_window:
+    if single and not eager and not (sliding_window and length > sliding_window):
         return None
-    index = torch.arange(positions.shape[1], device=positions.device)
+    index = torch.arange(length, device=positions.device)
     allowed = (index[None, :, None] >= index[None, None, :]) & (documents[:, :, None] == documents[:, None, :])
     if sliding_window:
         allowed &= (index[None, :, None] - index[None, None, :]) < sliding_window
     allowed = allowed[:, None]
-    if backend == "eager":
+    if eager:
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
                                                                                           torch.finfo(dtype).min)
     return allowed
+
+
+def document_windows(positions: torch.Tensor, window: int) -> list[tuple[int, int]]:
+    """[start, end) spans of one row's [s] position_ids holding whole documents, consecutive ones grouped up to
+    `window` tokens; a longer document has a span of its own."""
+    starts = [0, *_document_starts(positions[None])[0].nonzero().flatten().tolist()]
+    spans = []
+    for start, end in zip(starts, starts[1:] + [len(positions)]):
+        if spans and end - spans[-1][0] <= window:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+    return spans
+
+
+def attend(attention, module, query, key, value, positions, sliding_window: int | None, eager: bool,
+           window: int | None = None, **kwargs) -> torch.Tensor:
+    """`attention` over the full sequence (query [b, h, S, d], key/value [b, kv, S, d], positions [b, S]),
+    causal, within each document and the sliding window -> [b, S, h, d].
+
+    Up to `window` tokens, one call with one mask. Longer sequences are cut between documents into spans
+    of at most `window` tokens (or one longer document), each attended alone: tokens never attend across
+    documents, so the result is the same, and a mask never exceeds `window` squared — over the whole
+    sequence it would grow with S squared on every cp rank and outweigh the activations cp divides.
+    `window` defaults to DOCUMENT_WINDOW, read when called.
+    """
+    window = window or DOCUMENT_WINDOW
+    if positions.shape[1] <= window:
+        return attention(module, query, key, value, _mask(positions, sliding_window, eager, query.dtype), **kwargs)[0]
+    rows = []
+    for row in range(query.shape[0]):
+        pieces = [attention(module, *(t[row:row + 1, :, start:end] for t in (query, key, value)),
+                            _mask(positions[row:row + 1, start:end], sliding_window, eager, query.dtype), **kwargs)[0]
+                  for start, end in document_windows(positions[row], window)]
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows)
+
+
+def backend_function(module, backend: str):
+    """The attention function the model would call for `backend`: transformers' registered one, or for eager
+    the model's own (each modeling file defines it; it is not in the registry)."""
+    if backend == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[backend]
 
 
 def ulysses_attention(module, query, key, value, attention_mask, *, group, backend: str, dropout: float = 0.0,
@@ -124,14 +178,13 @@ def ulysses_attention(module, query, key, value, attention_mask, *, group, backe
         key, value = (t.repeat_interleave(cp // kv_heads, dim=1) for t in (key, value))
     # [b, heads, s/cp, d] -> [b, heads/cp, S, d]: scatter the heads, gather the sequence.
     query, key, value = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))
-    mask = _mask(_full_positions(position_ids, group), sliding_window, backend, query.dtype)
     # Rank r holds query heads [r*H/cp, (r+1)*H/cp) and the key/value heads of exactly those groups. The
     # backend groups them as it does on one rank (sdpa without a mask attends grouped heads natively), so
     # backward keeps key/value at their own size, not repeated per query head.
     local = types.SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], is_causal=True,
                                   training=module.training, config=module.config)
-    out, _ = ALL_ATTENTION_FUNCTIONS[backend](local, query, key, value, mask, dropout=dropout, scaling=scaling,
-                                              **kwargs)
+    out = attend(backend_function(module, backend), local, query, key, value, _full_positions(position_ids, group),
+                 sliding_window, backend == "eager", dropout=dropout, scaling=scaling, **kwargs)
     # out is [b, S, H/cp, d]: scatter the sequence back, gather the heads.
     return _AllToAll.apply(out, group, 1, 2), None
 

@@ -1,8 +1,9 @@
 """Training cases for the context-parallel tests: run in pytest's process (world of one) or under torchrun
 (`torchrun --nproc-per-node 2 tests/dist/cp_worker.py CASES.json`), one case after another.
 
-Each case trains a recipe with overrides and leaves, in its output_dir, metrics.jsonl and
-grads.pt: every parameter's full gradient at step 1, taken just before the optimizer step.
+Each case trains a recipe with overrides (and the context-parallel attention's document window) and
+leaves, in its output_dir, metrics.jsonl and grads.pt: every parameter's full gradient at step 1,
+taken just before the optimizer step.
 """
 
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from llmtune.config import load_config
+from llmtune.features import ulysses
 from llmtune.parallel import ParallelState
 from llmtune.worker import build_trainer
 
@@ -40,5 +42,8 @@ def run_case(recipe: str, overrides: list[str], world_size: int, keep_process_gr
 
 if __name__ == "__main__":
     cases = json.loads(Path(sys.argv[1]).read_text())
+    default_window = ulysses.DOCUMENT_WINDOW
     for number, case in enumerate(cases, start=1):
+        # A window shorter than the test's sequences makes the attention go document span by span.
+        ulysses.DOCUMENT_WINDOW = case["document_window"] or default_window
         run_case(case["recipe"], case["overrides"], 2, keep_process_group=number < len(cases))

@@ -1,8 +1,9 @@
 """Ulysses context parallelism (fp32, 2 processes in one launch): cp=2 gives the per-step losses (1e-5
 relative) and the step-1 gradients (1e-5 relative to the largest entry) of cp=1, for a Llama with
 fewer key/value heads than cp and for Qwen2, with padded sft batches, packed sequences and lengths
-that are not a multiple of cp; dp=2,cp=1 and dp=1,cp=2 agree on the same global batch. Invalid
-layouts are refused before anything starts."""
+that are not a multiple of cp, with sdpa and eager, and with packed sequences attended document
+span by document span; dp=2,cp=1 and dp=1,cp=2 agree on the same global batch. Invalid layouts are
+refused before anything starts."""
 
 import json
 import subprocess
@@ -16,11 +17,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests.dist.cp_worker import run_case
 from tests.helpers import REPO, read_metrics, run_cli, save_tiny_model
 
-# name: (model, packing, extra overrides of the 2-process run)
-CASES = {"llama_kv1_padded": ("llama_kv1", False, ["parallel.cp_size=2"]),
-         "llama_kv1_packed": ("llama_kv1", True, ["parallel.cp_size=2"]),
-         "qwen2_packed": ("qwen2", True, ["parallel.cp_size=2"]),
-         "llama_kv1_padded_dp2": ("llama_kv1", False, ["parallel.cp_size=1", "train.gradient_accumulation_steps=1"])}
+# name: (model, packing, attention backend, extra overrides of the 2-process run, tokens per attention call in
+# the cp run: 0 for the default, which these short sequences never reach)
+CASES = {"llama_kv1_padded": ("llama_kv1", False, "sdpa", ["parallel.cp_size=2"], 0),
+         "llama_kv1_packed": ("llama_kv1", True, "sdpa", ["parallel.cp_size=2"], 0),
+         "qwen2_packed": ("qwen2", True, "sdpa", ["parallel.cp_size=2"], 0),
+         "llama_kv1_padded_dp2": ("llama_kv1", False, "sdpa",
+                                  ["parallel.cp_size=1", "train.gradient_accumulation_steps=1"], 0),
+         "llama_kv1_packed_eager": ("llama_kv1", True, "eager", ["parallel.cp_size=2"], 0),
+         "qwen2_packed_document_spans": ("qwen2", True, "sdpa", ["parallel.cp_size=2"], 64)}
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +36,10 @@ def models(bare_tokenizer, tiny_qwen2, tmp_path_factory):
     return {"llama_kv1": str(llama), "qwen2": str(tiny_qwen2)}
 
 
-def recipe(root, model, sft_file, packing) -> str:
+def recipe(root, model, sft_file, packing, attention="sdpa") -> str:
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump({
-        "model": {"name_or_path": model},
+        "model": {"name_or_path": model, "attn_implementation": attention},
         "data": {"train_files": [str(sft_file)], "chat_template": "basic", "packing": packing, "max_seq_len": 96},
         "train": {"output_dir": str(root / "out"), "max_steps": 4, "per_device_train_batch_size": 2,
                   "gradient_accumulation_steps": 2, "logging_steps": 1, "learning_rate": 2e-3, "chunk_loss_size": 0},
@@ -45,14 +50,14 @@ def recipe(root, model, sft_file, packing) -> str:
 @pytest.fixture(scope="module")
 def runs(models, sft_file, tmp_path_factory):
     references, cases = {}, []
-    for name, (model, packing, overrides) in CASES.items():
+    for name, (model, packing, attention, overrides, window) in CASES.items():
         root = tmp_path_factory.mktemp(name)
-        cases.append({"recipe": recipe(root, models[model], sft_file, packing), "overrides": overrides,
-                      "out": str(root / "out")})
-        key = (model, packing)
+        cases.append({"recipe": recipe(root, models[model], sft_file, packing, attention), "overrides": overrides,
+                      "out": str(root / "out"), "document_window": window})
+        key = (model, packing, attention)
         if key not in references:
-            ref_root = tmp_path_factory.mktemp(f"ref_{model}_{packing}")
-            run_case(recipe(ref_root, models[model], sft_file, packing), [], 1)
+            ref_root = tmp_path_factory.mktemp(f"ref_{model}_{packing}_{attention}")
+            run_case(recipe(ref_root, models[model], sft_file, packing, attention), [], 1)
             references[key] = ref_root / "out"
     spec = tmp_path_factory.mktemp("cases") / "cases.json"
     spec.write_text(json.dumps(cases))
@@ -60,8 +65,8 @@ def runs(models, sft_file, tmp_path_factory):
                              str(REPO / "tests" / "dist" / "cp_worker.py"), str(spec)], cwd=REPO, capture_output=True,
                             text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    return {name: (references[(model, packing)], case["out"])
-            for (name, (model, packing, _)), case in zip(CASES.items(), cases)}
+    return {name: (references[(model, packing, attention)], case["out"])
+            for (name, (model, packing, attention, _, _)), case in zip(CASES.items(), cases)}
 
 
 @pytest.mark.parametrize("name", CASES)
