@@ -1,6 +1,6 @@
 """Ulysses context parallelism on stock HF models: each of cp ranks holds 1/cp of a sequence's tokens.
 
-Two plug-in points. `shard_batch` cuts a micro-batch: labels were shifted before (each slice keeps
+Two plug-in points. `SequenceShard` cuts a micro-batch: labels were shifted before (each slice keeps
 the label of its last token), the sequence is padded to a multiple of cp with label -100, and
 every rank keeps a contiguous slice of input_ids, labels and GLOBAL position_ids (RoPE sees true
 positions; packed documents keep their restarts). `register_attention` installs, through
