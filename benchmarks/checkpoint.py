@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 import yaml
 from transformers import AutoTokenizer, LlamaConfig
 

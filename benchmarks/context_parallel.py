@@ -53,7 +53,7 @@ def step_case(model_dir: str, length: int, doc_len: int, out: str) -> None:
     if doc_len:
         inputs["position_ids"] = (torch.arange(length) % doc_len)[None]
     if cp > 1:
-        inputs = SequenceShard(state.cp_group, cp, state.cp_rank, 0)(inputs)
+        inputs = SequenceShard(cp, state.cp_rank, 0)(inputs)
     storages, activations = {}, []
 
     def keep(tensor):

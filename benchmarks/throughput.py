@@ -38,6 +38,7 @@ VARIANTS = {"same work": {"document_mask": False, "chunk_loss_size": 0},
 
 
 def write_recipe(assets: Path, out: Path, args, variant: dict, steps: int) -> Path:
+    """`out`/recipe.yaml of a `llmtune pt` run of `variant` whose output_dir is `out`."""
     out.mkdir(parents=True)
     recipe = out / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
@@ -146,6 +147,7 @@ def main() -> None:
             print("  end to end (one after the other): " + ", ".join(
                 f"{name} {value:,.0f} tokens/s" + ("" if name == "plain" else f" ({value / runs['plain'][0]:.3f}x)")
                 + f", peak RSS {rss:.2f} GiB" for name, (value, rss) in runs.items()))
+
 
 if __name__ == "__main__":
     main()

@@ -34,11 +34,13 @@ class CausalLMForTraining(nn.Module):
         self.hf_model = hf_model
         self.loss_options = loss_options
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None, **attention_kwargs):
         """Summed loss over the labelled tokens (the lm_head never runs on the whole sequence), or the
-        logits, as the HF model gives them, when no labels are given."""
+        logits, as the HF model gives them, when no labels are given. attention_kwargs reach the attention
+        function of every layer (context parallelism's full_position_ids)."""
         hidden = self.hf_model.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+            **attention_kwargs
         ).last_hidden_state
         head = self.hf_model.get_output_embeddings()
         if shift_labels is None:

@@ -73,7 +73,7 @@ def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
     if state.cp_size > 1:
         attention = register_attention(state.cp_group, config.model.attn_implementation)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        shard = SequenceShard(state.cp_group, state.cp_size, state.cp_rank, pad_id)
+        shard = SequenceShard(state.cp_size, state.cp_rank, pad_id)
     model = build_model(config.model, config.train, state.fsdp_mesh, state.device, attention)
     if resume:
         check_complete(resume)

@@ -48,10 +48,11 @@ def layout_problems(model_config: dict, cp: int) -> list[str]:
 
 
 class SequenceShard:
-    """This rank's contiguous slice of every sequence of a micro-batch."""
+    """This rank's contiguous slice of every sequence of a micro-batch, and the whole sequence's position_ids
+    for the attention (which sees the full sequence and masks it by document)."""
 
-    def __init__(self, group, size: int, rank: int, pad_id: int):
-        self.group, self.size, self.rank, self.pad_id = group, size, rank, pad_id
+    def __init__(self, size: int, rank: int, pad_id: int):
+        self.size, self.rank, self.pad_id = size, rank, pad_id
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         input_ids, labels = inputs["input_ids"], inputs["shift_labels"]
@@ -68,7 +69,7 @@ class SequenceShard:
             positions = torch.cat([positions, tail], dim=1)
         part = slice(self.rank * padded // self.size, (self.rank + 1) * padded // self.size)
         return {"input_ids": input_ids[:, part].contiguous(), "shift_labels": labels[:, part].contiguous(),
-                "position_ids": positions[:, part].contiguous()}
+                "position_ids": positions[:, part].contiguous(), "full_position_ids": positions.contiguous()}
 
 
 class _AllToAll(torch.autograd.Function):
@@ -90,12 +91,6 @@ def _exchange(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) ->
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
     return torch.cat(received.unbind(0), dim=gather_dim)
-
-
-def _full_positions(positions: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, positions.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
 
 
 def _document_starts(positions: torch.Tensor) -> torch.Tensor:
@@ -136,8 +131,8 @@ def document_windows(positions: torch.Tensor, window: int) -> list[tuple[int, in
     return spans
 
 
-def attend(attention, module, query, key, value, positions, sliding_window: int | None, eager: bool,
-           window: int | None = None, **kwargs) -> torch.Tensor:
+def attend(attention, module, query, key, value, positions, sliding_window: int | None, eager: bool, window: int,
+           **kwargs) -> torch.Tensor:
     """`attention` over the full sequence (query [b, h, S, d], key/value [b, kv, S, d], positions [b, S]),
     causal, within each document and the sliding window -> [b, S, h, d].
 
@@ -145,9 +140,7 @@ def attend(attention, module, query, key, value, positions, sliding_window: int 
     of at most `window` tokens (or one longer document), each attended alone: tokens never attend across
     documents, so the result is the same, and a mask never exceeds `window` squared — over the whole
     sequence it would grow with S squared on every cp rank and outweigh the activations cp divides.
-    `window` defaults to DOCUMENT_WINDOW, read when called.
     """
-    window = window or DOCUMENT_WINDOW
     if positions.shape[1] <= window:
         return attention(module, query, key, value, _mask(positions, sliding_window, eager, query.dtype), **kwargs)[0]
     rows = []
@@ -168,8 +161,10 @@ def backend_function(module, backend: str):
 
 
 def ulysses_attention(module, query, key, value, attention_mask, *, group, backend: str, dropout: float = 0.0,
-                      scaling: float | None = None, sliding_window: int | None = None, position_ids=None, **kwargs):
-    """query [b, H, s/cp, d], key/value [b, KV, s/cp, d] -> output [b, s/cp, H, d]."""
+                      scaling: float | None = None, sliding_window: int | None = None, full_position_ids=None,
+                      **kwargs):
+    """query [b, H, s/cp, d], key/value [b, KV, s/cp, d], full_position_ids [b, S] (from SequenceShard, passed
+    through the model's forward) -> output [b, s/cp, H, d]."""
     cp = dist.get_world_size(group)
     kv_heads = key.shape[1]
     if kv_heads < cp:
@@ -183,8 +178,8 @@ def ulysses_attention(module, query, key, value, attention_mask, *, group, backe
     # backward keeps key/value at their own size, not repeated per query head.
     local = types.SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], is_causal=True,
                                   training=module.training, config=module.config)
-    out = attend(backend_function(module, backend), local, query, key, value, _full_positions(position_ids, group),
-                 sliding_window, backend == "eager", dropout=dropout, scaling=scaling, **kwargs)
+    out = attend(backend_function(module, backend), local, query, key, value, full_position_ids, sliding_window,
+                 backend == "eager", DOCUMENT_WINDOW, dropout=dropout, scaling=scaling, **kwargs)
     # out is [b, S, H/cp, d]: scatter the sequence back, gather the heads.
     return _AllToAll.apply(out, group, 1, 2), None
 

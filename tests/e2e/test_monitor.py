@@ -2,7 +2,6 @@
 every documented field; token counts and throughput agree with independent counts; the logged
 validation loss is the token-weighted mean over the whole validation split."""
 
-import json
 import time
 
 import pytest

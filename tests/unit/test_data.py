@@ -5,7 +5,6 @@ import logging
 
 import datasets
 import pytest
-import torch
 
 from llmtune.config import DataConfig, TrainConfig
 from llmtune.data.build import build_datasets, build_stream, load_or_build
