@@ -79,6 +79,18 @@ class ParallelState:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def all_agree(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on every rank."""
+        agreed = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        return bool(agreed.item())
+
+    def broadcast_object(self, obj, src: int = 0):
+        """Rank `src`'s `obj` (picklable), on every rank."""
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
     def barrier(self) -> None:
         dist.barrier()
 
