@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from llmtune.model import CausalLMForTraining
+from llmtune.features.base import Features
 from llmtune.loss import LossOptions, cross_entropy_sum, shift_labels
+from llmtune.model import CausalLMForTraining
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,7 +78,7 @@ def train_case(args, chunk_size: int) -> dict:
                          num_hidden_layers=args.train_layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=args.train_seq, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = CausalLMForTraining(Qwen2ForCausalLM(config), LossOptions(chunk_size=chunk_size))
+    model = CausalLMForTraining(Qwen2ForCausalLM(config), LossOptions(chunk_size=chunk_size), Features([]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     input_ids = torch.randint(0, args.vocab, (1, args.train_seq))
     baseline = reset_peak()

@@ -36,24 +36,26 @@ def step_case(model_dir: str, length: int, doc_len: int, out: str) -> None:
     """Under torchrun: three training steps on one sequence of `length` tokens; appends this rank's figures."""
     import torch
 
-    from llmtune.config import ModelConfig, TrainConfig
-    from llmtune.features.ulysses import SequenceShard, register_attention
+    from llmtune.config import (CheckpointConfig, Config, DataConfig, ModelConfig, MonitorConfig, ParallelConfig,
+                                TrainConfig)
+    from llmtune.features.registry import enabled_features
     from llmtune.loss import shift_labels
-    from llmtune.model import build_model
+    from llmtune.model import build_model, load_model_config
     from llmtune.parallel import ParallelState
 
     cp = int(os.environ["WORLD_SIZE"])
     state = ParallelState.initialize(cp)
-    attention = register_attention(state.cp_group, "sdpa") if cp > 1 else "sdpa"
-    model = build_model(ModelConfig(config=model_dir, tokenizer=model_dir), TrainConfig(), state.fsdp_mesh,
-                        state.device, attention)
+    config = Config(task="pt", model=ModelConfig(config=model_dir, tokenizer=model_dir), data=DataConfig(),
+                    train=TrainConfig(), parallel=ParallelConfig(cp_size=cp), checkpoint=CheckpointConfig(),
+                    monitor=MonitorConfig())
+    features = enabled_features(config)
+    model = build_model(load_model_config(config.model), config.model, config.train, state, features)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "shift_labels": shift_labels(ids)}
     if doc_len:
         inputs["position_ids"] = (torch.arange(length) % doc_len)[None]
-    if cp > 1:
-        inputs = SequenceShard(cp, state.cp_rank, 0)(inputs)
+    inputs = features.transform(inputs)
     storages, activations = {}, []
 
     def keep(tensor):

@@ -1,5 +1,5 @@
-"""argv -> command. The recipe and every path it names are checked here, before torch is imported
-and before any process or process group starts."""
+"""argv -> command. The recipe and every path it names are checked here before torch is imported, then the
+enabled features' checks run: all before any process or process group starts."""
 
 import argparse
 import sys
@@ -12,41 +12,20 @@ USAGE = """llmtune pt|sft RECIPE [section.key=value ...] [--section.key VALUE ..
        llmtune demo"""
 
 
-def parse_overrides(tokens: list[str]) -> tuple[list[str], int | None]:
-    """`a.b=c`, `--a.b=c` and `--a.b c` -> ["a.b=c", ...]; plus the value of --nproc."""
-    overrides, nproc, i = [], None, 0
-    while i < len(tokens):
-        token = tokens[i]
-        name = token[2:] if token.startswith("--") else token
-        if token.startswith("--") and "=" not in name:
-            if i + 1 >= len(tokens):
-                raise UserError(f"{token} needs a value")
-            name, i = f"{name}={tokens[i + 1]}", i + 1
-        key, _, value = name.partition("=")
-        if key == "resume_from_checkpoint":
-            overrides.append(f"checkpoint.resume_from_checkpoint={value}")
-        elif key == "nproc":
-            if not value.isdigit() or int(value) < 1:
-                raise UserError(f"--nproc: {value!r} is not a positive number of processes")
-            nproc = int(value)
-        elif "=" in name:
-            overrides.append(name)
-        else:
-            raise UserError(f"unexpected argument {token!r}; overrides are written section.key=value")
-        i += 1
-    return overrides, nproc
-
-
 def train_command(task: str, recipe: str, rest: list[str]) -> int:
     from llmtune import launch
-    from llmtune.config import load_config
+    from llmtune.config import load_config, parse_overrides
     from llmtune.inputs import check_inputs
 
     overrides, nproc = parse_overrides(rest)
     if nproc and launch.launched_by_torchrun():
         raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
-    config = load_config(recipe, overrides, task, nproc or launch.world_size_from_env())
+    world_size = nproc or launch.world_size_from_env()
+    config = load_config(recipe, overrides, task, world_size)
     check_inputs(config)
+    from llmtune.features.registry import check_features
+
+    check_features(config, world_size)
     if nproc and nproc > 1:
         return launch.launch_local(nproc, [task, recipe, *overrides])
     from llmtune.worker import run
@@ -65,16 +44,11 @@ def export_command(args: list[str]) -> int:
     parsed = parser.parse_args(args)
     from pathlib import Path
 
-    import yaml
-
-    recipe = Path(parsed.checkpoint) / "config.yaml"
-    if not recipe.is_file():
+    if not (Path(parsed.checkpoint) / "config.yaml").is_file():
         raise UserError(f"{parsed.checkpoint}: not a checkpoint folder (no config.yaml beside the shards)")
-    saved = yaml.safe_load(recipe.read_text())["checkpoint"]
     from llmtune.checkpoint.hf_export import export_checkpoint
 
-    export_checkpoint(Path(parsed.checkpoint), Path(parsed.out_dir), parsed.dtype or saved["export_dtype"],
-                      saved["max_shard_size"], parsed.overwrite)
+    export_checkpoint(Path(parsed.checkpoint), Path(parsed.out_dir), parsed.dtype, parsed.overwrite)
     print(f"exported {parsed.checkpoint} to {parsed.out_dir}")
     return 0
 

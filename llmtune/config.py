@@ -258,12 +258,41 @@ class Config:
         return world_size // self.parallel.cp_size
 
     def to_dict(self) -> dict:
-        """The sections, as a recipe: the file written from it loads back to an equal Config."""
-        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        """The sections, as a recipe: the file written from it loads back to an equal Config. Accumulation derived
+        from train.global_batch_size is left out, so that the file also loads on another number of ranks."""
+        recipe = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        if self.train.global_batch_size is not None:
+            del recipe["train"]["gradient_accumulation_steps"]
+        return recipe
 
     def write(self, path: Path) -> None:
         header = f"# resolved recipe of this run: llmtune {self.task} {path.name}\n"
         path.write_text(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def parse_overrides(tokens: list[str]) -> tuple[list[str], int | None]:
+    """`a.b=c`, `--a.b=c` and `--a.b c` -> ["a.b=c", ...]; plus the value of --nproc."""
+    overrides, nproc, i = [], None, 0
+    while i < len(tokens):
+        token = tokens[i]
+        name = token[2:] if token.startswith("--") else token
+        if token.startswith("--") and "=" not in name:
+            if i + 1 >= len(tokens):
+                raise UserError(f"{token} needs a value")
+            name, i = f"{name}={tokens[i + 1]}", i + 1
+        key, _, value = name.partition("=")
+        if key == "resume_from_checkpoint":
+            overrides.append(f"checkpoint.resume_from_checkpoint={value}")
+        elif key == "nproc":
+            if not value.isdigit() or int(value) < 1:
+                raise UserError(f"--nproc: {value!r} is not a positive number of processes")
+            nproc = int(value)
+        elif "=" in name:
+            overrides.append(name)
+        else:
+            raise UserError(f"unexpected argument {token!r}; overrides are written section.key=value")
+        i += 1
+    return overrides, nproc
 
 
 def load_config(recipe: str, overrides: list[str], task: str, world_size: int) -> Config:

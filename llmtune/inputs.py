@@ -78,21 +78,10 @@ def model_config_file(model) -> Path:
     return path if path.is_file() else path / "config.json"
 
 
-def check_context_parallel(model, cp: int) -> None:
-    from llmtune.features.ulysses import layout_problems
-
-    problems = layout_problems(json.loads(model_config_file(model).read_text()), cp)
-    if problems:
-        raise UserError("\n".join(problems))
-
-
 def check_inputs(config) -> None:
-    """Every path the recipe names exists; sft has a chat template; optional sinks are installed; the model
-    can be split over the context-parallel ranks."""
+    """Every path the recipe names exists; sft has a chat template; optional sinks are installed."""
     check_optional_packages(config.monitor)
     check_model_paths(config.model)
-    if config.parallel.cp_size > 1:
-        check_context_parallel(config.model, config.parallel.cp_size)
     tokenizer_dir = Path(config.model.tokenizer or config.model.name_or_path)
     if config.task == "sft" and not config.data.chat_template and not has_chat_template(tokenizer_dir):
         raise UserError(f"data.chat_template: the tokenizer in {tokenizer_dir} has no chat template; set "

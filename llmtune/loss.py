@@ -1,11 +1,33 @@
-"""Token cross-entropy as a SUM over the labelled tokens: the trainer divides by the global count."""
+"""The language-model loss, as a SUM over the labelled tokens (the trainer divides by the step's global count).
+
+Two paths give the same losses and gradients: the full [tokens, vocab] logits (chunk_size 0, the
+reference, as HF models compute them), and the default chunked path below, which never holds them.
+
+Chunked path: cross-entropy from the final hidden states and the lm_head weight, one [chunk, vocab]
+block at a time.
+
+With a large vocabulary (Qwen 151,936, Llama-3 128,256) the [tokens, vocab] logits, their fp32
+copy and their gradient dominate peak memory; here at most one chunk of them exists at a time.
+
+Design, chosen by measurement (see benchmarks/chunk_loss.py): the gradients are computed in the
+forward pass, chunk by chunk, and backward only scales them by grad_output (as Liger's fused
+linear cross-entropy does). That needs the plain path's three matmuls; recomputing each chunk's
+logits in backward instead needs a fourth. Loss forward+backward, T=2048, H=896, V=151,936, fp32,
+chunk 1024, one CPU thread (three runs on a shared machine): full logits 33-46 s, gradients in
+forward 26-33 s, recomputation 43 s. The price is holding a [V, H] and a [T, H] gradient from
+forward to backward, which the weight's and the hidden states' gradients need anyway.
+
+A custom autograd.Function rather than torch ops under checkpointing: autograd would sum the
+chunks' weight gradients in the weight's dtype, where bf16 loses the small contributions of
+many chunks; here they are summed in fp32. Tokens whose label is ignored are dropped before
+chunking, so masked prompt tokens cost nothing. Without grad mode (evaluation) only the loss is
+computed.
+"""
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from llmtune.features.chunk_loss import chunked_cross_entropy_sum
 
 IGNORE_INDEX = -100
 
@@ -21,6 +43,13 @@ class LossOptions:
     logit_softcap: float | None = None
     z_loss: float = 0.0
     label_smoothing: float = 0.0
+
+    @classmethod
+    def of_run(cls, train_cfg, model_config) -> "LossOptions":
+        """The recipe's loss settings, with the soft-capping the model's own config asks for."""
+        return cls(chunk_size=train_cfg.chunk_loss_size, z_loss=train_cfg.z_loss,
+                   label_smoothing=train_cfg.label_smoothing,
+                   logit_softcap=getattr(model_config, "final_logit_softcapping", None))
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -38,7 +67,7 @@ def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     hidden = hidden.reshape(-1, hidden.size(-1))
     shifted_labels = shifted_labels.reshape(-1)
     if options.chunk_size:
-        return chunked_cross_entropy_sum(hidden, weight, bias, shifted_labels, options, IGNORE_INDEX)
+        return _chunked_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
     return _full_logits_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
 
 
@@ -51,3 +80,113 @@ def _full_logits_cross_entropy_sum(hidden, weight, bias, labels, options: LossOp
     if options.z_loss:
         loss = loss + options.z_loss * torch.logsumexp(logits[labels != IGNORE_INDEX], dim=-1).square().sum()
     return loss
+
+
+def _chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               labels: torch.Tensor, options: LossOptions) -> torch.Tensor:
+    """fp32 sum of the per-token losses over labels != IGNORE_INDEX; hidden [T, H], weight [V, H], labels [T]."""
+    # Decided here, not in forward: there grad mode is always off, and ctx.needs_input_grad
+    # ignores torch.no_grad().
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, options)
+    loss, *_ = _loss_and_grads(hidden, weight, bias, labels, options, needs=(False, False, False))
+    return loss
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, options):
+        loss, *grads = _loss_and_grads(hidden, weight, bias, labels, options, needs=ctx.needs_input_grad[:3])
+        ctx.grads = grads
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.grads is None:
+            raise RuntimeError("the chunked loss keeps its gradients for one backward only; "
+                               "use LossOptions(chunk_size=0) to backward through the loss more than once")
+        grads, ctx.grads = ctx.grads, None
+        # Scaled in place: a scaled copy would add a second [V, H] buffer at the peak.
+        return *(None if g is None else g.mul_(grad_output) for g in grads), None, None
+
+
+def _loss_and_grads(hidden, weight, bias, labels, options, needs):
+    """The summed loss and the gradients of it w.r.t. (hidden, weight, bias) flagged in `needs` (else None)."""
+    need_hidden, need_weight, need_bias = needs
+    grads = (torch.zeros_like(hidden) if need_hidden else None,
+             # fp32 accumulators: summed in bf16, each chunk's small contribution would be rounded away
+             torch.zeros_like(weight, dtype=torch.float32) if need_weight else None,
+             torch.zeros_like(bias, dtype=torch.float32) if need_bias else None)
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for chunk in (labels != IGNORE_INDEX).nonzero().squeeze(1).split(options.chunk_size):
+        loss += _add_chunk(hidden, weight, bias, labels, chunk, options, grads)
+    grad_hidden, grad_weight, grad_bias = grads
+    return (loss, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype))
+
+
+def _add_chunk(hidden, weight, bias, labels, chunk, options, grads) -> torch.Tensor:
+    """Loss of the tokens at row indices `chunk`; their gradients are added to `grads` (None: not needed).
+
+    A function of its own so that this chunk's [n, V] buffer is freed before the next is allocated.
+    """
+    grad_hidden, grad_weight, grad_bias = grads
+    chunk_hidden = hidden.index_select(0, chunk)
+    # The matmul runs in the inputs' dtype, as in the plain path; the softmax in fp32.
+    logits = F.linear(chunk_hidden, weight, bias).float()
+    loss, grad_logits = _cross_entropy_and_grad(logits, labels.index_select(0, chunk), options,
+                                                need_grad=any(g is not None for g in grads))
+    if grad_logits is None:
+        return loss
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(0)
+    grad_logits = grad_logits.to(hidden.dtype)
+    if grad_hidden is not None:
+        grad_hidden.index_copy_(0, chunk, grad_logits @ weight)
+    if grad_weight is not None:
+        _add_matmul(grad_weight, grad_logits.T, chunk_hidden)
+    return loss
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc in fp32 and the matmul in the inputs' dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)  # in place: no [V, H] temporary
+    else:
+        acc += a @ b
+
+
+def _cross_entropy_and_grad(logits: torch.Tensor, labels: torch.Tensor, options: LossOptions, need_grad: bool):
+    """Summed loss of fp32 logits [n, V] and, if need_grad, d(loss)/d(logits), computed in the logits' storage.
+
+    Per token, with s the (soft-capped) logits, lse = logsumexp(s) and eps the label smoothing:
+    loss = lse - (1 - eps) * s[label] - eps * mean(s) + z_loss * lse**2, the definition of
+    F.cross_entropy(label_smoothing=eps) plus the z-loss.
+    """
+    cap, eps, z_loss = options.logit_softcap, options.label_smoothing, options.z_loss
+    if cap is not None:
+        logits = logits.div_(cap).tanh_()
+        tanh_slope = 1 - logits.square() if need_grad else None
+        logits = logits.mul_(cap)
+    per_token = -(1 - eps) * logits.gather(1, labels[:, None]).squeeze(1)
+    if eps:
+        per_token -= eps * logits.mean(dim=-1)
+    # softmax in place (not torch.logsumexp, which allocates a second [n, V] buffer)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    probs = logits.sub_(row_max).exp_()
+    row_sum = probs.sum(dim=-1, keepdim=True)
+    lse = (row_max + row_sum.log()).squeeze(1)
+    per_token += lse
+    if z_loss:
+        per_token += z_loss * lse.square()
+    if not need_grad:
+        return per_token.sum(), None
+    grad = probs.div_(row_sum)
+    if z_loss:
+        grad *= 1 + 2 * z_loss * lse[:, None]
+    if eps:
+        grad -= eps / grad.size(1)
+    grad[torch.arange(grad.size(0), device=grad.device), labels] -= 1 - eps
+    if cap is not None:
+        grad *= tanh_slope
+    return per_token.sum(), grad

@@ -1,11 +1,13 @@
-"""Build the model in one order: meta device -> activation checkpointing -> (compile) -> fully_shard per
-decoder layer, then the root -> materialise -> load the weights, each rank reading only its own shard.
+"""Build the model in one order: meta device -> the features' build -> activation checkpointing -> (compile)
+-> fully_shard per decoder layer, then the root -> materialise -> load the weights, each rank reading only
+its own shard.
 
 No rank ever holds the full pretrained model. A model trained from a config is the exception: its
 random initialisation is done whole on every rank (with the same seed) and then sharded, so that
 the initial weights do not depend on the number of ranks.
 """
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -18,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from llmtune.errors import UserError
+from llmtune.features.base import Features
 from llmtune.loss import LossOptions, cross_entropy_sum
 
 
@@ -25,29 +28,33 @@ class CausalLMForTraining(nn.Module):
     """The FSDP root around an unmodified HF causal LM.
 
     Its forward runs the decoder and then the loss from the last hidden states and the lm_head
-    weight. Being the root, FSDP has unsharded the embeddings and lm_head exactly where the loss
-    needs them, and the HF model class is never edited.
+    weight, plus the features' loss terms. Being the root, FSDP has unsharded the embeddings and
+    lm_head exactly where the loss needs them, and the HF model class is never edited.
     """
 
-    def __init__(self, hf_model: PreTrainedModel, loss_options: LossOptions):
+    def __init__(self, hf_model: PreTrainedModel, loss_options: LossOptions, features: Features):
         super().__init__()
         self.hf_model = hf_model
         self.loss_options = loss_options
+        self.features = features
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None, **attention_kwargs):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None, **model_kwargs):
         """Summed loss over the labelled tokens (the lm_head never runs on the whole sequence), or the
-        logits, as the HF model gives them, when no labels are given. attention_kwargs reach the attention
-        function of every layer (context parallelism's full_position_ids)."""
-        hidden = self.hf_model.get_decoder()(
+        logits, as the HF model gives them, when no labels are given. model_kwargs reach the decoder and,
+        through it, the attention function of every layer (context parallelism's full_position_ids)."""
+        outputs = self.hf_model.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-            **attention_kwargs
-        ).last_hidden_state
+            **model_kwargs
+        )
         head = self.hf_model.get_output_embeddings()
         if shift_labels is None:
-            logits = head(hidden)
+            logits = head(outputs.last_hidden_state)
             cap = self.loss_options.logit_softcap
             return cap * torch.tanh(logits / cap) if cap else logits
-        return cross_entropy_sum(hidden, head.weight, head.bias, shift_labels, self.loss_options)
+        loss = cross_entropy_sum(outputs.last_hidden_state, head.weight, head.bias, shift_labels, self.loss_options)
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      shift_labels=shift_labels, **model_kwargs)
+        return sum(self.features.loss_terms(outputs, inputs), loss)
 
 
 def load_tokenizer(model_cfg):
@@ -75,10 +82,11 @@ def decoder_layers(hf_model: PreTrainedModel) -> list[nn.Module]:
     return layers
 
 
-def build_model(model_cfg, train_cfg, mesh, device: torch.device, attention: str) -> CausalLMForTraining:
-    """`attention`: the transformers attention implementation to build with (the recipe's, or a wrapper of it)."""
-    config = load_model_config(model_cfg)
-    kwargs = dict(attn_implementation=attention, trust_remote_code=model_cfg.trust_remote_code, dtype=torch.float32)
+def build_model(model_config, model_cfg, train_cfg, state, features: Features) -> CausalLMForTraining:
+    """`model_config`: the HF config (load_model_config); the features change the model before it is sharded."""
+    config = copy.deepcopy(model_config)  # the model keeps and changes its config (its attention implementation)
+    kwargs = dict(attn_implementation=model_cfg.attn_implementation, trust_remote_code=model_cfg.trust_remote_code,
+                  dtype=torch.float32)
     pretrained = model_cfg.name_or_path is not None
     if pretrained:
         # Parameters on the meta device; buffers (e.g. RoPE frequencies) computed for real, they are small.
@@ -89,29 +97,27 @@ def build_model(model_cfg, train_cfg, mesh, device: torch.device, attention: str
     else:
         torch.manual_seed(train_cfg.seed)
         hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
+    features.build(hf_model, state)
     if train_cfg.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(hf_model)
     if train_cfg.compile:
         for layer in layers:
             layer.compile()
-    options = LossOptions(chunk_size=train_cfg.chunk_loss_size, z_loss=train_cfg.z_loss,
-                          label_smoothing=train_cfg.label_smoothing,
-                          logit_softcap=getattr(config, "final_logit_softcapping", None))
-    module = CausalLMForTraining(hf_model, options)
+    module = CausalLMForTraining(hf_model, LossOptions.of_run(train_cfg, config), features)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if train_cfg.bf16 \
         else MixedPrecisionPolicy()
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(module, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=state.fsdp_mesh, mp_policy=policy)
+    fully_shard(module, mesh=state.fsdp_mesh, mp_policy=policy)
     if pretrained:
         buffers = {name: buffer.clone() for name, buffer in module.named_buffers()}
-        module.to_empty(device=device)
+        module.to_empty(device=state.device)
         for name, buffer in module.named_buffers():
             buffer.copy_(buffers[name])
         load_weights(hf_model, Path(model_cfg.name_or_path))
     else:
-        module.to(device)
+        module.to(state.device)
     return module
 
 

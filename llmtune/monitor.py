@@ -1,7 +1,8 @@
-"""TrainMonitor: per-step numbers -> logged records (metrics.jsonl, console, progress bar, TensorBoard, W&B).
+"""TrainMonitor: per-step numbers -> logged records (metrics.jsonl, console, progress bar, TensorBoard, W&B),
+and the profiler's traces of chosen steps.
 
 Every number is global (summed over ranks by the trainer before it gets here) except memory,
-which is this rank's. Only rank 0 writes.
+which is this rank's. Only rank 0 writes records; every rank writes its own trace.
 """
 
 import json
@@ -64,20 +65,35 @@ def memory_gib() -> tuple[float, float]:
 
 class TrainMonitor:
     def __init__(self, output_dir: Path, monitor_cfg, logging_steps: int, total_steps: int, flops_token: float,
-                 world_size: int, is_main: bool):
+                 world_size: int, rank: int):
         self.logging_steps = logging_steps
         self.total_steps = total_steps
         self.flops_token = flops_token
         self.world_size = world_size
         self.peak = peak_tflops(monitor_cfg.peak_tflops)
-        self.is_main = is_main
-        self.console = monitor_cfg.console and is_main
+        self.is_main = rank == 0
+        self.console = monitor_cfg.console and self.is_main
         self.path = output_dir / "metrics.jsonl"
+        self.profiler = StepProfiler(monitor_cfg.profile_steps, output_dir, rank)
         self.skipped_steps = 0
+        self.first_step = 0
         self.started = time.perf_counter()
         self.window: list[StepRecord] = []
         self.window_started = self.started
-        self.sinks = self._sinks(output_dir, monitor_cfg) if is_main else []
+        self.sinks = self._sinks(output_dir, monitor_cfg) if self.is_main else []
+
+    def begin(self, step: int) -> None:
+        """Training starts after `step`: metrics.jsonl starts fresh, or, on resume, keeps the records up to the
+        checkpoint's step and drops those of later steps that the interrupted run left (they are logged again)."""
+        self.first_step = step
+        self.started = self.window_started = time.perf_counter()
+        if not self.is_main:
+            return
+        if step == 0:
+            self.path.unlink(missing_ok=True)
+        elif self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            self.path.write_text("".join(line + "\n" for line in kept))
 
     def _sinks(self, output_dir: Path, monitor_cfg) -> list:
         sinks = []
@@ -100,13 +116,16 @@ class TrainMonitor:
             sinks.append(lambda record: wandb.log(record, step=record["step"]))
         return sinks
 
-    def record(self, step: int, epoch: int, stats: StepRecord, eval_loss: float | None = None) -> dict | None:
-        """Add one optimizer step; every logging_steps, at the last step and when evaluation ran, write and
-        return the record of the window since the last one."""
+    def record(self, step: int, epoch: int, stats: StepRecord, eval_loss: float | None = None) -> None:
+        """Add one optimizer step; every logging_steps, at the last step and when evaluation ran, write the record
+        of the window since the last one. Then let the profiler see the step."""
         self.window.append(stats)
         self.skipped_steps += stats.skipped
-        if step % self.logging_steps and step != self.total_steps and eval_loss is None:
-            return None
+        if step % self.logging_steps == 0 or step == self.total_steps or eval_loss is not None:
+            self._log(step, epoch, stats, eval_loss)
+        self.profiler.step(step == self.total_steps)
+
+    def _log(self, step: int, epoch: int, stats: StepRecord, eval_loss: float | None) -> None:
         now = time.perf_counter()
         elapsed = max(now - self.window_started, 1e-9)
         steps = self.window
@@ -124,7 +143,7 @@ class TrainMonitor:
             "data_wait_frac": sum(s.data_wait for s in steps) / elapsed,
             "tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
             "mem_gib": peak_mem, "rss_gib": rss,
-            "eta_s": (now - self.started) / step * (self.total_steps - step),
+            "eta_s": (now - self.started) / (step - self.first_step) * (self.total_steps - step),
             "skipped_steps": self.skipped_steps,
         }
         if eval_loss is not None:
@@ -132,7 +151,6 @@ class TrainMonitor:
         self.window, self.window_started = [], now
         if self.is_main:
             self._write(record)
-        return record
 
     def _write(self, record: dict) -> None:
         with self.path.open("a") as f:
@@ -146,14 +164,24 @@ class TrainMonitor:
                   f"mem {record['mem_gib']:.2f} GiB skipped {record['skipped_steps']}", flush=True)
 
 
-def make_profiler(profile_steps: list[int], output_dir: Path, rank: int):
-    """A started torch.profiler recording optimizer steps [start, end] (1-based) into output_dir/profile, or None."""
-    if not profile_steps:
-        return None
-    start, end = profile_steps
-    profiler = torch.profiler.profile(
-        schedule=torch.profiler.schedule(wait=start - 1, warmup=0, active=end - start + 1, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(output_dir / "profile"), worker_name=f"rank{rank}"),
-    )
-    profiler.start()
-    return profiler
+class StepProfiler:
+    """torch.profiler traces of optimizer steps [start, end] (1-based) into output_dir/profile, one per rank; it does
+    nothing when monitor.profile_steps is empty."""
+
+    def __init__(self, profile_steps: list[int], output_dir: Path, rank: int):
+        self.profiler = None
+        if profile_steps:
+            start, end = profile_steps
+            self.profiler = torch.profiler.profile(
+                schedule=torch.profiler.schedule(wait=start - 1, warmup=0, active=end - start + 1, repeat=1),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(str(output_dir / "profile"),
+                                                                        worker_name=f"rank{rank}"),
+            )
+            self.profiler.start()
+
+    def step(self, last: bool) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.step()
+        if last:
+            self.profiler.stop()

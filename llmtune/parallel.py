@@ -63,10 +63,6 @@ class ParallelState:
         return self.rank % self.cp_size
 
     @property
-    def cp_group(self):
-        return self.mesh.get_group("cp")
-
-    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -90,6 +86,17 @@ class ParallelState:
         holder = [obj]
         dist.broadcast_object_list(holder, src=src)
         return holder[0]
+
+    def cp_all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        """Among the cp peers: send[i] goes to peer i; returns what each peer sent here, in peer order."""
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=self.mesh.get_group("cp"))
+        return received
+
+    def background_group(self):
+        """A gloo group of every rank beside the training one, for collectives that run in a background thread
+        while training goes on (asynchronous checkpoint saves). Every rank must call it, in the same order."""
+        return dist.new_group(backend="gloo")
 
     def barrier(self) -> None:
         dist.barrier()

@@ -13,55 +13,52 @@ from llmtune.monitor import StepRecord
 
 
 class Trainer:
-    def __init__(self, model, optimizer, scheduler, data, monitor, state, train_cfg, validation=None, profiler=None,
-                 checkpoints=None, sequence_shard=None):
+    """Every part is always there and decides for itself when it acts: validation when an evaluation is due
+    (never without validation data), the monitor when a record is due, the checkpoints when a save is due
+    (never when the recipe saves none), the features on every micro-batch (none: unchanged)."""
+
+    def __init__(self, model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
+                 train_cfg, total_steps: int):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.data = data
+        self.validation = validation
         self.monitor = monitor
+        self.checkpoints = checkpoints
+        self.features = features
         self.state = state
         self.cfg = train_cfg
-        self.validation = validation  # callable -> this rank's validation micro-batches, or None
-        self.profiler = profiler
-        self.checkpoints = checkpoints
-        # Context parallelism: cuts each micro-batch to this rank's slice of the sequence.
-        self.sequence_shard = sequence_shard or (lambda inputs: inputs)
-        self.total_steps = data.total_steps(train_cfg)
+        self.total_steps = total_steps
         self.step = 0
         self.skipped_in_a_row = 0
 
     def train(self) -> None:
+        self.monitor.begin(self.step)
         self.model.train()
         steps = self.data.steps(self.total_steps - self.step)
         while self.step < self.total_steps:
             self.advance(steps)
-        if self.checkpoints:
-            self.checkpoints.finish_pending()
+        self.checkpoints.finish_pending()
 
     def advance(self, steps) -> None:
         """One turn of the loop: the next optimizer step from `steps` (DataManager.steps), then its evaluation,
-        record, profiler step and checkpoint when they are due."""
+        record and checkpoint when they are due."""
         started = time.perf_counter()
         epoch, micro_batches = next(steps)
         data_wait = time.perf_counter() - started
         stats = self.train_step(micro_batches)
         stats.data_wait, stats.step_time = data_wait, time.perf_counter() - started
         self.step += 1
-        eval_loss = self.evaluate() if self._evaluation_due() else None
+        last = self.step == self.total_steps
+        eval_loss = self.evaluate() if self.validation.due(self.step, last) else None
         self.monitor.record(self.step, epoch, stats, eval_loss)
-        if self.profiler:
-            self.profiler.step()
-        if self.profiler and self.step == self.total_steps:
-            self.profiler.stop()
         stopping = self.skipped_in_a_row >= self.cfg.max_skipped_steps
         # A stop saves too: the skipped steps left the weights at the last good state.
-        if self.checkpoints and (stopping or self.checkpoints.due(self.step, self.data.epoch_done, epoch,
-                                                                   self.step == self.total_steps)):
+        if self.checkpoints.due(self.step, self.data.epoch_done, epoch, last or stopping):
             self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
         if stopping:
-            if self.checkpoints:
-                self.checkpoints.finish_pending()
+            self.checkpoints.finish_pending()
             raise TrainingStopped(
                 f"stopped at step {self.step}: {self.skipped_in_a_row} optimizer steps in a row had a non-finite "
                 f"loss or gradient norm (train.max_skipped_steps={self.cfg.max_skipped_steps}); lower "
@@ -71,19 +68,14 @@ class Trainer:
         """Everything besides model and optimizer that decides what comes next; plain data."""
         return {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row,
                 "skipped_steps": self.monitor.skipped_steps, "data": self.data.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
+                "scheduler": self.scheduler.state_dict(), "features": self.features.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.skipped_in_a_row = state["step"], state["skipped_in_a_row"]
         self.monitor.skipped_steps = state["skipped_steps"]
         self.data.load_state_dict(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
-
-    def _evaluation_due(self) -> bool:
-        if self.validation is None:
-            return False
-        every = self.cfg.eval_steps
-        return self.step == self.total_steps or (every > 0 and self.step % every == 0)
+        self.features.load_state_dict(state["features"])
 
     def train_step(self, micro_batches) -> StepRecord:
         """One optimizer step.
@@ -95,7 +87,7 @@ class Trainer:
         gradient norm (both global, so every rank sees the same) skips the update on every rank.
         """
         device = self.state.device
-        batches = [self.sequence_shard(b.to(device).inputs) for b in micro_batches]
+        batches = [self.features.transform(b.to(device).inputs) for b in micro_batches]
         # Labels are counted on the slices (each token once over dp x cp); whole rows only by one rank of each
         # cp group, whose peers hold the same rows.
         rows_here = self.state.cp_rank == 0
@@ -130,8 +122,8 @@ class Trainer:
         self.model.eval()
         totals = torch.zeros(2, device=self.state.device, dtype=torch.float64)
         with torch.no_grad():
-            for batch in self.validation():
-                inputs = self.sequence_shard(batch.to(self.state.device).inputs)
+            for batch in self.validation.batches():
+                inputs = self.features.transform(batch.to(self.state.device).inputs)
                 totals[0] += self.model(**inputs).double()
                 totals[1] += (inputs["shift_labels"] != IGNORE_INDEX).sum()
         self.model.train()

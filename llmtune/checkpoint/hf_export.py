@@ -1,5 +1,6 @@
 """Write weights as a HF folder that AutoModelForCausalLM.from_pretrained loads: safetensors shards with
-their index, config.json, generation_config.json and the tokenizer (with its chat template).
+their index, config.json, generation_config.json and the tokenizer (with its chat template), plus the
+files the run's features add.
 
 Two sources share one writer: the FSDP model at the end of training (gathered one parameter at a
 time to rank 0, which keeps only the export-dtype copy: one full copy of the model in the export
@@ -18,8 +19,10 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from llmtune.checkpoint.validate import check_complete
-from llmtune.config import parse_size
+from llmtune.config import load_config, parse_size
 from llmtune.errors import UserError
+from llmtune.features.base import Features
+from llmtune.features.registry import enabled_features
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -37,7 +40,7 @@ def gather_weights(hf_model, dtype: torch.dtype, is_main: bool) -> dict[str, tor
 
 
 def write_hf_folder(weights: dict[str, torch.Tensor], config, generation_config, tokenizer, out_dir: Path,
-                    max_shard_bytes: int, dtype: torch.dtype) -> None:
+                    max_shard_bytes: int, dtype: torch.dtype, features: Features) -> None:
     """Write under a temporary name and swap it in: a failed export never leaves a half-written folder."""
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -68,6 +71,7 @@ def write_hf_folder(weights: dict[str, torch.Tensor], config, generation_config,
     if generation_config is not None:
         generation_config.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    features.export(partial, weights)
     replaced = out_dir.with_name(out_dir.name + ".replaced")
     shutil.rmtree(replaced, ignore_errors=True)
     if out_dir.exists():
@@ -76,20 +80,24 @@ def write_hf_folder(weights: dict[str, torch.Tensor], config, generation_config,
     shutil.rmtree(replaced, ignore_errors=True)
 
 
-def export_trained(hf_model, tokenizer, out_dir: Path, checkpoint_cfg, state) -> None:
+def export_trained(hf_model, tokenizer, out_dir: Path, checkpoint_cfg, state, features: Features) -> None:
     dtype = EXPORT_DTYPES[checkpoint_cfg.export_dtype]
     weights = gather_weights(hf_model, dtype, state.is_main)
     if state.is_main:
         write_hf_folder(weights, hf_model.config, hf_model.generation_config, tokenizer, out_dir,
-                        parse_size(checkpoint_cfg.max_shard_size), dtype)
+                        parse_size(checkpoint_cfg.max_shard_size), dtype, features)
     state.barrier()
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str, max_shard_size: str, overwrite: bool) -> None:
-    """Offline, one process: a DCP checkpoint (any world size) -> the same HF folder as the end of training."""
+def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, overwrite: bool) -> None:
+    """Offline, one process: a DCP checkpoint (any world size) -> the same HF folder as the end of training.
+    dtype_name None: the run's checkpoint.export_dtype."""
     check_complete(checkpoint)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"{out_dir}: exists and is not empty; choose another folder or pass --overwrite")
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
+    run = load_config(str(checkpoint / "config.yaml"), [], saved["task"], saved["world_size"])
+    dtype_name = dtype_name or run.checkpoint.export_dtype
     if dtype_name not in EXPORT_DTYPES:
         raise UserError(f"--dtype: {dtype_name!r} is not one of {', '.join(EXPORT_DTYPES)}")
     source = checkpoint / "hf_config"
@@ -102,4 +110,4 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str, max_shar
     weights = {name: state.pop(f"model.hf_model.{name}").to(dtype) for name in names}
     generation = GenerationConfig.from_pretrained(source) if (source / "generation_config.json").is_file() else None
     write_hf_folder(weights, config, generation, AutoTokenizer.from_pretrained(source), out_dir,
-                    parse_size(max_shard_size), dtype)
+                    parse_size(run.checkpoint.max_shard_size), dtype, enabled_features(run))

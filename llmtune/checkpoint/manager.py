@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
@@ -74,7 +73,11 @@ def set_rng_state(state: dict) -> None:
 
 
 class CheckpointManager:
+    """Every run has one: it saves when the recipe's schedule says so (never, when it names none) and
+    restores what the recipe's resume_from_checkpoint names."""
+
     def __init__(self, output_dir: Path, checkpoint_cfg, state, config, tokenizer, hf_model):
+        self.output_dir = output_dir
         self.root = output_dir / "checkpoints"
         self.cfg = checkpoint_cfg
         self.state = state
@@ -83,13 +86,14 @@ class CheckpointManager:
         self.hf_model = hf_model
         self.pending = None  # (future, partial folder, final folder) of an asynchronous save
         # Asynchronous saves run their collectives on a group of their own, beside training's.
-        self.group = dist.new_group(backend="gloo") if checkpoint_cfg.async_save else None
+        self.group = state.background_group() if checkpoint_cfg.async_save else None
         self.stall_seconds: list[float] = []
 
-    def due(self, step: int, epoch_done: bool, epoch: int, last: bool) -> bool:
+    def due(self, step: int, epoch_done: bool, epoch: int, final: bool) -> bool:
+        """final: the run ends after this step (its last step, or a stop), which saves whenever saving is on."""
         every_steps = self.cfg.save_steps > 0 and step % self.cfg.save_steps == 0
         every_epochs = self.cfg.save_epochs > 0 and epoch_done and (epoch + 1) % self.cfg.save_epochs == 0
-        return every_steps or every_epochs or (last and (self.cfg.save_steps > 0 or self.cfg.save_epochs > 0))
+        return every_steps or every_epochs or (final and (self.cfg.save_steps > 0 or self.cfg.save_epochs > 0))
 
     def save(self, step: int, model, optimizer, trainer_state: dict) -> None:
         started = time.perf_counter()
@@ -108,8 +112,8 @@ class CheckpointManager:
         torch.save(rng_state(), partial / "extra_state" / f"rank_{self.state.rank}.pt")
         if self.state.is_main:
             (partial / "trainer_state.json").write_text(json.dumps(
-                {**trainer_state, "world_size": self.state.world_size, "save_only_model": self.cfg.save_only_model},
-                indent=1))
+                {**trainer_state, "world_size": self.state.world_size, "task": self.config.task,
+                 "save_only_model": self.cfg.save_only_model}, indent=1))
             self.config.write(partial / "config.yaml")
             # What an offline export needs to rebuild the HF folder from this checkpoint alone.
             self.hf_model.config.save_pretrained(partial / "hf_config")
@@ -154,9 +158,26 @@ class CheckpointManager:
             if old != newest:
                 shutil.rmtree(old)
 
-    def load(self, path: Path, model, optimizer) -> dict:
+    def restore(self, trainer) -> None:
+        """Resume `trainer` (model, optimizer and trainer state) from the checkpoint the recipe names, or leave it
+        fresh. The checkpoint is chosen and checked on rank 0 alone, and every rank learns the choice or the
+        error: a check whose answer differed between ranks would hang the next collective."""
+        chosen = error = None
+        if self.state.is_main:
+            try:
+                chosen = resolve_resume(self.cfg.resume_from_checkpoint, self.output_dir)
+                if chosen:
+                    check_complete(chosen)
+            except UserError as err:
+                error = str(err)
+        chosen, error = self.state.broadcast_object((chosen, error))
+        if error:
+            raise UserError(error)
+        if chosen:
+            trainer.load_state_dict(self._load(chosen, trainer.model, trainer.optimizer))
+
+    def _load(self, path: Path, model, optimizer) -> dict:
         """Restore model, optimizer and this rank's RNG; returns the trainer state to continue from."""
-        check_complete(path)
         trainer_state = json.loads((path / "trainer_state.json").read_text())
         model_state, optim_state = get_state_dict(model, optimizer)
         check_model_matches(path, model_state)

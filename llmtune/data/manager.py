@@ -41,6 +41,23 @@ def validation_batches(dataset: datasets.Dataset, batch_size: int, pad_id: int, 
         yield batch
 
 
+class Validation:
+    """This rank's share of the validation split in micro-batches, and when an evaluation is due. Without
+    validation data it is never due (a run without validation has this do-nothing one)."""
+
+    def __init__(self, dataset, batch_size: int, pad_id: int, document_mask: bool, dp_size: int, dp_rank: int,
+                 eval_steps: int):
+        self.dataset, self.batch_size, self.pad_id, self.document_mask = dataset, batch_size, pad_id, document_mask
+        self.dp_size, self.dp_rank, self.eval_steps = dp_size, dp_rank, eval_steps
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.dataset is not None and (last or (self.eval_steps > 0 and step % self.eval_steps == 0))
+
+    def batches(self):
+        return validation_batches(self.dataset, self.batch_size, self.pad_id, self.document_mask, self.dp_size,
+                                  self.dp_rank)
+
+
 class ResumableSampler(DistributedSampler):
     """DistributedSampler that can start an epoch part-way, at a given index of this rank's share."""
 

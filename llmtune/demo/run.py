@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmtune.cli import parse_overrides
+from llmtune.config import parse_overrides
 from llmtune.demo.assets import write_demo_assets
 from llmtune.demo.evaluate import exact_match
 

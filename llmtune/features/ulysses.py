@@ -1,12 +1,19 @@
 """Ulysses context parallelism on stock HF models: each of cp ranks holds 1/cp of a sequence's tokens.
 
-Two plug-in points. `SequenceShard` cuts a micro-batch: labels were shifted before (each slice keeps
-the label of its last token), the sequence is padded to a multiple of cp with label -100, and
-every rank keeps a contiguous slice of input_ids, labels and GLOBAL position_ids (RoPE sees true
-positions; packed documents keep their restarts). `register_attention` installs, through
-transformers' attention interface, a function that wraps the backend the model would use:
-all-to-all from [sequence shard, all heads] to [full sequence, heads/cp], the backend's attention
-over the full sequence with causal, document and sliding-window masking built here, all-to-all back.
+A feature (features/base.py) acting at three points:
+- check: the model's heads can be spread over the cp ranks; no attention sinks.
+- build: installs, through transformers' attention interface, a function that wraps the backend the
+  model would use: all-to-all from [sequence shard, all heads] to [full sequence, heads/cp], the
+  backend's attention over the full sequence with causal, document and sliding-window masking built
+  here, all-to-all back.
+- transform: `SequenceShard` cuts every micro-batch: labels were shifted before (each slice keeps the
+  label of its last token), the sequence is padded to a multiple of cp with label -100, and every
+  rank keeps a contiguous slice of input_ids, labels and GLOBAL position_ids (RoPE sees true
+  positions; packed documents keep their restarts), plus the whole sequence's position_ids, which
+  the model passes through to every layer's attention.
+
+The mesh (dp_shard x cp, cp peers reading the same batch) is the layout's, in ParallelState; counting
+each labelled token once over dp x cp is the trainer's, whatever the feature.
 
 Because the function's name is not in transformers' mask registry, the model hands it no mask;
 the mask is built from the full position_ids instead. Right padding needs none: a real token never
@@ -19,11 +26,11 @@ import types
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from llmtune.features.base import Feature
 from llmtune.loss import IGNORE_INDEX
 
 ATTENTION = "llmtune_ulysses"
@@ -47,12 +54,35 @@ def layout_problems(model_config: dict, cp: int) -> list[str]:
     return problems
 
 
+class ContextParallel(Feature):
+    name = "context_parallel"
+
+    @staticmethod
+    def enabled(config) -> bool:
+        return config.parallel.cp_size > 1
+
+    @staticmethod
+    def check(config, model_config: dict, world_size: int) -> list[str]:
+        return layout_problems(model_config, config.parallel.cp_size)
+
+    def build(self, hf_model, state) -> None:
+        hf_model.set_attn_implementation(register_attention(state, hf_model.config._attn_implementation))
+        self.shard = SequenceShard(state.cp_size, state.cp_rank)
+
+    def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.shard(inputs)
+
+
 class SequenceShard:
     """This rank's contiguous slice of every sequence of a micro-batch, and the whole sequence's position_ids
     for the attention (which sees the full sequence and masks it by document)."""
 
-    def __init__(self, size: int, rank: int, pad_id: int):
-        self.size, self.rank, self.pad_id = size, rank, pad_id
+    # Any valid token id pads the sequence to a multiple of cp: the pads come after every real token, which
+    # causal attention never lets look ahead, and they carry no label.
+    PAD_ID = 0
+
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank = size, rank
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         input_ids, labels = inputs["input_ids"], inputs["shift_labels"]
@@ -63,7 +93,7 @@ class SequenceShard:
         padded = -(-length // self.size) * self.size
         extra = padded - length
         if extra:
-            input_ids = F.pad(input_ids, (0, extra), value=self.pad_id)
+            input_ids = F.pad(input_ids, (0, extra), value=self.PAD_ID)
             labels = F.pad(labels, (0, extra), value=IGNORE_INDEX)
             tail = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
             positions = torch.cat([positions, tail], dim=1)
@@ -73,24 +103,21 @@ class SequenceShard:
 
 
 class _AllToAll(torch.autograd.Function):
-    """Scatter `scatter_dim` over the group and gather `gather_dim`; backward is the reverse exchange."""
+    """Scatter `scatter_dim` over the cp peers and gather `gather_dim`; backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, tensor, group, scatter_dim: int, gather_dim: int):
-        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        return _exchange(tensor, group, scatter_dim, gather_dim)
+    def forward(ctx, tensor, state, scatter_dim: int, gather_dim: int):
+        ctx.state, ctx.scatter_dim, ctx.gather_dim = state, scatter_dim, gather_dim
+        return _exchange(tensor, state, scatter_dim, gather_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+        return _exchange(grad, ctx.state, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
-def _exchange(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    send = torch.stack(tensor.chunk(size, dim=scatter_dim)).contiguous()
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
-    return torch.cat(received.unbind(0), dim=gather_dim)
+def _exchange(tensor: torch.Tensor, state, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    send = torch.stack(tensor.chunk(state.cp_size, dim=scatter_dim))
+    return torch.cat(state.cp_all_to_all(send).unbind(0), dim=gather_dim)
 
 
 def _document_starts(positions: torch.Tensor) -> torch.Tensor:
@@ -160,19 +187,19 @@ def backend_function(module, backend: str):
     return ALL_ATTENTION_FUNCTIONS[backend]
 
 
-def ulysses_attention(module, query, key, value, attention_mask, *, group, backend: str, dropout: float = 0.0,
+def ulysses_attention(module, query, key, value, attention_mask, *, state, backend: str, dropout: float = 0.0,
                       scaling: float | None = None, sliding_window: int | None = None, full_position_ids=None,
                       **kwargs):
     """query [b, H, s/cp, d], key/value [b, KV, s/cp, d], full_position_ids [b, S] (from SequenceShard, passed
     through the model's forward) -> output [b, s/cp, H, d]."""
-    cp = dist.get_world_size(group)
+    cp = state.cp_size
     kv_heads = key.shape[1]
     if kv_heads < cp:
         # Too few key/value heads to give each rank one: repeat them, so that rank r's query heads
         # (a contiguous 1/cp of them) meet the key/value head of their group.
         key, value = (t.repeat_interleave(cp // kv_heads, dim=1) for t in (key, value))
     # [b, heads, s/cp, d] -> [b, heads/cp, S, d]: scatter the heads, gather the sequence.
-    query, key, value = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))
+    query, key, value = (_AllToAll.apply(t, state, 1, 2) for t in (query, key, value))
     # Rank r holds query heads [r*H/cp, (r+1)*H/cp) and the key/value heads of exactly those groups. The
     # backend groups them as it does on one rank (sdpa without a mask attends grouped heads natively), so
     # backward keeps key/value at their own size, not repeated per query head.
@@ -181,10 +208,10 @@ def ulysses_attention(module, query, key, value, attention_mask, *, group, backe
     out = attend(backend_function(module, backend), local, query, key, value, full_position_ids, sliding_window,
                  backend == "eager", DOCUMENT_WINDOW, dropout=dropout, scaling=scaling, **kwargs)
     # out is [b, S, H/cp, d]: scatter the sequence back, gather the heads.
-    return _AllToAll.apply(out, group, 1, 2), None
+    return _AllToAll.apply(out, state, 1, 2), None
 
 
-def register_attention(group, backend: str) -> str:
-    """Install the Ulysses attention for this process's cp group around `backend`; returns its name."""
-    AttentionInterface.register(ATTENTION, partial(ulysses_attention, group=group, backend=backend))
+def register_attention(state, backend: str) -> str:
+    """Install the Ulysses attention over this process's cp peers around `backend`; returns its name."""
+    AttentionInterface.register(ATTENTION, partial(ulysses_attention, state=state, backend=backend))
     return ATTENTION

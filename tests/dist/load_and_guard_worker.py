@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from llmtune.config import load_config
 from llmtune.errors import TrainingStopped
-from llmtune.model import build_model
+from llmtune.features.base import Features
+from llmtune.model import build_model, load_model_config
 from llmtune.parallel import ParallelState
 from llmtune.worker import build_trainer
 
@@ -30,7 +31,7 @@ def peak_rss_mib() -> float:
 def load_report(big_model: str, recipe: str, state: ParallelState) -> dict:
     config = load_config(recipe, [f"model.name_or_path={big_model}"], "sft", state.world_size)
     before = peak_rss_mib()
-    model = build_model(config.model, config.train, state.fsdp_mesh, state.device, config.model.attn_implementation)
+    model = build_model(load_model_config(config.model), config.model, config.train, state, Features([]))
     grown = peak_rss_mib() - before
     expected = load_file(Path(big_model) / "model.safetensors")
     mismatched = [name for name, param in model.hf_model.named_parameters()

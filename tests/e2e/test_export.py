@@ -36,9 +36,9 @@ def trained(assets, tmp_path_factory):
         check_inputs(config)
         trainer, tokenizer = build_trainer(config, state)
         trainer.train()
-        export_trained(trainer.model.hf_model, tokenizer, output_dir / "hf", config.checkpoint, state)
+        export_trained(trainer.model.hf_model, tokenizer, output_dir / "hf", config.checkpoint, state, trainer.features)
         bf16 = dataclasses.replace(config.checkpoint, export_dtype="bf16", max_shard_size="5GB")
-        export_trained(trainer.model.hf_model, tokenizer, output_dir / "hf_bf16", bf16, state)
+        export_trained(trainer.model.hf_model, tokenizer, output_dir / "hf_bf16", bf16, state, trainer.features)
         input_ids = torch.tensor([tokenizer("The sum of 12 and 30 is 42. 7 + 8 = 15.")["input_ids"]])
         trainer.model.eval()
         with torch.no_grad():

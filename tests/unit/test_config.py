@@ -3,8 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmtune.cli import parse_overrides
-from llmtune.config import load_config, reference_table
+from llmtune.config import load_config, parse_overrides, reference_table
 from llmtune.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]

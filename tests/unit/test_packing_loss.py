@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from llmtune.config import DataConfig
 from llmtune.data.build import build_datasets
 from llmtune.data.collate import collate
+from llmtune.features.base import Features
 from llmtune.loss import LossOptions
 from llmtune.model import CausalLMForTraining
 
@@ -19,7 +20,7 @@ QA = [{"prompt": f"What is {i} + {i * 7}?" + " Be quick." * (i % 4), "response":
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
-    return CausalLMForTraining(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), LossOptions()).eval()
+    return CausalLMForTraining(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), LossOptions(), Features([])).eval()
 
 
 def per_token_loss(model, batch) -> torch.Tensor:
