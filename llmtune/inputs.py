@@ -79,7 +79,8 @@ def model_config_file(model) -> Path:
 
 
 def check_inputs(config) -> None:
-    """Every path the recipe names exists; sft has a chat template; optional sinks are installed."""
+    """Every path the recipe names exists (the checkpoint to resume from too); sft has a chat template; optional
+    sinks are installed."""
     check_optional_packages(config.monitor)
     check_model_paths(config.model)
     tokenizer_dir = Path(config.model.tokenizer or config.model.name_or_path)
@@ -91,3 +92,7 @@ def check_inputs(config) -> None:
     template = config.data.chat_template
     if template and template.endswith(".jinja") and not Path(template).is_file():
         raise UserError(f"data.chat_template: template file {template} not found")
+    resume = config.checkpoint.resume_from_checkpoint
+    if resume and resume != "latest" and not Path(resume).is_dir():
+        raise UserError(f"checkpoint.resume_from_checkpoint: {resume} is not a checkpoint folder; name a "
+                        "global_step_N folder, or latest")

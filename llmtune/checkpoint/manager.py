@@ -45,10 +45,7 @@ def resolve_resume(value: str | None, output_dir: Path) -> Path | None:
     if not value:
         return None
     if value != "latest":
-        path = Path(value)
-        if not path.is_dir():
-            raise UserError(f"checkpoint.resume_from_checkpoint: {value} is not a checkpoint folder")
-        return path
+        return Path(value)
     pointer = output_dir / "checkpoints" / "latest"
     if not pointer.is_file():
         log.warning("checkpoint: resume_from_checkpoint=latest, but %s has no checkpoint yet; starting fresh",

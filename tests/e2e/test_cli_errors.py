@@ -31,6 +31,8 @@ def recipe(tmp_path, tiny_model, sft_file):
     ({"model__name_or_path": "no/such/model"}, [], "model.name_or_path: no/such/model is not a HF model folder"),
     ({}, ["--nproc", "0"], "--nproc: '0' is not a positive number of processes"),
     ({"data__chat_template": None}, [], "data.chat_template: the tokenizer in "),
+    ({}, ["--resume_from_checkpoint", "no/such/global_step_5"],
+     "checkpoint.resume_from_checkpoint: no/such/global_step_5 is not a checkpoint folder"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, changes, overrides, expected):
     result = run_cli("sft", recipe(**changes), *overrides, "--nproc", "2")
@@ -74,3 +76,15 @@ def test_optional_sink_without_its_package_is_refused_up_front(tmp_path, recipe,
     assert cli.main(["sft", recipe(), "monitor.tensorboard=true"]) == 2
     assert "monitor.tensorboard: needs the tensorboard package" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_incomplete_checkpoint_to_resume_from_stops_every_rank_with_its_name(tmp_path, recipe):
+    """Checked on rank 0 alone and the verdict shared: no rank goes on to wait for the others."""
+    checkpoint = tmp_path / "global_step_3"
+    checkpoint.mkdir()
+    (checkpoint / "config.yaml").write_text("{}\n")
+    result = run_cli("sft", recipe(), "data.packing=false", "train.per_device_train_batch_size=2",
+                     "--resume_from_checkpoint", str(checkpoint), "--nproc", "2")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"llmtune: error: {checkpoint}: incomplete checkpoint, missing .metadata, trainer_state.json" in result.stderr
+    assert not (tmp_path / "out" / "hf").exists()

@@ -69,6 +69,14 @@ def test_global_batch_size_derives_accumulation(tmp_path):
         load_config(recipe, ["train.gradient_accumulation_steps=2"], "sft", world_size=2)
 
 
+def test_resolved_recipe_with_a_global_batch_loads_on_another_number_of_ranks(tmp_path):
+    recipe = write_recipe(tmp_path, train={"global_batch_size": 32, "per_device_train_batch_size": 4})
+    config = load_config(recipe, [], "sft", world_size=2)
+    config.write(tmp_path / "config.yaml")
+    assert load_config(str(tmp_path / "config.yaml"), [], "sft", world_size=2) == config
+    assert load_config(str(tmp_path / "config.yaml"), [], "sft", world_size=4).train.gradient_accumulation_steps == 2
+
+
 def test_choices_and_required_fields(tmp_path):
     recipe = write_recipe(tmp_path, train={"lr_scheduler_type": "cosin", "output_dir": ""})
     with pytest.raises(UserError) as err:
