@@ -1,6 +1,9 @@
 """Training options change how the work is done, not the numbers (fp32, one process): the chunked loss
 and activation checkpointing give the per-step losses and final weights of the plain run, and
-torch.compile its losses; bf16 stays within bf16 rounding of them."""
+torch.compile and deterministic algorithms its losses (the latter also set what CUDA's cuBLAS needs to
+run them); bf16 stays within bf16 rounding of them."""
+
+import os
 
 import pytest
 import torch
@@ -50,6 +53,26 @@ def test_option_gives_the_same_losses_and_weights(train, plain, option):
 
 def test_compile_gives_the_same_losses(train, plain):
     assert train("train.compile=true", "train.chunk_loss_size=0")[0] == pytest.approx(plain[0], rel=1e-5)
+
+
+# What transformers' enable_full_determinism sets: without CUBLAS_WORKSPACE_CONFIG, cuBLAS raises on CUDA as soon
+# as deterministic algorithms are on.
+DETERMINISM_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUDA_LAUNCH_BLOCKING", "FLASH_ATTENTION_DETERMINISTIC",
+                   "ASCEND_LAUNCH_BLOCKING", "HCCL_DETERMINISTIC")
+
+
+def test_deterministic_sets_what_cuda_needs_and_keeps_the_losses(train, plain, monkeypatch):
+    for name in DETERMINISM_ENV:
+        monkeypatch.delenv(name, raising=False)  # restored after the test, as the switches below
+    try:
+        losses, _ = train("train.deterministic=true", "train.chunk_loss_size=0")
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":16:8", ":4096:8")
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, False
+    assert losses == pytest.approx(plain[0], rel=1e-5)
 
 
 def test_bf16_stays_within_bf16_rounding(train, plain):
