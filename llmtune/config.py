@@ -148,7 +148,8 @@ class TrainConfig:
                                        "loss or gradient norm.")
     eval_steps: int = _field(0, "Validation loss every this many steps (0: only at the end); needs validation data.")
     per_device_eval_batch_size: int = _field(8, "Rows per validation micro-batch on each data-parallel rank.")
-    deterministic: bool = _field(False, "Use torch's deterministic algorithms (slower on GPU).")
+    deterministic: bool = _field(False, "Deterministic algorithms, set as transformers' enable_full_determinism sets "
+                                        "them (cuBLAS workspace, cuDNN); slower on GPU.")
 
     def problems(self) -> list[str]:
         out = []
@@ -221,8 +222,10 @@ class CheckpointConfig:
 class MonitorConfig:
     console: bool = _field(True, "Print each logged step on rank 0 (metrics.jsonl is always written).")
     progress_bar: bool = _field(True, "A tqdm progress bar on rank 0 (only when stderr is a terminal).")
-    tensorboard: bool = _field(False, "Also write TensorBoard events to output_dir/tensorboard (needs tensorboard).")
-    wandb_project: str | None = _field(None, "Also log to this Weights & Biases project (needs wandb).")
+    tensorboard: bool = _field(False, "Also write TensorBoard events to output_dir/tensorboard (needs the extra "
+                                      "llmtune[tensorboard]).")
+    wandb_project: str | None = _field(None, "Also log to this Weights & Biases project (needs the extra "
+                                             "llmtune[wandb]).")
     peak_tflops: float | None = _field(None, "Peak dense TFLOP/s of one device, for MFU; default: a table of "
                                              "known GPUs (none on CPU, so mfu is null).")
     profile_steps: list[int] = _field([], "[start, end]: torch.profiler traces of these steps, per rank, in "

@@ -69,8 +69,8 @@ def check_optional_packages(monitor) -> None:
     for wanted, package, key in ((monitor.tensorboard, "tensorboard", "monitor.tensorboard"),
                                  (monitor.wandb_project, "wandb", "monitor.wandb_project")):
         if wanted and importlib.util.find_spec(package) is None:
-            raise UserError(f"{key}: needs the {package} package, which is not installed; pip install {package}, "
-                            f"or turn {key} off")
+            raise UserError(f"{key}: needs the {package} package, which is not installed; pip install "
+                            f"'llmtune[{package}]', or turn {key} off")
 
 
 def model_config_file(model) -> Path:
