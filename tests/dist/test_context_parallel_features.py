@@ -14,7 +14,7 @@ from tests.helpers import read_metrics, run_cli
 def args(tiny_model, sft_file, output_dir, cp, *extra):
     return ["sft", "recipes/demo/sft.yaml", f"model.name_or_path={tiny_model}", f"data.train_files={sft_file}",
             f"train.output_dir={output_dir}", "train.max_steps=4", "train.logging_steps=1",
-            "train.per_device_train_batch_size=2", "train.gradient_accumulation_steps=2", "train.learning_rate=2e-3",
+            "train.per_device_train_batch_size=2", "train.global_batch_size=4", "train.learning_rate=2e-3",
             "data.val_ratio=0.2", "train.eval_steps=2", "checkpoint.save_steps=2", "checkpoint.export_dtype=fp32",
             f"parallel.cp_size={cp}", "--nproc", str(cp), *extra]
 

@@ -1,7 +1,9 @@
 """Layout invariance through the real CLI, fp32: the demo sft recipe on a tiny GQA Llama, sft samples of
 unequal lengths padded per batch, the same global batch of 4 split over ranks x micro-batch x
 accumulation, 5 steps. Per-step losses and gradient norms agree to 1e-5 relative, final weights
-to 1e-5 absolute. Also a two-"node" run: two torchrun invocations with --nnodes 2 on 127.0.0.1."""
+to 1e-5 absolute. Two of the layouts are one recipe, train.global_batch_size=4 with micro-batches of 2,
+run on 1 and on 2 processes (accumulation derived: 2 and 1). Also a two-"node" run: two torchrun
+invocations with --nnodes 2 on 127.0.0.1."""
 
 import os
 import socket
@@ -15,17 +17,25 @@ from safetensors.torch import load_file
 from tests.helpers import REPO, read_metrics, run_cli
 
 STEPS = 5
-# name: (processes, micro-batch, accumulation); the global batch is 4 in every layout.
-LAYOUTS = {"dp1_micro1_acc4": (1, 1, 4), "dp1_micro4_acc1": (1, 4, 1), "dp2_micro1_acc2": (2, 1, 2),
-           "dp2_micro2_acc1": (2, 2, 1), "dp1_micro2_acc2": (1, 2, 2)}
+GLOBAL_BATCH = ["train.global_batch_size=4"]
+
+
+def accumulation(steps: int) -> list[str]:
+    """The demo recipe sets a global batch; these layouts give the accumulation instead."""
+    return ["train.global_batch_size=null", f"--train.gradient_accumulation_steps={steps}"]
+
+
+# name: (processes, micro-batch, how the step's size is given); the global batch is 4 in every layout.
+LAYOUTS = {"dp1_micro1_acc4": (1, 1, accumulation(4)), "dp1_micro4_acc1": (1, 4, accumulation(1)),
+           "dp2_micro1_acc2": (2, 1, accumulation(2)), "dp2_micro2_global4": (2, 2, GLOBAL_BATCH),
+           "dp1_micro2_global4": (1, 2, GLOBAL_BATCH)}
 REFERENCE = "dp1_micro1_acc4"
 
 
-def overrides(tiny_model, sft_file, output_dir, micro, accumulation):
+def overrides(tiny_model, sft_file, output_dir, micro, batch):
     return [f"model.name_or_path={tiny_model}", f"data.train_files={sft_file}", "data.packing=false",
             f"train.output_dir={output_dir}", f"train.max_steps={STEPS}", "train.logging_steps=1",
-            "train.learning_rate=2e-3", "train.warmup_ratio=0", f"train.per_device_train_batch_size={micro}",
-            f"--train.gradient_accumulation_steps={accumulation}"]
+            "train.learning_rate=2e-3", "train.warmup_ratio=0", f"train.per_device_train_batch_size={micro}", *batch]
 
 
 def free_port() -> int:
@@ -51,14 +61,14 @@ def two_node_run(args: list[str]) -> None:
 @pytest.fixture(scope="module")
 def runs(tiny_model, sft_file, tmp_path_factory):
     out = {}
-    for name, (nproc, micro, accumulation) in LAYOUTS.items():
+    for name, (nproc, micro, batch) in LAYOUTS.items():
         output_dir = tmp_path_factory.mktemp(name)
-        result = run_cli("sft", "recipes/demo/sft.yaml", *overrides(tiny_model, sft_file, output_dir, micro, accumulation),
+        result = run_cli("sft", "recipes/demo/sft.yaml", *overrides(tiny_model, sft_file, output_dir, micro, batch),
                          "--nproc", str(nproc))
         assert result.returncode == 0, result.stderr[-3000:]
         out[name] = output_dir
     output_dir = tmp_path_factory.mktemp("two_nodes")
-    two_node_run(["sft", "recipes/demo/sft.yaml", *overrides(tiny_model, sft_file, output_dir, 2, 1)])
+    two_node_run(["sft", "recipes/demo/sft.yaml", *overrides(tiny_model, sft_file, output_dir, 2, accumulation(1))])
     out["two_nodes"] = output_dir
     return out
 

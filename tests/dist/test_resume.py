@@ -18,9 +18,8 @@ STEPS = 8
 def args(tiny_model, sft_file, output_dir, nproc, *extra):
     return ["sft", "recipes/demo/sft.yaml", f"model.name_or_path={tiny_model}", f"data.train_files={sft_file}",
             "data.packing=false", f"train.output_dir={output_dir}", f"train.max_steps={STEPS}", "train.logging_steps=1",
-            "train.per_device_train_batch_size=4", f"train.gradient_accumulation_steps={4 // nproc}",
-            "train.learning_rate=2e-3", "checkpoint.save_steps=2", "checkpoint.export_dtype=fp32", "--nproc",
-            str(nproc), *extra]
+            "train.per_device_train_batch_size=4", "train.global_batch_size=16", "train.learning_rate=2e-3",
+            "checkpoint.save_steps=2", "checkpoint.export_dtype=fp32", "--nproc", str(nproc), *extra]
 
 
 def wait_for(condition, process, timeout=300.0):
