@@ -20,10 +20,10 @@ import numpy as np
 import pyarrow.compute as pc
 
 from llmtune.data import packing, pretrain, sft
+from llmtune.data.files import is_saved_dataset, resolve_data_files
 from llmtune.data.formats import canonical_columns, detect_format, to_canonical
 from llmtune.data.sources import load_source, undecodable_error
 from llmtune.errors import UserError
-from llmtune.inputs import is_saved_dataset, resolve_data_files
 from llmtune.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)

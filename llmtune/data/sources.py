@@ -10,8 +10,8 @@ from pathlib import Path
 
 import datasets
 
+from llmtune.data.files import is_saved_dataset, resolve_data_files
 from llmtune.errors import UserError
-from llmtune.inputs import is_saved_dataset, resolve_data_files
 
 # .txt: one document per blank-line-separated paragraph, so a file can hold many documents.
 BUILDERS = {
