@@ -12,6 +12,7 @@ from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager, resolve_resume
 from llmtune.checkpoint.validate import check_complete
 from llmtune.data.build import build_stream, load_or_build
+from llmtune.data.collate import pad_token_id
 from llmtune.data.manager import DataManager, StreamingDataManager, validation_batches
 from llmtune.data.templates import apply_recipe_template
 from llmtune.features.ulysses import SequenceShard, register_attention
@@ -27,7 +28,7 @@ log = logging.getLogger("llmtune")
 def build_data(config, tokenizer, state: ParallelState):
     """(this rank's DataManager, a callable giving this rank's validation micro-batches or None)."""
     data_cfg, train_cfg = config.data, config.train
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     if data_cfg.streaming:
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         return StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state), None
