@@ -6,11 +6,7 @@ carries no label, so no label (after the shift) asks one document to predict the
 
 import datasets
 
-from llmtune.loss import IGNORE_INDEX
-
-# Documents are packed within windows of this many; what is left at the end of a window is
-# dropped or kept as a shorter block (data.pt_remainder), a small fraction of the corpus.
-PACK_WINDOW = 2000
+from llmtune.data.packing import PACK_WINDOW, concatenate
 
 
 def tokenize_documents(rows: datasets.Dataset, tokenizer, map_kw: dict) -> datasets.Dataset:
@@ -26,21 +22,13 @@ def pack_documents(docs: datasets.Dataset, max_seq_len: int, remainder: str, map
     """Blocks of max_seq_len tokens; a window's last, shorter block is dropped or kept (the collator pads it)."""
 
     def pack(batch):
-        ids: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
-        for doc in batch["input_ids"]:
-            ids += doc
-            labels += [IGNORE_INDEX] + doc[1:]
-            positions += range(len(doc))
-        rows = {"input_ids": [], "labels": [], "position_ids": []}
-        for start in range(0, len(ids), max_seq_len):
-            block = slice(start, start + max_seq_len)
-            if len(ids) - start < max_seq_len and remainder == "drop":
+        packed = concatenate((doc, doc) for doc in batch["input_ids"])
+        rows = {column: [] for column in packed}
+        for start in range(0, len(packed["input_ids"]), max_seq_len):
+            if len(packed["input_ids"]) - start < max_seq_len and remainder == "drop":
                 break
-            rows["input_ids"].append(ids[block])
-            rows["labels"].append(labels[block])
-            rows["position_ids"].append(positions[block])
+            for column, values in packed.items():
+                rows[column].append(values[start:start + max_seq_len])
         return rows
 
     return docs.map(pack, batched=True, batch_size=PACK_WINDOW, remove_columns=["input_ids"], **map_kw)
