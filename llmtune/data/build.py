@@ -44,7 +44,6 @@ class DataStats:
     dropped_no_labels: int
     efficiency: float  # non-pad tokens / all tokens of the batches the model will see
     val_samples: int
-    cache_hit: bool
 
     def summary(self) -> str:
         return (f"{self.samples} samples, {self.tokens} tokens, label tokens {self.label_tokens / max(self.tokens, 1):.1%}, "
@@ -184,14 +183,13 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int):
     return train, val, counts
 
 
-def describe(train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: int, seed: int,
-             cache_hit: bool) -> DataStats:
+def describe(train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: int, seed: int) -> DataStats:
     lengths, label_tokens = length_stats(train)
     packed = "position_ids" in train.column_names
     efficiency = float(lengths.sum()) / (len(lengths) * data_cfg.max_seq_len) if packed \
         else padded_efficiency(lengths, batch_size, seed)
     return DataStats(samples=len(train), tokens=int(lengths.sum()), label_tokens=label_tokens, efficiency=efficiency,
-                     val_samples=len(val) if val is not None else 0, cache_hit=cache_hit, **counts)
+                     val_samples=len(val) if val is not None else 0, **counts)
 
 
 def cache_key(task: str, data_cfg, tokenizer, seed: int) -> str:
@@ -228,7 +226,8 @@ def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, is
     built, error = False, None
     if is_local_main and not (folder / "counts.json").is_file():
         try:
-            built = _build_entry(folder, task, data_cfg, tokenizer, seed)
+            _build_entry(folder, task, data_cfg, tokenizer, seed)
+            built = True
         except UserError as err:
             error = str(err)
     error = first_error(error)
@@ -239,10 +238,10 @@ def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, is
     train = datasets.load_from_disk(str(folder / "train"))
     val = datasets.load_from_disk(str(folder / "val")) if (folder / "val").is_dir() else None
     counts = json.loads((folder / "counts.json").read_text())
-    return train, val, describe(train, val, counts, data_cfg, batch_size, seed, cache_hit=not built)
+    return train, val, describe(train, val, counts, data_cfg, batch_size, seed)
 
 
-def _build_entry(folder: Path, task: str, data_cfg, tokenizer, seed: int) -> bool:
+def _build_entry(folder: Path, task: str, data_cfg, tokenizer, seed: int) -> None:
     started = time.perf_counter()
     train, val, counts = build_datasets(task, data_cfg, tokenizer, seed)
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
@@ -256,4 +255,3 @@ def _build_entry(folder: Path, task: str, data_cfg, tokenizer, seed: int) -> boo
     except OSError:  # another node's rank 0 finished the same entry first
         shutil.rmtree(partial, ignore_errors=True)
     log.info("data: built %s in %.1f s", folder, time.perf_counter() - started)
-    return True

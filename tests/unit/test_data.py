@@ -94,9 +94,11 @@ def test_cache_second_run_does_no_tokenization(tmp_path, tokenizer, caplog, monk
     data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64)
     with caplog.at_level(logging.INFO, logger="llmtune"):
         first = load_or_build("sft", data, tokenizer, 0, 4, True, one_rank)
+        first_log = caplog.text
+        caplog.clear()
         monkeypatch.setattr("llmtune.data.build.build_datasets", lambda *a: pytest.fail("tokenized again"))
         second = load_or_build("sft", data, tokenizer, 0, 4, True, one_rank)
-    assert not first[2].cache_hit and second[2].cache_hit
+    assert "data: built" in first_log and "cache hit" not in first_log
     assert "cache hit" in caplog.text
     assert first[0]["input_ids"] == second[0]["input_ids"] and first[2].tokens == second[2].tokens
     changed = config(tmp_path, data.train_files, max_seq_len=48)
