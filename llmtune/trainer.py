@@ -13,7 +13,7 @@ from llmtune.monitor import StepRecord
 
 
 class Trainer:
-    def __init__(self, model, optimizer, scheduler, data, monitor, state, train_cfg, validation=None, profiler=None,
+    def __init__(self, model, optimizer, scheduler, data, monitor, state, train_cfg, validation, profiler=None,
                  checkpoints=None, sequence_shard=None):
         self.model = model
         self.optimizer = optimizer
@@ -22,7 +22,7 @@ class Trainer:
         self.monitor = monitor
         self.state = state
         self.cfg = train_cfg
-        self.validation = validation  # callable -> this rank's validation micro-batches, or None
+        self.validation = validation  # data.manager.Validation: this rank's batches, and when they are due
         self.profiler = profiler
         self.checkpoints = checkpoints
         # Context parallelism: cuts each micro-batch to this rank's slice of the sequence.
@@ -48,7 +48,7 @@ class Trainer:
         stats = self.train_step(micro_batches)
         stats.data_wait, stats.step_time = data_wait, time.perf_counter() - started
         self.step += 1
-        eval_loss = self.evaluate() if self._evaluation_due() else None
+        eval_loss = self.evaluate() if self.validation.due(self.step, self.step == self.total_steps) else None
         self.monitor.record(self.step, epoch, stats, eval_loss)
         if self.profiler:
             self.profiler.step()
@@ -78,12 +78,6 @@ class Trainer:
         self.monitor.skipped_steps = state["skipped_steps"]
         self.data.load_state_dict(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
-
-    def _evaluation_due(self) -> bool:
-        if self.validation is None:
-            return False
-        every = self.cfg.eval_steps
-        return self.step == self.total_steps or (every > 0 and self.step % every == 0)
 
     def train_step(self, micro_batches) -> StepRecord:
         """One optimizer step.
@@ -130,7 +124,7 @@ class Trainer:
         self.model.eval()
         totals = torch.zeros(2, device=self.state.device, dtype=torch.float64)
         with torch.no_grad():
-            for batch in self.validation():
+            for batch in self.validation.batches():
                 inputs = self.sequence_shard(batch.to(self.state.device).inputs)
                 totals[0] += self.model(**inputs).double()
                 totals[1] += (inputs["shift_labels"] != IGNORE_INDEX).sum()

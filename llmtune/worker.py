@@ -2,7 +2,6 @@
 
 import json
 import logging
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -11,9 +10,7 @@ from transformers import set_seed
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager, resolve_resume
 from llmtune.checkpoint.validate import check_complete
-from llmtune.data.build import build_stream, load_or_build
-from llmtune.data.collate import pad_token_id
-from llmtune.data.manager import DataManager, StreamingDataManager, validation_batches
+from llmtune.data.manager import build_data
 from llmtune.data.templates import apply_recipe_template
 from llmtune.features.ulysses import SequenceShard, register_attention
 from llmtune.model import build_model, check_vocab, load_model_config, load_tokenizer
@@ -21,25 +18,6 @@ from llmtune.monitor import TrainMonitor, flops_per_token, make_profiler
 from llmtune.optim import build_optimizer, build_scheduler
 from llmtune.parallel import ParallelState
 from llmtune.trainer import Trainer
-
-log = logging.getLogger("llmtune")
-
-
-def build_data(config, tokenizer, state: ParallelState):
-    """(this rank's DataManager, a callable giving this rank's validation micro-batches or None)."""
-    data_cfg, train_cfg = config.data, config.train
-    pad_id = pad_token_id(tokenizer)
-    if data_cfg.streaming:
-        stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
-        return StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state), None
-    train, val, stats = load_or_build(config.task, data_cfg, tokenizer, train_cfg.seed,
-                                      train_cfg.per_device_train_batch_size, state.local_rank == 0, state.first_error)
-    if state.is_main:
-        log.info("data: %s", stats.summary())
-    validation = None if val is None else partial(
-        validation_batches, val, train_cfg.per_device_eval_batch_size, pad_id, data_cfg.document_mask,
-        state.dp_size, state.dp_rank)
-    return DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank), validation
 
 
 def keep_metrics_up_to(path: Path, step: int) -> None:

@@ -215,22 +215,22 @@ def cache_root(data_cfg) -> Path:
     return Path(os.environ.get("LLMTUNE_CACHE", Path.home() / ".cache" / "llmtune")) / "data"
 
 
-def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, is_local_main: bool, first_error):
+def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, state):
     """(train, validation or None, stats): built by local rank 0 if its cache entry is missing, then read by all.
 
-    first_error(message or None) -> the first rank's message or None, on every rank: it is the
-    barrier after the build, and it makes every rank stop with the builder's message on bad data
-    (a rank left waiting would otherwise die of the closed connection instead).
+    state.first_error is the barrier after the build, and it makes every rank stop with the
+    builder's message on bad data (a rank left waiting would otherwise die of the closed
+    connection instead).
     """
     folder = cache_root(data_cfg) / cache_key(task, data_cfg, tokenizer, seed)
     built, error = False, None
-    if is_local_main and not (folder / "counts.json").is_file():
+    if state.local_rank == 0 and not (folder / "counts.json").is_file():
         try:
             _build_entry(folder, task, data_cfg, tokenizer, seed)
             built = True
         except UserError as err:
             error = str(err)
-    error = first_error(error)
+    error = state.first_error(error)
     if error:
         raise UserError(error)
     if not built:

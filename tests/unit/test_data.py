@@ -9,7 +9,7 @@ import pytest
 from llmtune.config import DataConfig, TrainConfig
 from llmtune.data.build import build_datasets, build_stream, load_or_build
 from llmtune.data.collate import collate
-from llmtune.data.manager import DataManager, StreamingDataManager
+from llmtune.data.manager import DataManager, StreamingDataManager, Validation
 from llmtune.data.templates import apply_recipe_template
 from llmtune.errors import UserError
 from llmtune.loss import IGNORE_INDEX
@@ -27,9 +27,12 @@ def config(tmp_path, files, **changes):
     return DataConfig(train_files=files, cache_dir=str(tmp_path / "cache"), **changes)
 
 
-def one_rank(error):
-    """first_error of a world of one."""
-    return error
+@pytest.fixture
+def state():
+    """A world of one process, as a one-process run has."""
+    state = ParallelState.initialize()
+    yield state
+    state.close()
 
 
 def test_pt_blocks_restart_positions_and_mask_labels_at_document_starts(tmp_path, tokenizer):
@@ -90,20 +93,20 @@ def test_sft_packing_restarts_positions_and_keeps_every_token(tmp_path, tokenize
     assert sorted(pieces) == samples
 
 
-def test_cache_second_run_does_no_tokenization(tmp_path, tokenizer, caplog, monkeypatch):
+def test_cache_second_run_does_no_tokenization(tmp_path, tokenizer, caplog, monkeypatch, state):
     data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64)
     with caplog.at_level(logging.INFO, logger="llmtune"):
-        first = load_or_build("sft", data, tokenizer, 0, 4, True, one_rank)
+        first = load_or_build("sft", data, tokenizer, 0, 4, state)
         first_log = caplog.text
         caplog.clear()
         monkeypatch.setattr("llmtune.data.build.build_datasets", lambda *a: pytest.fail("tokenized again"))
-        second = load_or_build("sft", data, tokenizer, 0, 4, True, one_rank)
+        second = load_or_build("sft", data, tokenizer, 0, 4, state)
     assert "data: built" in first_log and "cache hit" not in first_log
     assert "cache hit" in caplog.text
     assert first[0]["input_ids"] == second[0]["input_ids"] and first[2].tokens == second[2].tokens
     changed = config(tmp_path, data.train_files, max_seq_len=48)
     with pytest.raises(pytest.fail.Exception, match="tokenized again"):
-        load_or_build("sft", changed, tokenizer, 0, 4, True, one_rank)
+        load_or_build("sft", changed, tokenizer, 0, 4, state)
 
 
 @pytest.mark.parametrize("content, rows, expected", [
@@ -147,6 +150,19 @@ def test_collate_pads_right_and_shifts_labels():
     assert packed.inputs["position_ids"].tolist() == [[0, 0, 1], [0, 0, 1]]
 
 
+def test_validation_gives_every_row_once_in_equal_batch_counts_and_is_due_every_eval_steps_and_at_the_end():
+    dataset = datasets.Dataset.from_list([{"input_ids": [i, i], "labels": [i, i]} for i in range(1, 11)])
+    per_rank = [list(Validation(dataset, 2, 0, True, 4, rank, eval_steps=4).batches()) for rank in range(4)]
+    assert [len(batches) for batches in per_rank] == [2, 2, 2, 2], "ranks 2 and 3 hold 2 rows, 0 and 1 hold 3"
+    labels = [t for batches in per_rank for b in batches for t in b.inputs["shift_labels"].flatten().tolist()]
+    assert sorted(t for t in labels if t != IGNORE_INDEX) == list(range(1, 11))
+    assert per_rank[3][1].num_tokens == 0, "a rank whose share has run out adds nothing"
+    every_4 = Validation(dataset, 2, 0, True, 1, 0, eval_steps=4)
+    assert [step for step in range(1, 11) if every_4.due(step, last=step == 10)] == [4, 8, 10]
+    assert [step for step in range(1, 11) if every_4.due(step, last=False)] == [4, 8]
+    assert not Validation(None, 2, 0, True, 1, 0, eval_steps=4).due(8, last=True), "no validation data"
+
+
 def steps_of(dataset, dp, micro, acc, count, shuffle=True, state=None):
     train = TrainConfig(per_device_train_batch_size=micro, gradient_accumulation_steps=acc, seed=1, max_steps=count)
     managers = [DataManager(dataset, DataConfig(shuffle=shuffle), train, 0, dp, rank) for rank in range(dp)]
@@ -186,24 +202,21 @@ def test_resume_continues_at_the_exact_next_sample_on_any_data_parallel_size():
     assert steps_of(dataset, 1, 1, 8, 4, state=state)[0] == straight[6:], "resume on another data-parallel size"
 
 
-def test_streaming_resume_gives_the_next_batches_of_an_uninterrupted_run(tmp_path, tokenizer):
+def test_streaming_resume_gives_the_next_batches_of_an_uninterrupted_run(tmp_path, tokenizer, state):
     data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64, streaming=True,
                   shuffle_buffer=8, packing=False)
     train = TrainConfig(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=12, seed=3)
-    state = ParallelState.initialize()
-    try:
-        def manager():
-            return StreamingDataManager(build_stream("sft", data, tokenizer, 3), data, train, 0, state)
 
-        def ids(steps):
-            return [[b.inputs["input_ids"].tolist() for b in micro] for _, micro in steps]
+    def manager():
+        return StreamingDataManager(build_stream("sft", data, tokenizer, 3), data, train, 0, state)
 
-        straight = ids(manager().steps(14))
-        first = manager()
-        assert ids(first.steps(6)) == straight[:6]
-        saved = first.state_dict()
-        resumed = manager()
-        resumed.load_state_dict(saved)
-        assert ids(resumed.steps(8)) == straight[6:], "crosses into the next epoch too (40 samples = 10 steps)"
-    finally:
-        state.close()
+    def ids(steps):
+        return [[b.inputs["input_ids"].tolist() for b in micro] for _, micro in steps]
+
+    straight = ids(manager().steps(14))
+    first = manager()
+    assert ids(first.steps(6)) == straight[:6]
+    saved = first.state_dict()
+    resumed = manager()
+    resumed.load_state_dict(saved)
+    assert ids(resumed.steps(8)) == straight[6:], "crosses into the next epoch too (40 samples = 10 steps)"
