@@ -2,7 +2,8 @@
 
 Preprocessing is paid once: the result is saved under a key of (source fingerprints,
 tokenizer, transform settings); on N ranks, local rank 0 of each node builds it while the
-others wait, then every rank memory-maps the same files.
+others wait, then every rank memory-maps the same files. A streaming run tokenizes its
+training sources as it reads them; only its validation split (data.val_files) is built here.
 """
 
 import hashlib
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 
 # Bump when a change to the transforms changes their output, so old caches are not reused.
 CACHE_VERSION = 1
-# Settings that do not change the built datasets, left out of the cache key.
-NOT_IN_KEY = ("shuffle", "streaming", "num_proc", "cache_dir", "document_mask")
+# Settings that do not change the built datasets, left out of the cache key. (data.streaming does: a
+# streaming run's entry holds its validation split only.)
+NOT_IN_KEY = ("shuffle", "shuffle_buffer", "num_proc", "cache_dir", "document_mask")
 
 
 @dataclass
@@ -157,6 +159,19 @@ def build_stream(task: str, data_cfg, tokenizer, seed: int) -> datasets.Iterable
     return stream
 
 
+def packed(split: datasets.Dataset | None, data_cfg) -> datasets.Dataset | None:
+    """Samples (sft, pre-tokenized) packed into rows when data.packing is on; pt text arrives as packed blocks."""
+    if split is None or not data_cfg.packing or "position_ids" in split.column_names:
+        return split
+    return packing.pack_samples(split, data_cfg.max_seq_len, map_options(split, data_cfg.num_proc, "pack"))
+
+
+def build_val_files(task: str, data_cfg, tokenizer, seed: int) -> datasets.Dataset:
+    """The validation split of data.val_files, before packing."""
+    val, _ = build_split(data_cfg.val_files, [], task, tokenizer, data_cfg, seed, "data.val_files")
+    return val
+
+
 def build_datasets(task: str, data_cfg, tokenizer, seed: int):
     """(train, validation or None, counts of truncated and dropped samples), built from scratch."""
     train, statuses = build_split(data_cfg.train_files, data_cfg.mix_weights, task, tokenizer, data_cfg, seed,
@@ -170,17 +185,13 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int):
                         f"({no_labels} had no label token, {too_long} were too long); check the data and data.format")
     val = None
     if data_cfg.val_files:
-        val, _ = build_split(data_cfg.val_files, [], task, tokenizer, data_cfg, seed, "data.val_files")
+        val = build_val_files(task, data_cfg, tokenizer, seed)
     elif data_cfg.val_ratio > 0:
         split = train.train_test_split(test_size=max(1, round(len(train) * data_cfg.val_ratio)), seed=seed)
         train, val = split["train"], split["test"]
-    # pt text arrives as packed blocks already; samples (sft, pre-tokenized) are packed here.
-    if data_cfg.packing and "position_ids" not in train.column_names:
-        train, val = (packing.pack_samples(d, data_cfg.max_seq_len, map_options(d, data_cfg.num_proc, "pack"))
-                      if d is not None else None for d in (train, val))
     counts = {"truncated": statuses.get(sft.TRUNCATED, 0), "dropped_too_long": too_long,
               "dropped_no_labels": no_labels}
-    return train, val, counts
+    return packed(train, data_cfg), packed(val, data_cfg), counts
 
 
 def describe(train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: int, seed: int) -> DataStats:
@@ -194,7 +205,8 @@ def describe(train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: i
 
 def cache_key(task: str, data_cfg, tokenizer, seed: int) -> str:
     settings = {k: v for k, v in asdict(data_cfg).items() if k not in NOT_IN_KEY}
-    sources = [_fingerprint(p, "data") for p in data_cfg.train_files + data_cfg.val_files]
+    built = data_cfg.val_files if data_cfg.streaming else data_cfg.train_files + data_cfg.val_files
+    sources = [_fingerprint(p, "data") for p in built]
     tok = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else \
         json.dumps(sorted(tokenizer.get_vocab().items()))
     parts = [CACHE_VERSION, task, settings, seed, sources, type(tokenizer).__name__,
@@ -216,7 +228,26 @@ def cache_root(data_cfg) -> Path:
 
 
 def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, state):
-    """(train, validation or None, stats): built by local rank 0 if its cache entry is missing, then read by all.
+    """(train, validation or None, stats), from the cache entry of this recipe (built if missing)."""
+    folder = cached_entry(task, data_cfg, tokenizer, seed, state,
+                          lambda: build_datasets(task, data_cfg, tokenizer, seed))
+    train = datasets.load_from_disk(str(folder / "train"))
+    val = datasets.load_from_disk(str(folder / "val")) if (folder / "val").is_dir() else None
+    counts = json.loads((folder / "counts.json").read_text())
+    return train, val, describe(train, val, counts, data_cfg, batch_size, seed)
+
+
+def load_or_build_stream_validation(task: str, data_cfg, tokenizer, seed: int, state) -> datasets.Dataset:
+    """A streaming run's validation split: data.val_files built map-style, like any other run's, so an
+    evaluation reads the whole split and every data-parallel rank its share of it."""
+    folder = cached_entry(task, data_cfg, tokenizer, seed, state,
+                          lambda: (None, packed(build_val_files(task, data_cfg, tokenizer, seed), data_cfg), {}))
+    return datasets.load_from_disk(str(folder / "val"))
+
+
+def cached_entry(task: str, data_cfg, tokenizer, seed: int, state, build) -> Path:
+    """The folder of this recipe's cache entry, which local rank 0 of each node fills with build() ->
+    (train or None, validation or None, counts) if it is missing, while the others wait.
 
     state.first_error is the barrier after the build, and it makes every rank stop with the
     builder's message on bad data (a rank left waiting would otherwise die of the closed
@@ -225,8 +256,10 @@ def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, st
     folder = cache_root(data_cfg) / cache_key(task, data_cfg, tokenizer, seed)
     built, error = False, None
     if state.local_rank == 0 and not (folder / "counts.json").is_file():
+        started = time.perf_counter()
         try:
-            _build_entry(folder, task, data_cfg, tokenizer, seed)
+            _save_entry(folder, *build())
+            log.info("data: built %s in %.1f s", folder, time.perf_counter() - started)
             built = True
         except UserError as err:
             error = str(err)
@@ -235,23 +268,17 @@ def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, st
         raise UserError(error)
     if not built:
         log.info("data: cache hit %s (no tokenization)", folder)
-    train = datasets.load_from_disk(str(folder / "train"))
-    val = datasets.load_from_disk(str(folder / "val")) if (folder / "val").is_dir() else None
-    counts = json.loads((folder / "counts.json").read_text())
-    return train, val, describe(train, val, counts, data_cfg, batch_size, seed)
+    return folder
 
 
-def _build_entry(folder: Path, task: str, data_cfg, tokenizer, seed: int) -> None:
-    started = time.perf_counter()
-    train, val, counts = build_datasets(task, data_cfg, tokenizer, seed)
+def _save_entry(folder: Path, train, val, counts: dict) -> None:
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    train.save_to_disk(str(partial / "train"))
-    if val is not None:
-        val.save_to_disk(str(partial / "val"))
+    for name, split in (("train", train), ("val", val)):
+        if split is not None:
+            split.save_to_disk(str(partial / name))
     # Written last: its presence marks a complete entry.
     (partial / "counts.json").write_text(json.dumps(counts))
     try:
         partial.rename(folder)
     except OSError:  # another node's rank 0 finished the same entry first
         shutil.rmtree(partial, ignore_errors=True)
-    log.info("data: built %s in %.1f s", folder, time.perf_counter() - started)

@@ -20,7 +20,7 @@ import datasets
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader, DistributedSampler
 
-from llmtune.data.build import build_stream, load_or_build
+from llmtune.data.build import build_stream, load_or_build, load_or_build_stream_validation
 from llmtune.data.collate import collate, pad_token_id
 from llmtune.errors import UserError
 from llmtune.loss import IGNORE_INDEX
@@ -198,7 +198,11 @@ def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataMan
     pad_id = pad_token_id(tokenizer)
     if data_cfg.streaming:
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
-        data, val = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state), None
+        data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)
+        val = load_or_build_stream_validation(config.task, data_cfg, tokenizer, train_cfg.seed, state) \
+            if data_cfg.val_files else None
+        if val is not None and state.is_main:
+            log.info("data: %d validation samples from data.val_files", len(val))
     else:
         train, val, stats = load_or_build(config.task, data_cfg, tokenizer, train_cfg.seed,
                                           train_cfg.per_device_train_batch_size, state)

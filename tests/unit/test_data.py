@@ -6,10 +6,11 @@ import logging
 import datasets
 import pytest
 
-from llmtune.config import DataConfig, TrainConfig
+from llmtune.config import (CheckpointConfig, Config, DataConfig, ModelConfig, MonitorConfig, ParallelConfig,
+                            TrainConfig)
 from llmtune.data.build import build_datasets, build_stream, load_or_build
 from llmtune.data.collate import collate
-from llmtune.data.manager import DataManager, StreamingDataManager, Validation
+from llmtune.data.manager import DataManager, StreamingDataManager, Validation, build_data
 from llmtune.data.templates import apply_recipe_template
 from llmtune.errors import UserError
 from llmtune.loss import IGNORE_INDEX
@@ -161,6 +162,21 @@ def test_validation_gives_every_row_once_in_equal_batch_counts_and_is_due_every_
     assert [step for step in range(1, 11) if every_4.due(step, last=step == 10)] == [4, 8, 10]
     assert [step for step in range(1, 11) if every_4.due(step, last=False)] == [4, 8]
     assert not Validation(None, 2, 0, True, 1, 0, eval_steps=4).due(8, last=True), "no validation data"
+
+
+def test_a_streaming_run_validates_on_the_whole_of_val_files_at_the_eval_steps(tmp_path, tokenizer, state):
+    val_file = write_jsonl(tmp_path / "val.jsonl", QA[:10])
+    data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64, streaming=True,
+                  val_files=[val_file])
+    train = TrainConfig(max_steps=6, eval_steps=2, per_device_train_batch_size=2, per_device_eval_batch_size=1)
+    run = Config("sft", ModelConfig(), data, train, ParallelConfig(), CheckpointConfig(), MonitorConfig())
+    stream, validation = build_data(run, tokenizer, state)
+    assert isinstance(stream, StreamingDataManager)
+    assert [step for step in range(1, 7) if validation.due(step, last=step == 6)] == [2, 4, 6]
+    split, _, _ = build_datasets("sft", config(tmp_path, [val_file], max_seq_len=64), tokenizer, 0)
+    expected = [t for labels in split["labels"] for t in labels[1:] if t != IGNORE_INDEX]
+    reached = [t for b in validation.batches() for t in b.inputs["shift_labels"].flatten().tolist() if t != IGNORE_INDEX]
+    assert sorted(reached) == sorted(expected), "every label token of the validation split, once"
 
 
 def steps_of(dataset, dp, micro, acc, count, shuffle=True, state=None):
