@@ -4,14 +4,15 @@ import importlib.util
 import json
 from pathlib import Path
 
-from llmtune.data.files import is_saved_dataset, resolve_data_files
+from llmtune.data.files import check_has_rows, is_saved_dataset, resolve_data_files
 from llmtune.errors import UserError
 
 
 def check_data_sources(patterns: list[str], key: str) -> None:
     for pattern in patterns:
         if not is_saved_dataset(pattern):
-            resolve_data_files([pattern], key)
+            for name in resolve_data_files([pattern], key):
+                check_has_rows(name, key)
 
 
 def check_model_paths(model) -> None:

@@ -1,7 +1,8 @@
-"""Data sources -> the files they name. Standard library only: the CLI checks every path with it
-before torch or datasets is imported."""
+"""Data sources -> the files they name, and whether each holds rows. Standard library only: the CLI
+checks every path with it before torch or datasets is imported."""
 
 import glob
+from functools import partial
 from pathlib import Path
 
 from llmtune.errors import UserError
@@ -35,3 +36,28 @@ def resolve_data_files(patterns: list[str], key: str) -> list[str]:
                                 "or a folder written by save_to_disk")
         files.extend(found)
     return files
+
+
+def check_has_rows(name: str, key: str) -> None:
+    """Refuse a data file without a row, which datasets reads into a traceback (StopIteration) or a
+    message that names neither the file nor the fix."""
+    problem = _missing_rows(name)
+    if problem:
+        raise UserError(f"{key}: {name} {problem}; add rows to it or take it out of {key}")
+
+
+def _missing_rows(name: str) -> str | None:
+    """What makes the file rowless, or None. Reads only up to its first rows."""
+    if Path(name).stat().st_size == 0:
+        return "is empty"
+    if Path(name).suffix == ".parquet":
+        return None
+    header = Path(name).suffix == ".csv"
+    with open(name, "rb") as f:
+        # Pieces of at most 64 KiB: a minified .json file is one line that need not be read whole.
+        filled = (piece for piece in iter(partial(f.readline, 1 << 16), b"") if piece.strip())
+        if next(filled, None) is None:
+            return "holds only blank lines"
+        if header and next(filled, None) is None:
+            return "has a header line but no rows"
+    return None
