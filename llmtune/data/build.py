@@ -77,10 +77,15 @@ def canonical_rows(pattern: str, task: str, data_cfg, streaming: bool, key: str)
     return converted.select_columns(list(canonical_columns(fmt))), fmt
 
 
-def tokenize_source(rows, fmt: str, tokenizer, data_cfg):
-    """Canonical rows -> input_ids, labels (and position_ids for pt blocks); samples keep a status column."""
+def tokenize_source(rows, fmt: str, tokenizer, data_cfg, pattern: str, key: str):
+    """Canonical rows of the source `pattern` -> input_ids, labels (and position_ids for pt blocks); samples keep
+    a status column."""
     if fmt == "text":
         docs = pretrain.tokenize_documents(rows, tokenizer, map_options(rows, data_cfg.num_proc, "tokenize"))
+        # A stream cannot be checked without reading it.
+        if isinstance(docs, datasets.Dataset) and not pretrain.has_text_tokens(docs, tokenizer):
+            raise UserError(f"{key}: the tokenizer in {tokenizer.name_or_path} produced no tokens for the documents "
+                            f"of {pattern}; set model.tokenizer to one made for this text, or check the file")
         return pretrain.pack_documents(docs, data_cfg.max_seq_len, data_cfg.pt_remainder,
                                        map_options(rows, data_cfg.num_proc, "pack"))
     return sft.tokenize_examples(rows, tokenizer, data_cfg, map_options(rows, data_cfg.num_proc, "tokenize"))
@@ -136,7 +141,8 @@ def tokenized_sources(patterns: list[str], task: str, tokenizer, data_cfg, strea
     if len(kinds) > 1:
         raise UserError(f"{key}: raw text and pre-tokenized sources cannot be mixed in one run; "
                         "tokenize the text sources too, or train on them separately")
-    return [tokenize_source(rows, fmt, tokenizer, data_cfg) for rows, fmt in sources], kinds == {False}
+    return [tokenize_source(rows, fmt, tokenizer, data_cfg, pattern, key)
+            for pattern, (rows, fmt) in zip(patterns, sources)], kinds == {False}
 
 
 def build_split(patterns: list[str], weights: list[float], task: str, tokenizer, data_cfg, seed: int, key: str):
@@ -234,7 +240,12 @@ def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, st
     train = datasets.load_from_disk(str(folder / "train"))
     val = datasets.load_from_disk(str(folder / "val")) if (folder / "val").is_dir() else None
     counts = json.loads((folder / "counts.json").read_text())
-    return train, val, describe(train, val, counts, data_cfg, batch_size, seed)
+    stats = describe(train, val, counts, data_cfg, batch_size, seed)
+    if not stats.label_tokens:
+        raise UserError(f"data.train_files: the {stats.samples} training rows hold no label token, so there is nothing "
+                        f"to train on; check that the tokenizer in {tokenizer.name_or_path} fits the data and that "
+                        f"data.max_seq_len ({data_cfg.max_seq_len}) holds whole documents")
+    return train, val, stats
 
 
 def load_or_build_stream_validation(task: str, data_cfg, tokenizer, seed: int, state) -> datasets.Dataset:

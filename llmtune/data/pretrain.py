@@ -5,6 +5,8 @@ carries no label, so no label (after the shift) asks one document to predict the
 """
 
 import datasets
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from llmtune.data.packing import PACK_WINDOW, concatenate
 
@@ -16,6 +18,14 @@ def tokenize_documents(rows: datasets.Dataset, tokenizer, map_kw: dict) -> datas
         return {"input_ids": [ids + [eos] for ids in tokenizer(batch["text"])["input_ids"]]}
 
     return rows.map(tokenize, batched=True, remove_columns=["text"], **map_kw)
+
+
+def has_text_tokens(docs: datasets.Dataset, tokenizer) -> bool:
+    """Whether the tokenizer made anything of the documents besides special tokens (BOS, EOS, unknown); counted
+    on the Arrow column, without a pass over the rows in Python."""
+    ids = pc.list_flatten(docs.data.column("input_ids"))
+    special = pa.array(tokenizer.all_special_ids, type=ids.type)
+    return bool(pc.any(pc.invert(pc.is_in(ids, value_set=special))).as_py())
 
 
 def pack_documents(docs: datasets.Dataset, max_seq_len: int, remainder: str, map_kw: dict) -> datasets.Dataset:

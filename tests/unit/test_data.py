@@ -131,6 +131,33 @@ def test_bad_data_is_one_clear_message(tmp_path, tokenizer, content, rows, expec
         build_datasets("sft", config(tmp_path, [str(path)], max_seq_len=16, truncation="drop"), tokenizer, 0)
 
 
+@pytest.fixture
+def letter_a_tokenizer(tmp_path):
+    """A tokenizer that knows only the letter a: it turns other text into no tokens at all."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(vocab={"<s>": 0, "</s>": 1, "a": 2}, merges=[]))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path / "a_tok")
+    return AutoTokenizer.from_pretrained(tmp_path / "a_tok")
+
+
+def test_a_pt_source_the_tokenizer_turns_into_nothing_is_named_with_the_tokenizer(tmp_path, letter_a_tokenizer):
+    fits = write_jsonl(tmp_path / "fits.jsonl", [{"text": "a" * (i + 3)} for i in range(20)])
+    words = write_jsonl(tmp_path / "words.jsonl", [{"text": f"hello world {i}"} for i in range(20)])
+    with pytest.raises(UserError, match=f"data.train_files: the tokenizer in {tmp_path / 'a_tok'} produced no tokens "
+                                        f"for the documents of {words}"):
+        build_datasets("pt", config(tmp_path, [fits, words], max_seq_len=8), letter_a_tokenizer, 0)
+
+
+def test_a_training_split_without_a_label_token_is_refused(tmp_path, letter_a_tokenizer, state):
+    # Blocks of 2 tokens, each the EOS of one document (a label, but the first of its row: it has no
+    # token before it to predict it from) and the first token of the next (no label).
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": ""}] + [{"text": "a"}] * 20)
+    with pytest.raises(UserError, match="data.train_files: the 20 training rows hold no label token"):
+        load_or_build("pt", config(tmp_path, [docs], max_seq_len=2), letter_a_tokenizer, 0, 4, state)
+
+
 def test_tokenizer_without_chat_template_needs_one_in_the_recipe(assets):
     from transformers import AutoTokenizer
 
