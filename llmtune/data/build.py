@@ -165,7 +165,7 @@ def build_stream(task: str, data_cfg, tokenizer, seed: int) -> datasets.Iterable
     return stream
 
 
-def packed(split: datasets.Dataset | None, data_cfg) -> datasets.Dataset | None:
+def packed_split(split: datasets.Dataset | None, data_cfg) -> datasets.Dataset | None:
     """Samples (sft, pre-tokenized) packed into rows when data.packing is on; pt text arrives as packed blocks."""
     if split is None or not data_cfg.packing or "position_ids" in split.column_names:
         return split
@@ -197,7 +197,7 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int):
         train, val = split["train"], split["test"]
     counts = {"truncated": statuses.get(sft.TRUNCATED, 0), "dropped_too_long": too_long,
               "dropped_no_labels": no_labels}
-    return packed(train, data_cfg), packed(val, data_cfg), counts
+    return packed_split(train, data_cfg), packed_split(val, data_cfg), counts
 
 
 def describe(train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: int, seed: int) -> DataStats:
@@ -252,7 +252,7 @@ def load_or_build_stream_validation(task: str, data_cfg, tokenizer, seed: int, s
     """A streaming run's validation split: data.val_files built map-style, like any other run's, so an
     evaluation reads the whole split and every data-parallel rank its share of it."""
     folder = cached_entry(task, data_cfg, tokenizer, seed, state,
-                          lambda: (None, packed(build_val_files(task, data_cfg, tokenizer, seed), data_cfg), {}))
+                          lambda: (None, packed_split(build_val_files(task, data_cfg, tokenizer, seed), data_cfg), {}))
     return datasets.load_from_disk(str(folder / "val"))
 
 

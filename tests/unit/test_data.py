@@ -1,4 +1,4 @@
-"""The data pipeline: sources, pt packing, sft packing, bad input, cache, order, coverage and resume."""
+"""The data pipeline: sources, pt packing, sft packing, bad input, cache, order, coverage, validation and resume."""
 
 import json
 import logging
@@ -202,7 +202,8 @@ def test_a_streaming_run_validates_on_the_whole_of_val_files_at_the_eval_steps(t
     assert [step for step in range(1, 7) if validation.due(step, last=step == 6)] == [2, 4, 6]
     split, _, _ = build_datasets("sft", config(tmp_path, [val_file], max_seq_len=64), tokenizer, 0)
     expected = [t for labels in split["labels"] for t in labels[1:] if t != IGNORE_INDEX]
-    reached = [t for b in validation.batches() for t in b.inputs["shift_labels"].flatten().tolist() if t != IGNORE_INDEX]
+    reached = [t for batch in validation.batches() for t in batch.inputs["shift_labels"].flatten().tolist()
+               if t != IGNORE_INDEX]
     assert sorted(reached) == sorted(expected), "every label token of the validation split, once"
 
 
