@@ -1,47 +1,18 @@
 """Checks that every path a recipe names exists, before any process or process group starts."""
 
-import glob
 import importlib.util
 import json
 from pathlib import Path
 
+from llmtune.data.files import check_has_rows, is_saved_dataset, resolve_data_files
 from llmtune.errors import UserError
-
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
-
-
-def is_saved_dataset(path: str) -> bool:
-    """A folder written by datasets' save_to_disk (one split, or a DatasetDict)."""
-    folder = Path(path)
-    return (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file()
-
-
-def resolve_data_files(patterns: list[str], key: str) -> list[str]:
-    """Expand files, folders (their data files, sorted) and globs into a list of files."""
-    files: list[str] = []
-    for pattern in patterns:
-        path = Path(pattern)
-        if path.is_dir():
-            found = sorted(str(p) for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
-        elif glob.has_magic(pattern):
-            found = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
-        else:
-            found = [pattern] if path.is_file() else []
-        if not found:
-            raise UserError(f"{key}: {pattern!r} matches no data file; check the path (relative paths are "
-                            f"read from the current directory {Path.cwd()})")
-        for name in found:
-            if Path(name).suffix not in DATA_SUFFIXES:
-                raise UserError(f"{key}: {name} is not a supported data file; use one of {', '.join(DATA_SUFFIXES)} "
-                                "or a folder written by save_to_disk")
-        files.extend(found)
-    return files
 
 
 def check_data_sources(patterns: list[str], key: str) -> None:
     for pattern in patterns:
         if not is_saved_dataset(pattern):
-            resolve_data_files([pattern], key)
+            for name in resolve_data_files([pattern], key):
+                check_has_rows(name, key)
 
 
 def check_model_paths(model) -> None:

@@ -8,8 +8,7 @@ from transformers import enable_full_determinism, set_seed
 
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
-from llmtune.data.build import build_stream, load_or_build
-from llmtune.data.manager import DataManager, StreamingDataManager, Validation
+from llmtune.data.manager import build_data
 from llmtune.data.templates import apply_recipe_template
 from llmtune.features.registry import enabled_features
 from llmtune.model import build_model, check_vocab, load_model_config, load_tokenizer
@@ -17,25 +16,6 @@ from llmtune.monitor import TrainMonitor, flops_per_token
 from llmtune.optim import build_optimizer, build_scheduler
 from llmtune.parallel import ParallelState
 from llmtune.trainer import Trainer
-
-log = logging.getLogger("llmtune")
-
-
-def build_data(config, tokenizer, state: ParallelState):
-    """(this rank's DataManager, its Validation)."""
-    data_cfg, train_cfg = config.data, config.train
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if data_cfg.streaming:
-        stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
-        return (StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state),
-                Validation(None, 1, pad_id, True, state.dp_size, state.dp_rank, 0))
-    train, val, stats = load_or_build(config.task, data_cfg, tokenizer, train_cfg.seed,
-                                      train_cfg.per_device_train_batch_size, state.local_rank == 0, state.first_error)
-    if state.is_main:
-        log.info("data: %s", stats.summary())
-    validation = Validation(val, train_cfg.per_device_eval_batch_size, pad_id, data_cfg.document_mask,
-                            state.dp_size, state.dp_rank, train_cfg.eval_steps)
-    return DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank), validation
 
 
 def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:

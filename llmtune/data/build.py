@@ -2,7 +2,8 @@
 
 Preprocessing is paid once: the result is saved under a key of (source fingerprints,
 tokenizer, transform settings); on N ranks, local rank 0 of each node builds it while the
-others wait, then every rank memory-maps the same files.
+others wait, then every rank memory-maps the same files. A streaming run tokenizes its
+training sources as it reads them; only its validation split (data.val_files) is built here.
 """
 
 import hashlib
@@ -20,18 +21,19 @@ import numpy as np
 import pyarrow.compute as pc
 
 from llmtune.data import packing, pretrain, sft
+from llmtune.data.files import is_saved_dataset, resolve_data_files
 from llmtune.data.formats import canonical_columns, detect_format, to_canonical
 from llmtune.data.sources import load_source, undecodable_error
 from llmtune.errors import UserError
-from llmtune.inputs import is_saved_dataset, resolve_data_files
 from llmtune.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
 # Bump when a change to the transforms changes their output, so old caches are not reused.
 CACHE_VERSION = 1
-# Settings that do not change the built datasets, left out of the cache key.
-NOT_IN_KEY = ("shuffle", "streaming", "num_proc", "cache_dir", "document_mask")
+# Settings that do not change the built datasets, left out of the cache key. (data.streaming does: a
+# streaming run's entry holds its validation split only.)
+NOT_IN_KEY = ("shuffle", "shuffle_buffer", "num_proc", "cache_dir", "document_mask")
 
 
 @dataclass
@@ -44,7 +46,6 @@ class DataStats:
     dropped_no_labels: int
     efficiency: float  # non-pad tokens / all tokens of the batches the model will see
     val_samples: int
-    cache_hit: bool
 
     def summary(self) -> str:
         return (f"{self.samples} samples, {self.tokens} tokens, label tokens {self.label_tokens / max(self.tokens, 1):.1%}, "
@@ -76,10 +77,15 @@ def canonical_rows(pattern: str, task: str, data_cfg, streaming: bool, key: str)
     return converted.select_columns(list(canonical_columns(fmt))), fmt
 
 
-def tokenize_source(rows, fmt: str, tokenizer, data_cfg):
-    """Canonical rows -> input_ids, labels (and position_ids for pt blocks); samples keep a status column."""
+def tokenize_source(rows, fmt: str, tokenizer, data_cfg, pattern: str, key: str):
+    """Canonical rows of the source `pattern` -> input_ids, labels (and position_ids for pt blocks); samples keep
+    a status column."""
     if fmt == "text":
         docs = pretrain.tokenize_documents(rows, tokenizer, map_options(rows, data_cfg.num_proc, "tokenize"))
+        # A stream cannot be checked without reading it.
+        if isinstance(docs, datasets.Dataset) and not pretrain.has_text_tokens(docs, tokenizer):
+            raise UserError(f"{key}: the tokenizer in {tokenizer.name_or_path} produced no tokens for the documents "
+                            f"of {pattern}; set model.tokenizer to one made for this text, or check the file")
         return pretrain.pack_documents(docs, data_cfg.max_seq_len, data_cfg.pt_remainder,
                                        map_options(rows, data_cfg.num_proc, "pack"))
     return sft.tokenize_examples(rows, tokenizer, data_cfg, map_options(rows, data_cfg.num_proc, "tokenize"))
@@ -135,7 +141,8 @@ def tokenized_sources(patterns: list[str], task: str, tokenizer, data_cfg, strea
     if len(kinds) > 1:
         raise UserError(f"{key}: raw text and pre-tokenized sources cannot be mixed in one run; "
                         "tokenize the text sources too, or train on them separately")
-    return [tokenize_source(rows, fmt, tokenizer, data_cfg) for rows, fmt in sources], kinds == {False}
+    return [tokenize_source(rows, fmt, tokenizer, data_cfg, pattern, key)
+            for pattern, (rows, fmt) in zip(patterns, sources)], kinds == {False}
 
 
 def build_split(patterns: list[str], weights: list[float], task: str, tokenizer, data_cfg, seed: int, key: str):
@@ -158,6 +165,19 @@ def build_stream(task: str, data_cfg, tokenizer, seed: int) -> datasets.Iterable
     return stream
 
 
+def packed_split(split: datasets.Dataset | None, data_cfg) -> datasets.Dataset | None:
+    """Samples (sft, pre-tokenized) packed into rows when data.packing is on; pt text arrives as packed blocks."""
+    if split is None or not data_cfg.packing or "position_ids" in split.column_names:
+        return split
+    return packing.pack_samples(split, data_cfg.max_seq_len, map_options(split, data_cfg.num_proc, "pack"))
+
+
+def build_val_files(task: str, data_cfg, tokenizer, seed: int) -> datasets.Dataset:
+    """The validation split of data.val_files, before packing."""
+    val, _ = build_split(data_cfg.val_files, [], task, tokenizer, data_cfg, seed, "data.val_files")
+    return val
+
+
 def build_datasets(task: str, data_cfg, tokenizer, seed: int):
     """(train, validation or None, counts of truncated and dropped samples), built from scratch."""
     train, statuses = build_split(data_cfg.train_files, data_cfg.mix_weights, task, tokenizer, data_cfg, seed,
@@ -171,32 +191,28 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int):
                         f"({no_labels} had no label token, {too_long} were too long); check the data and data.format")
     val = None
     if data_cfg.val_files:
-        val, _ = build_split(data_cfg.val_files, [], task, tokenizer, data_cfg, seed, "data.val_files")
+        val = build_val_files(task, data_cfg, tokenizer, seed)
     elif data_cfg.val_ratio > 0:
         split = train.train_test_split(test_size=max(1, round(len(train) * data_cfg.val_ratio)), seed=seed)
         train, val = split["train"], split["test"]
-    # pt text arrives as packed blocks already; samples (sft, pre-tokenized) are packed here.
-    if data_cfg.packing and "position_ids" not in train.column_names:
-        train, val = (packing.pack_samples(d, data_cfg.max_seq_len, map_options(d, data_cfg.num_proc, "pack"))
-                      if d is not None else None for d in (train, val))
     counts = {"truncated": statuses.get(sft.TRUNCATED, 0), "dropped_too_long": too_long,
               "dropped_no_labels": no_labels}
-    return train, val, counts
+    return packed_split(train, data_cfg), packed_split(val, data_cfg), counts
 
 
-def describe(train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: int, seed: int,
-             cache_hit: bool) -> DataStats:
+def describe(train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: int, seed: int) -> DataStats:
     lengths, label_tokens = length_stats(train)
     packed = "position_ids" in train.column_names
     efficiency = float(lengths.sum()) / (len(lengths) * data_cfg.max_seq_len) if packed \
         else padded_efficiency(lengths, batch_size, seed)
     return DataStats(samples=len(train), tokens=int(lengths.sum()), label_tokens=label_tokens, efficiency=efficiency,
-                     val_samples=len(val) if val is not None else 0, cache_hit=cache_hit, **counts)
+                     val_samples=len(val) if val is not None else 0, **counts)
 
 
 def cache_key(task: str, data_cfg, tokenizer, seed: int) -> str:
     settings = {k: v for k, v in asdict(data_cfg).items() if k not in NOT_IN_KEY}
-    sources = [_fingerprint(p, "data") for p in data_cfg.train_files + data_cfg.val_files]
+    built = data_cfg.val_files if data_cfg.streaming else data_cfg.train_files + data_cfg.val_files
+    sources = [_fingerprint(p, "data") for p in built]
     tok = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else \
         json.dumps(sorted(tokenizer.get_vocab().items()))
     parts = [CACHE_VERSION, task, settings, seed, sources, type(tokenizer).__name__,
@@ -217,43 +233,63 @@ def cache_root(data_cfg) -> Path:
     return Path(os.environ.get("LLMTUNE_CACHE", Path.home() / ".cache" / "llmtune")) / "data"
 
 
-def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, is_local_main: bool, first_error):
-    """(train, validation or None, stats): built by local rank 0 if its cache entry is missing, then read by all.
+def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, state):
+    """(train, validation or None, stats), from the cache entry of this recipe (built if missing)."""
+    folder = cached_entry(task, data_cfg, tokenizer, seed, state,
+                          lambda: build_datasets(task, data_cfg, tokenizer, seed))
+    train = datasets.load_from_disk(str(folder / "train"))
+    val = datasets.load_from_disk(str(folder / "val")) if (folder / "val").is_dir() else None
+    counts = json.loads((folder / "counts.json").read_text())
+    stats = describe(train, val, counts, data_cfg, batch_size, seed)
+    if not stats.label_tokens:
+        raise UserError(f"data.train_files: the {stats.samples} training rows hold no label token, so there is nothing "
+                        f"to train on; check that the tokenizer in {tokenizer.name_or_path} fits the data and that "
+                        f"data.max_seq_len ({data_cfg.max_seq_len}) holds whole documents")
+    return train, val, stats
 
-    first_error(message or None) -> the first rank's message or None, on every rank: it is the
-    barrier after the build, and it makes every rank stop with the builder's message on bad data
-    (a rank left waiting would otherwise die of the closed connection instead).
+
+def load_or_build_stream_validation(task: str, data_cfg, tokenizer, seed: int, state) -> datasets.Dataset:
+    """A streaming run's validation split: data.val_files built map-style, like any other run's, so an
+    evaluation reads the whole split and every data-parallel rank its share of it."""
+    folder = cached_entry(task, data_cfg, tokenizer, seed, state,
+                          lambda: (None, packed_split(build_val_files(task, data_cfg, tokenizer, seed), data_cfg), {}))
+    return datasets.load_from_disk(str(folder / "val"))
+
+
+def cached_entry(task: str, data_cfg, tokenizer, seed: int, state, build) -> Path:
+    """The folder of this recipe's cache entry, which local rank 0 of each node fills with build() ->
+    (train or None, validation or None, counts) if it is missing, while the others wait.
+
+    state.first_error is the barrier after the build, and it makes every rank stop with the
+    builder's message on bad data (a rank left waiting would otherwise die of the closed
+    connection instead).
     """
     folder = cache_root(data_cfg) / cache_key(task, data_cfg, tokenizer, seed)
     built, error = False, None
-    if is_local_main and not (folder / "counts.json").is_file():
+    if state.local_rank == 0 and not (folder / "counts.json").is_file():
+        started = time.perf_counter()
         try:
-            built = _build_entry(folder, task, data_cfg, tokenizer, seed)
+            _save_entry(folder, *build())
+            log.info("data: built %s in %.1f s", folder, time.perf_counter() - started)
+            built = True
         except UserError as err:
             error = str(err)
-    error = first_error(error)
+    error = state.first_error(error)
     if error:
         raise UserError(error)
     if not built:
         log.info("data: cache hit %s (no tokenization)", folder)
-    train = datasets.load_from_disk(str(folder / "train"))
-    val = datasets.load_from_disk(str(folder / "val")) if (folder / "val").is_dir() else None
-    counts = json.loads((folder / "counts.json").read_text())
-    return train, val, describe(train, val, counts, data_cfg, batch_size, seed, cache_hit=not built)
+    return folder
 
 
-def _build_entry(folder: Path, task: str, data_cfg, tokenizer, seed: int) -> bool:
-    started = time.perf_counter()
-    train, val, counts = build_datasets(task, data_cfg, tokenizer, seed)
+def _save_entry(folder: Path, train, val, counts: dict) -> None:
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    train.save_to_disk(str(partial / "train"))
-    if val is not None:
-        val.save_to_disk(str(partial / "val"))
+    for name, split in (("train", train), ("val", val)):
+        if split is not None:
+            split.save_to_disk(str(partial / name))
     # Written last: its presence marks a complete entry.
     (partial / "counts.json").write_text(json.dumps(counts))
     try:
         partial.rename(folder)
     except OSError:  # another node's rank 0 finished the same entry first
         shutil.rmtree(partial, ignore_errors=True)
-    log.info("data: built %s in %.1f s", folder, time.perf_counter() - started)
-    return True

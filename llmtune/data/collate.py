@@ -16,6 +16,12 @@ class MicroBatch:
         return MicroBatch({k: v.to(device) for k, v in self.inputs.items()}, self.num_tokens)
 
 
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad token, else its EOS: many causal LM tokenizers have none, and a pad is never
+    attended to nor trained on, so the id only has to be a valid one."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def collate(rows: list[dict], pad_id: int, document_mask: bool = True) -> MicroBatch:
     """Right-pad to the longest row; pads carry label -100.
 

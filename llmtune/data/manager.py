@@ -1,4 +1,5 @@
-"""DataManager: hands out optimizer steps of micro-batches, and saves and restores its position.
+"""This rank's data: the DataManager hands out optimizer steps of micro-batches and saves and restores
+its position; Validation gives this rank's share of the validation split. build_data makes both.
 
 Map-style data: the order of an epoch is a seeded permutation of the whole dataset (file order
 with data.shuffle off), the same for every layout; data-parallel rank r takes every D-th sample
@@ -11,51 +12,55 @@ on the data-parallel size, and a resume must keep it.
 """
 
 import itertools
+import logging
 import math
 from functools import partial
 
 import datasets
-import torch
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader, DistributedSampler
 
-from llmtune.data.collate import collate
+from llmtune.data.build import build_stream, load_or_build, load_or_build_stream_validation
+from llmtune.data.collate import collate, pad_token_id
 from llmtune.errors import UserError
 from llmtune.loss import IGNORE_INDEX
 
-
-def validation_batches(dataset: datasets.Dataset, batch_size: int, pad_id: int, document_mask: bool, dp_size: int,
-                       dp_rank: int):
-    """This rank's share of the validation set (every D-th row) in micro-batches.
-
-    Every rank yields the same number of batches, so FSDP's collectives stay in step: a rank
-    whose share has run out yields a batch whose labels are all -100, which adds nothing.
-    """
-    share = range(dp_rank, len(dataset), dp_size)
-    for start in range(0, math.ceil(len(dataset) / dp_size), batch_size):
-        rows = [dataset[i] for i in share[start:start + batch_size]]
-        batch = collate(rows or [dataset[0]], pad_id=pad_id, document_mask=document_mask)
-        if not rows:
-            batch.inputs["shift_labels"].fill_(IGNORE_INDEX)
-            batch.num_tokens = 0
-        yield batch
+log = logging.getLogger(__name__)
 
 
 class Validation:
     """This rank's share of the validation split in micro-batches, and when an evaluation is due. Without
     validation data it is never due (a run without validation has this do-nothing one)."""
 
-    def __init__(self, dataset, batch_size: int, pad_id: int, document_mask: bool, dp_size: int, dp_rank: int,
-                 eval_steps: int):
-        self.dataset, self.batch_size, self.pad_id, self.document_mask = dataset, batch_size, pad_id, document_mask
-        self.dp_size, self.dp_rank, self.eval_steps = dp_size, dp_rank, eval_steps
+    def __init__(self, dataset: datasets.Dataset | None, batch_size: int, pad_id: int, document_mask: bool,
+                 dp_size: int, dp_rank: int, eval_steps: int):
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.collate = partial(collate, pad_id=pad_id, document_mask=document_mask)
+        self.dp_size = dp_size
+        self.dp_rank = dp_rank
+        self.eval_steps = eval_steps
 
     def due(self, step: int, last: bool) -> bool:
-        return self.dataset is not None and (last or (self.eval_steps > 0 and step % self.eval_steps == 0))
+        """Every eval_steps steps (when > 0) and at the run's last step."""
+        if self.dataset is None:
+            return False
+        return last or (self.eval_steps > 0 and step % self.eval_steps == 0)
 
     def batches(self):
-        return validation_batches(self.dataset, self.batch_size, self.pad_id, self.document_mask, self.dp_size,
-                                  self.dp_rank)
+        """This rank's share of the validation set (every D-th row) in micro-batches.
+
+        Every rank yields the same number of batches, so FSDP's collectives stay in step: a rank
+        whose share has run out yields a batch whose labels are all -100, which adds nothing.
+        """
+        share = range(self.dp_rank, len(self.dataset), self.dp_size)
+        for start in range(0, math.ceil(len(self.dataset) / self.dp_size), self.batch_size):
+            rows = [self.dataset[i] for i in share[start:start + self.batch_size]]
+            batch = self.collate(rows or [self.dataset[0]])
+            if not rows:
+                batch.inputs["shift_labels"].fill_(IGNORE_INDEX)
+                batch.num_tokens = 0
+            yield batch
 
 
 class ResumableSampler(DistributedSampler):
@@ -164,7 +169,7 @@ class StreamingDataManager:
             if self._batches is None:
                 self._batches = self._open_epoch()
             micro_batches = list(itertools.islice(self._batches, self.accumulation))
-            if not self._every_rank_has(len(micro_batches) == self.accumulation):
+            if not self.state.all_agree(len(micro_batches) == self.accumulation):
                 if self.step_in_epoch == 0:
                     raise UserError("data: a whole pass over the stream gave no full optimizer step on every rank; "
                                     "add data or lower the batch size")
@@ -173,11 +178,6 @@ class StreamingDataManager:
             self.step_in_epoch += 1
             given += 1
             yield self.epoch, micro_batches
-
-    def _every_rank_has(self, full: bool) -> bool:
-        flag = torch.tensor([int(full)], device=self.state.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-        return bool(flag.item())
 
     epoch_done = False  # a stream's epoch ends only when it runs dry
 
@@ -190,3 +190,24 @@ class StreamingDataManager:
                             f"data-parallel ranks, not {self.state.dp_size}")
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
         self._batches = None
+
+
+def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataManager, Validation]:
+    """This rank's training data and validation, from the recipe's data section."""
+    data_cfg, train_cfg = config.data, config.train
+    pad_id = pad_token_id(tokenizer)
+    if data_cfg.streaming:
+        stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
+        data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)
+        val = load_or_build_stream_validation(config.task, data_cfg, tokenizer, train_cfg.seed, state) \
+            if data_cfg.val_files else None
+        if val is not None and state.is_main:
+            log.info("data: %d validation samples from data.val_files", len(val))
+    else:
+        train, val, stats = load_or_build(config.task, data_cfg, tokenizer, train_cfg.seed,
+                                          train_cfg.per_device_train_batch_size, state)
+        if state.is_main:
+            log.info("data: %s", stats.summary())
+        data = DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank)
+    return data, Validation(val, train_cfg.per_device_eval_batch_size, pad_id, data_cfg.document_mask, state.dp_size,
+                            state.dp_rank, train_cfg.eval_steps)

@@ -1,15 +1,28 @@
-"""Padding-free packing of sft samples: several samples per row, position_ids restarting per sample.
+"""Padding-free packing: several samples (sft) or documents (pt) per row, position_ids restarting at each.
 
-Rows are filled first-fit-decreasing within windows of samples, deterministic and independent of
-the number of ranks. The first token of each sample carries no label, so no label crosses a
-sample boundary.
+The first token of each sample carries no label, so no label (after the shift) asks one sample to
+predict the next. sft rows are filled first-fit-decreasing within windows of samples, deterministic
+and independent of the number of ranks.
 """
 
 import datasets
 
 from llmtune.loss import IGNORE_INDEX
 
+# Samples and documents are packed within windows of this many, so memory stays bounded; for pt
+# what is left at the end of a window is dropped or kept as a shorter block (data.pt_remainder),
+# a small fraction of the corpus.
 PACK_WINDOW = 2000
+
+
+def concatenate(samples) -> dict[str, list[int]]:
+    """(input_ids, labels) pairs -> one packed sequence: input_ids, labels and position_ids."""
+    packed: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for input_ids, labels in samples:
+        packed["input_ids"] += input_ids
+        packed["labels"] += [IGNORE_INDEX] + labels[1:]
+        packed["position_ids"] += range(len(input_ids))
+    return packed
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -32,14 +45,9 @@ def pack_samples(samples: datasets.Dataset, max_seq_len: int, map_kw: dict) -> d
     def pack(batch):
         rows = {"input_ids": [], "labels": [], "position_ids": []}
         for members in first_fit_decreasing([len(ids) for ids in batch["input_ids"]], max_seq_len):
-            ids, labels, positions = [], [], []
-            for i in members:
-                ids += batch["input_ids"][i]
-                labels += [IGNORE_INDEX] + batch["labels"][i][1:]
-                positions += range(len(batch["input_ids"][i]))
-            rows["input_ids"].append(ids)
-            rows["labels"].append(labels)
-            rows["position_ids"].append(positions)
+            packed = concatenate((batch["input_ids"][i], batch["labels"][i]) for i in members)
+            for column, values in packed.items():
+                rows[column].append(values)
         return rows
 
     return samples.map(pack, batched=True, batch_size=PACK_WINDOW, remove_columns=["input_ids", "labels"],

@@ -5,12 +5,10 @@ carries no label, so no label (after the shift) asks one document to predict the
 """
 
 import datasets
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from llmtune.loss import IGNORE_INDEX
-
-# Documents are packed within windows of this many; what is left at the end of a window is
-# dropped or kept as a shorter block (data.pt_remainder), a small fraction of the corpus.
-PACK_WINDOW = 2000
+from llmtune.data.packing import PACK_WINDOW, concatenate
 
 
 def tokenize_documents(rows: datasets.Dataset, tokenizer, map_kw: dict) -> datasets.Dataset:
@@ -22,25 +20,25 @@ def tokenize_documents(rows: datasets.Dataset, tokenizer, map_kw: dict) -> datas
     return rows.map(tokenize, batched=True, remove_columns=["text"], **map_kw)
 
 
+def has_text_tokens(docs: datasets.Dataset, tokenizer) -> bool:
+    """Whether the tokenizer made anything of the documents besides special tokens (BOS, EOS, unknown); counted
+    on the Arrow column, without a pass over the rows in Python."""
+    ids = pc.list_flatten(docs.data.column("input_ids"))
+    special = pa.array(tokenizer.all_special_ids, type=ids.type)
+    return bool(pc.any(pc.invert(pc.is_in(ids, value_set=special))).as_py())
+
+
 def pack_documents(docs: datasets.Dataset, max_seq_len: int, remainder: str, map_kw: dict) -> datasets.Dataset:
     """Blocks of max_seq_len tokens; a window's last, shorter block is dropped or kept (the collator pads it)."""
 
     def pack(batch):
-        ids: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
-        for doc in batch["input_ids"]:
-            ids += doc
-            labels += [IGNORE_INDEX] + doc[1:]
-            positions += range(len(doc))
-        rows = {"input_ids": [], "labels": [], "position_ids": []}
-        for start in range(0, len(ids), max_seq_len):
-            block = slice(start, start + max_seq_len)
-            if len(ids) - start < max_seq_len and remainder == "drop":
+        packed = concatenate((doc, doc) for doc in batch["input_ids"])
+        rows = {column: [] for column in packed}
+        for start in range(0, len(packed["input_ids"]), max_seq_len):
+            if len(packed["input_ids"]) - start < max_seq_len and remainder == "drop":
                 break
-            rows["input_ids"].append(ids[block])
-            rows["labels"].append(labels[block])
-            rows["position_ids"].append(positions[block])
+            for column, values in packed.items():
+                rows[column].append(values[start:start + max_seq_len])
         return rows
 
     return docs.map(pack, batched=True, batch_size=PACK_WINDOW, remove_columns=["input_ids"], **map_kw)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import datasets
 
+from llmtune.data.files import is_saved_dataset, resolve_data_files
 from llmtune.errors import UserError
-from llmtune.inputs import is_saved_dataset, resolve_data_files
 
 # .txt: one document per blank-line-separated paragraph, so a file can hold many documents.
 BUILDERS = {
@@ -90,10 +90,3 @@ def _read_error(files: list[str], err: Exception) -> str:
                         return f"{name}:{number}: not valid JSON ({bad.msg}); write one JSON object per line"
     cause = err.__cause__ or err
     return f"could not read {', '.join(files)}: {' '.join(str(cause).split())}"
-
-
-def require_columns(columns: list[str], needed: tuple[str, ...], what: str, source: str) -> None:
-    missing = [c for c in needed if c not in columns]
-    if missing:
-        raise UserError(f"{source}: {what} needs column(s) {', '.join(missing)}; the rows have "
-                        f"{', '.join(columns)} (set data.format to match the data)")

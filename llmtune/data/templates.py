@@ -11,7 +11,6 @@ from pathlib import Path
 from llmtune.errors import UserError
 from llmtune.loss import IGNORE_INDEX
 
-BUILTIN_PROMPT = "### Instruction:\n{prompt}\n\n### Response:\n"
 BUILTIN_TEMPLATES = {
     # An instruction/response layout for tokenizers that ship no template (e.g. bare sentencepiece).
     "basic": (

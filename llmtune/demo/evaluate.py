@@ -6,6 +6,7 @@ import json
 
 import torch
 
+from llmtune.data.collate import pad_token_id
 from llmtune.data.templates import apply_recipe_template, encode_prompt
 from llmtune.errors import UserError
 
@@ -40,7 +41,7 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int) 
     """Greedy answers, decoded up to the first eos. Prompts are batched by token length, so
     no batch needs padding and each answer is what the model gives that prompt alone."""
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    pad = pad_token_id(tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(encoded):

@@ -43,6 +43,26 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, changes, overrides, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("task, name, content, problem", [
+    ("sft", "empty.jsonl", "", "is empty"),
+    ("sft", "blank.jsonl", "\n  \n\n", "holds only blank lines"),
+    ("sft", "empty.csv", "", "is empty"),
+    ("sft", "header.csv", "prompt,response\n", "has a header line but no rows"),
+    ("pt", "empty.txt", "", "is empty"),
+    ("pt", "blank.txt", "\n\n \n", "holds only blank lines"),
+])
+def test_a_data_file_without_rows_is_named_before_any_process_starts(tmp_path, recipe, task, name, content, problem):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "good.jsonl").write_text('{"prompt": "1 + 1?", "response": "2", "text": "1 + 1 = 2"}\n')
+    empty = tmp_path / "data" / name
+    empty.write_text(content)
+    result = run_cli(task, recipe(data__train_files=[str(tmp_path / "data")]), "--nproc", "2")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"llmtune: error: data.train_files: {empty} {problem}; add rows to it or take it out of data.train_files"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_recipe_file():
     result = run_cli("pt", "no_such_recipe.yaml")
     assert result.returncode == 2

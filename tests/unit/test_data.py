@@ -1,4 +1,4 @@
-"""The data pipeline: sources, pt packing, sft packing, bad input, cache, order, coverage and resume."""
+"""The data pipeline: sources, pt packing, sft packing, bad input, cache, order, coverage, validation and resume."""
 
 import json
 import logging
@@ -6,10 +6,11 @@ import logging
 import datasets
 import pytest
 
-from llmtune.config import DataConfig, TrainConfig
+from llmtune.config import (CheckpointConfig, Config, DataConfig, ModelConfig, MonitorConfig, ParallelConfig,
+                            TrainConfig)
 from llmtune.data.build import build_datasets, build_stream, load_or_build
 from llmtune.data.collate import collate
-from llmtune.data.manager import DataManager, StreamingDataManager
+from llmtune.data.manager import DataManager, StreamingDataManager, Validation, build_data
 from llmtune.data.templates import apply_recipe_template
 from llmtune.errors import UserError
 from llmtune.loss import IGNORE_INDEX
@@ -27,9 +28,12 @@ def config(tmp_path, files, **changes):
     return DataConfig(train_files=files, cache_dir=str(tmp_path / "cache"), **changes)
 
 
-def one_rank(error):
-    """first_error of a world of one."""
-    return error
+@pytest.fixture
+def state():
+    """A world of one process, as a one-process run has."""
+    state = ParallelState.initialize()
+    yield state
+    state.close()
 
 
 def test_pt_blocks_restart_positions_and_mask_labels_at_document_starts(tmp_path, tokenizer):
@@ -90,18 +94,20 @@ def test_sft_packing_restarts_positions_and_keeps_every_token(tmp_path, tokenize
     assert sorted(pieces) == samples
 
 
-def test_cache_second_run_does_no_tokenization(tmp_path, tokenizer, caplog, monkeypatch):
+def test_cache_second_run_does_no_tokenization(tmp_path, tokenizer, caplog, monkeypatch, state):
     data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64)
     with caplog.at_level(logging.INFO, logger="llmtune"):
-        first = load_or_build("sft", data, tokenizer, 0, 4, True, one_rank)
+        first = load_or_build("sft", data, tokenizer, 0, 4, state)
+        first_log = caplog.text
+        caplog.clear()
         monkeypatch.setattr("llmtune.data.build.build_datasets", lambda *a: pytest.fail("tokenized again"))
-        second = load_or_build("sft", data, tokenizer, 0, 4, True, one_rank)
-    assert not first[2].cache_hit and second[2].cache_hit
+        second = load_or_build("sft", data, tokenizer, 0, 4, state)
+    assert "data: built" in first_log and "cache hit" not in first_log
     assert "cache hit" in caplog.text
     assert first[0]["input_ids"] == second[0]["input_ids"] and first[2].tokens == second[2].tokens
     changed = config(tmp_path, data.train_files, max_seq_len=48)
     with pytest.raises(pytest.fail.Exception, match="tokenized again"):
-        load_or_build("sft", changed, tokenizer, 0, 4, True, one_rank)
+        load_or_build("sft", changed, tokenizer, 0, 4, state)
 
 
 @pytest.mark.parametrize("content, rows, expected", [
@@ -125,6 +131,33 @@ def test_bad_data_is_one_clear_message(tmp_path, tokenizer, content, rows, expec
         build_datasets("sft", config(tmp_path, [str(path)], max_seq_len=16, truncation="drop"), tokenizer, 0)
 
 
+@pytest.fixture
+def letter_a_tokenizer(tmp_path):
+    """A tokenizer that knows only the letter a: it turns other text into no tokens at all."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(vocab={"<s>": 0, "</s>": 1, "a": 2}, merges=[]))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path / "a_tok")
+    return AutoTokenizer.from_pretrained(tmp_path / "a_tok")
+
+
+def test_a_pt_source_the_tokenizer_turns_into_nothing_is_named_with_the_tokenizer(tmp_path, letter_a_tokenizer):
+    fits = write_jsonl(tmp_path / "fits.jsonl", [{"text": "a" * (i + 3)} for i in range(20)])
+    words = write_jsonl(tmp_path / "words.jsonl", [{"text": f"hello world {i}"} for i in range(20)])
+    with pytest.raises(UserError, match=f"data.train_files: the tokenizer in {tmp_path / 'a_tok'} produced no tokens "
+                                        f"for the documents of {words}"):
+        build_datasets("pt", config(tmp_path, [fits, words], max_seq_len=8), letter_a_tokenizer, 0)
+
+
+def test_a_training_split_without_a_label_token_is_refused(tmp_path, letter_a_tokenizer, state):
+    # Blocks of 2 tokens, each the EOS of one document (a label, but the first of its row: it has no
+    # token before it to predict it from) and the first token of the next (no label).
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": ""}] + [{"text": "a"}] * 20)
+    with pytest.raises(UserError, match="data.train_files: the 20 training rows hold no label token"):
+        load_or_build("pt", config(tmp_path, [docs], max_seq_len=2), letter_a_tokenizer, 0, 4, state)
+
+
 def test_tokenizer_without_chat_template_needs_one_in_the_recipe(assets):
     from transformers import AutoTokenizer
 
@@ -143,6 +176,35 @@ def test_collate_pads_right_and_shifts_labels():
                       "labels": [8], "position_ids": [0]}], pad_id=0)
     assert "attention_mask" not in packed.inputs
     assert packed.inputs["position_ids"].tolist() == [[0, 0, 1], [0, 0, 1]]
+
+
+def test_validation_gives_every_row_once_in_equal_batch_counts_and_is_due_every_eval_steps_and_at_the_end():
+    dataset = datasets.Dataset.from_list([{"input_ids": [i, i], "labels": [i, i]} for i in range(1, 11)])
+    per_rank = [list(Validation(dataset, 2, 0, True, 4, rank, eval_steps=4).batches()) for rank in range(4)]
+    assert [len(batches) for batches in per_rank] == [2, 2, 2, 2], "ranks 2 and 3 hold 2 rows, 0 and 1 hold 3"
+    labels = [t for batches in per_rank for b in batches for t in b.inputs["shift_labels"].flatten().tolist()]
+    assert sorted(t for t in labels if t != IGNORE_INDEX) == list(range(1, 11))
+    assert per_rank[3][1].num_tokens == 0, "a rank whose share has run out adds nothing"
+    every_4 = Validation(dataset, 2, 0, True, 1, 0, eval_steps=4)
+    assert [step for step in range(1, 11) if every_4.due(step, last=step == 10)] == [4, 8, 10]
+    assert [step for step in range(1, 11) if every_4.due(step, last=False)] == [4, 8]
+    assert not Validation(None, 2, 0, True, 1, 0, eval_steps=4).due(8, last=True), "no validation data"
+
+
+def test_a_streaming_run_validates_on_the_whole_of_val_files_at_the_eval_steps(tmp_path, tokenizer, state):
+    val_file = write_jsonl(tmp_path / "val.jsonl", QA[:10])
+    data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64, streaming=True,
+                  val_files=[val_file])
+    train = TrainConfig(max_steps=6, eval_steps=2, per_device_train_batch_size=2, per_device_eval_batch_size=1)
+    run = Config("sft", ModelConfig(), data, train, ParallelConfig(), CheckpointConfig(), MonitorConfig())
+    stream, validation = build_data(run, tokenizer, state)
+    assert isinstance(stream, StreamingDataManager)
+    assert [step for step in range(1, 7) if validation.due(step, last=step == 6)] == [2, 4, 6]
+    split, _, _ = build_datasets("sft", config(tmp_path, [val_file], max_seq_len=64), tokenizer, 0)
+    expected = [t for labels in split["labels"] for t in labels[1:] if t != IGNORE_INDEX]
+    reached = [t for batch in validation.batches() for t in batch.inputs["shift_labels"].flatten().tolist()
+               if t != IGNORE_INDEX]
+    assert sorted(reached) == sorted(expected), "every label token of the validation split, once"
 
 
 def steps_of(dataset, dp, micro, acc, count, shuffle=True, state=None):
@@ -184,24 +246,21 @@ def test_resume_continues_at_the_exact_next_sample_on_any_data_parallel_size():
     assert steps_of(dataset, 1, 1, 8, 4, state=state)[0] == straight[6:], "resume on another data-parallel size"
 
 
-def test_streaming_resume_gives_the_next_batches_of_an_uninterrupted_run(tmp_path, tokenizer):
+def test_streaming_resume_gives_the_next_batches_of_an_uninterrupted_run(tmp_path, tokenizer, state):
     data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64, streaming=True,
                   shuffle_buffer=8, packing=False)
     train = TrainConfig(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=12, seed=3)
-    state = ParallelState.initialize()
-    try:
-        def manager():
-            return StreamingDataManager(build_stream("sft", data, tokenizer, 3), data, train, 0, state)
 
-        def ids(steps):
-            return [[b.inputs["input_ids"].tolist() for b in micro] for _, micro in steps]
+    def manager():
+        return StreamingDataManager(build_stream("sft", data, tokenizer, 3), data, train, 0, state)
 
-        straight = ids(manager().steps(14))
-        first = manager()
-        assert ids(first.steps(6)) == straight[:6]
-        saved = first.state_dict()
-        resumed = manager()
-        resumed.load_state_dict(saved)
-        assert ids(resumed.steps(8)) == straight[6:], "crosses into the next epoch too (40 samples = 10 steps)"
-    finally:
-        state.close()
+    def ids(steps):
+        return [[b.inputs["input_ids"].tolist() for b in micro] for _, micro in steps]
+
+    straight = ids(manager().steps(14))
+    first = manager()
+    assert ids(first.steps(6)) == straight[:6]
+    saved = first.state_dict()
+    resumed = manager()
+    resumed.load_state_dict(saved)
+    assert ids(resumed.steps(8)) == straight[6:], "crosses into the next epoch too (40 samples = 10 steps)"
