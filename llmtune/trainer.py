@@ -104,8 +104,7 @@ class Trainer:
             (loss * scale).backward()
             loss_sum += loss.detach()
         mean_loss = self.state.all_reduce_sum(loss_sum).item() / max(label_tokens, 1.0)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
-        grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+        grad_norm = clip_gradients(list(self.model.parameters()), self.cfg.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(mean_loss) and math.isfinite(grad_norm)
         if finite:
@@ -129,3 +128,20 @@ class Trainer:
         self.model.train()
         loss_sum, count = self.state.all_reduce_sum(totals).tolist()
         return loss_sum / max(count, 1.0)
+
+
+def clip_gradients(parameters: list, max_norm: float) -> float:
+    """The global L2 norm of the gradients, before clipping them to max_norm (0: no clipping).
+
+    Each parameter's norm is taken in fp64: summed in fp32, the squares of a sharded gradient come out
+    differently rounded from those of the whole one, and a clipping factor differing in its last bits
+    would make the updates depend on the number of ranks. In fp64 the difference is far below what
+    fp32 can tell, and the factor comes out the same.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total.item()

@@ -1,11 +1,11 @@
 """This rank's data: the DataManager hands out optimizer steps of micro-batches and saves and restores
 its position; Validation gives this rank's share of the validation split. build_data makes both.
 
-Map-style data: the order of an epoch is a seeded permutation of the whole dataset (file order
-with data.shuffle off), the same for every layout; data-parallel rank r takes every D-th sample
-of it. So optimizer step k of an epoch consumes samples perm[k*B:(k+1)*B] (B the global batch)
-whatever the number of ranks, micro-batch size or accumulation steps, and the position saved
-as (epoch, step in epoch) resumes on any data-parallel size at the exact next sample.
+Map-style data (StepSampler): the order of an epoch is a seeded permutation of the whole dataset
+(file order with data.shuffle off), the same for every layout. Optimizer step k of an epoch
+consumes samples perm[k*B:(k+1)*B] (B the global batch) whatever the number of ranks, micro-batch
+size or accumulation steps, and the position saved as (epoch, step in epoch) resumes on any
+data-parallel size at the exact next sample.
 
 Streaming data: each data-parallel rank reads its own shard of the stream, so the order depends
 on the data-parallel size, and a resume must keep it.
@@ -18,7 +18,8 @@ from functools import partial
 
 import datasets
 from datasets.distributed import split_dataset_by_node
-from torch.utils.data import DataLoader, DistributedSampler
+import torch
+from torch.utils.data import DataLoader, Sampler
 
 from llmtune.data.build import build_stream, load_or_build, load_or_build_stream_validation
 from llmtune.data.collate import collate, pad_token_id
@@ -63,28 +64,47 @@ class Validation:
             yield batch
 
 
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way, at a given index of this rank's share."""
+class StepSampler(Sampler[int]):
+    """This rank's samples of an epoch, from a given optimizer step on.
 
-    start = 0
+    The epoch's order is a permutation of the dataset seeded by seed and epoch (file order without
+    shuffling), the same on every layout, cut into global batches of micro x G x D samples. Each global
+    batch is cut in turn into its G x D micro-batches of consecutive samples, and data-parallel rank r
+    takes the r-th run of G of them. So a micro-batch holds the same samples whether G micro-batches of
+    a step run on one rank or on G ranks, and their gradients are summed in the same floating-point
+    additions either way.
+    """
+
+    def __init__(self, size: int, micro_batch: int, accumulation: int, dp_size: int, dp_rank: int, shuffle: bool,
+                 seed: int):
+        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self.share = micro_batch * accumulation
+        self.global_batch = self.share * dp_size
+        self.offset = dp_rank * self.share
+        self.steps_per_epoch = size // self.global_batch
+        self.epoch = self.start_step = 0
 
     def __iter__(self):
-        return iter(list(super().__iter__())[self.start:])
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)) \
+            if self.shuffle else torch.arange(self.size)
+        for step in range(self.start_step, self.steps_per_epoch):
+            start = step * self.global_batch + self.offset
+            yield from order[start:start + self.share].tolist()
 
     def __len__(self) -> int:
-        return super().__len__() - self.start
+        return (self.steps_per_epoch - self.start_step) * self.share
 
 
 class DataManager:
     def __init__(self, dataset: datasets.Dataset, data_cfg, train_cfg, pad_id: int, dp_size: int, dp_rank: int):
         self.micro_batch = train_cfg.per_device_train_batch_size
         self.accumulation = train_cfg.gradient_accumulation_steps
-        self.sampler = ResumableSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=data_cfg.shuffle,
-                                        seed=train_cfg.seed, drop_last=True)
-        self.loader = DataLoader(dataset, batch_size=self.micro_batch, sampler=self.sampler, drop_last=True,
+        self.sampler = StepSampler(len(dataset), self.micro_batch, self.accumulation, dp_size, dp_rank,
+                                   data_cfg.shuffle, train_cfg.seed)
+        self.loader = DataLoader(dataset, batch_size=self.micro_batch, sampler=self.sampler,
                                  collate_fn=partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask))
-        self.steps_per_epoch = len(self.sampler) // (self.micro_batch * self.accumulation)
-        self.global_batch = self.micro_batch * self.accumulation * dp_size
+        self.steps_per_epoch = self.sampler.steps_per_epoch
+        self.global_batch = self.sampler.global_batch
         self.epoch = 0
         self.step_in_epoch = 0
         self._batches = None
@@ -108,8 +128,7 @@ class DataManager:
             if self.step_in_epoch == self.steps_per_epoch:
                 self.epoch, self.step_in_epoch = self.epoch + 1, 0
             if self.step_in_epoch == 0 or self._batches is None:
-                self.sampler.set_epoch(self.epoch)
-                self.sampler.start = self.step_in_epoch * self.micro_batch * self.accumulation
+                self.sampler.epoch, self.sampler.start_step = self.epoch, self.step_in_epoch
                 self._batches = iter(self.loader)
             micro_batches = [next(self._batches) for _ in range(self.accumulation)]
             self.step_in_epoch += 1

@@ -2,8 +2,8 @@
 unequal lengths padded per batch, the same global batch of 4 split over ranks x micro-batch x
 accumulation, 5 steps. Per-step losses and gradient norms agree to 1e-5 relative, final weights
 to 1e-5 absolute. Two of the layouts are one recipe, train.global_batch_size=4 with micro-batches of 2,
-run on 1 and on 2 processes (accumulation derived: 2 and 1). Also a two-"node" run: two torchrun
-invocations with --nnodes 2 on 127.0.0.1."""
+run on 1 and on 2 processes (accumulation derived: 2 and 1): bitwise the same run. Also a two-"node" run:
+two torchrun invocations with --nnodes 2 on 127.0.0.1."""
 
 import os
 import socket
@@ -96,3 +96,12 @@ def test_final_weights_agree(runs, tiny_model):
         for key in reference:
             torch.testing.assert_close(other[key], reference[key], rtol=0, atol=1e-5,
                                        msg=lambda m: f"{name}: {key}: {m}")
+
+
+def test_one_recipe_on_one_and_on_two_processes_is_bitwise_the_same_run(runs):
+    """One process accumulates the two micro-batches that two processes take one each, holding the same
+    samples, so their gradients are summed in the same additions; the clipping factor comes from fp64 norms."""
+    one, two = runs["dp1_micro2_global4"], runs["dp2_micro2_global4"]
+    assert [m["loss"] for m in read_metrics(one)] == [m["loss"] for m in read_metrics(two)]
+    first, second = load_file(one / "hf" / "model.safetensors"), load_file(two / "hf" / "model.safetensors")
+    assert all(torch.equal(first[key], second[key]) for key in first)

@@ -228,6 +228,27 @@ def test_each_step_consumes_the_same_samples_whatever_the_layout(dp_size, per_de
     assert len(epoch) == len(set(epoch)) == 32, "one epoch sees each sample at most once (37 = 4 steps of 8 + 5)"
 
 
+def test_a_micro_batch_holds_the_same_samples_on_one_rank_or_spread_over_ranks():
+    """One rank's G micro-batches of a step are the micro-batches G ranks take one each (so their gradients are
+    summed in the same additions); also when resumed part-way through an epoch."""
+    dataset = [{"input_ids": [i]} for i in range(37)]
+
+    def micro_batches(dp, acc, state=None):
+        train = TrainConfig(per_device_train_batch_size=2, gradient_accumulation_steps=acc, seed=1, max_steps=6)
+        managers = [DataManager(dataset, DataConfig(), train, 0, dp, rank) for rank in range(dp)]
+        for manager in managers:
+            if state:
+                manager.load_state_dict(state)
+        steps = [list(manager.steps(6)) for manager in managers]
+        return [[b.inputs["input_ids"].flatten().tolist() for rank in steps for b in rank[k][1]] for k in range(6)]
+
+    one_rank = micro_batches(1, 2)
+    assert one_rank == micro_batches(2, 1)
+    assert one_rank[0] != [[0, 1], [2, 3]], "shuffled"
+    resumed = {"epoch": 1, "samples_in_epoch": 8}
+    assert micro_batches(1, 2, resumed) == micro_batches(2, 1, resumed)
+
+
 def test_one_epoch_on_two_ranks_sees_every_sample_once_and_no_shuffle_keeps_file_order():
     dataset = [{"input_ids": [i]} for i in range(32)]
     steps, _ = steps_of(dataset, 2, 2, 2, 4)
