@@ -44,8 +44,6 @@ def export_command(args: list[str]) -> int:
     parsed = parser.parse_args(args)
     from pathlib import Path
 
-    if not (Path(parsed.checkpoint) / "config.yaml").is_file():
-        raise UserError(f"{parsed.checkpoint}: not a checkpoint folder (no config.yaml beside the shards)")
     from llmtune.checkpoint.hf_export import export_checkpoint
 
     export_checkpoint(Path(parsed.checkpoint), Path(parsed.out_dir), parsed.dtype, parsed.overwrite)

@@ -81,10 +81,10 @@ class ParallelState:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         return bool(agreed.item())
 
-    def broadcast_object(self, obj, src: int = 0):
-        """Rank `src`'s `obj` (picklable), on every rank."""
+    def broadcast_object(self, obj):
+        """Rank 0's `obj` (picklable), on every rank."""
         holder = [obj]
-        dist.broadcast_object_list(holder, src=src)
+        dist.broadcast_object_list(holder, src=0)
         return holder[0]
 
     def cp_all_to_all(self, send: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ def check_complete(path: Path) -> None:
                         "global_step_N folder or from latest")
     missing = [name for name in REQUIRED if not (path / name).is_file()]
     if missing:
-        raise UserError(f"{path}: incomplete checkpoint, missing {', '.join(missing)}; resume from another checkpoint")
+        raise UserError(f"{path}: incomplete checkpoint, missing {', '.join(missing)}; use another checkpoint")
     ends: dict[str, int] = {}
     for info in FileSystemReader(str(path)).read_metadata().storage_data.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)

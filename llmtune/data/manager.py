@@ -97,11 +97,11 @@ class StepSampler(Sampler[int]):
 
 class DataManager:
     def __init__(self, dataset: datasets.Dataset, data_cfg, train_cfg, pad_id: int, dp_size: int, dp_rank: int):
-        self.micro_batch = train_cfg.per_device_train_batch_size
+        micro_batch = train_cfg.per_device_train_batch_size
         self.accumulation = train_cfg.gradient_accumulation_steps
-        self.sampler = StepSampler(len(dataset), self.micro_batch, self.accumulation, dp_size, dp_rank,
-                                   data_cfg.shuffle, train_cfg.seed)
-        self.loader = DataLoader(dataset, batch_size=self.micro_batch, sampler=self.sampler,
+        self.sampler = StepSampler(len(dataset), micro_batch, self.accumulation, dp_size, dp_rank, data_cfg.shuffle,
+                                   train_cfg.seed)
+        self.loader = DataLoader(dataset, batch_size=micro_batch, sampler=self.sampler,
                                  collate_fn=partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask))
         self.steps_per_epoch = self.sampler.steps_per_epoch
         self.global_batch = self.sampler.global_batch
@@ -110,7 +110,7 @@ class DataManager:
         self._batches = None
         if self.steps_per_epoch == 0:
             raise UserError(f"data: {len(dataset)} samples do not fill one optimizer step of "
-                            f"{self.micro_batch * self.accumulation * dp_size} samples (per_device_train_batch_size x "
+                            f"{self.global_batch} samples (per_device_train_batch_size x "
                             "gradient_accumulation_steps x data-parallel ranks); add data or lower the batch size")
 
     def total_steps(self, train_cfg) -> int:
