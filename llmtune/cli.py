@@ -1,5 +1,6 @@
 """argv -> command. The recipe and every path it names are checked here before torch is imported, then the
-enabled features' checks run: all before any process or process group starts."""
+enabled features' checks and the model's own (built on the meta device), against the model's config: all before
+any process or process group starts."""
 
 import argparse
 import sys
@@ -24,8 +25,11 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
     config = load_config(recipe, overrides, task, world_size)
     check_inputs(config)
     from llmtune.features.registry import check_features
+    from llmtune.model import check_model, load_model_config
 
-    check_features(config, world_size)
+    model_config = load_model_config(config.model)
+    check_features(config, model_config, world_size)
+    check_model(config.model, model_config)
     if nproc and nproc > 1:
         return launch.launch_local(nproc, [task, recipe, *overrides])
     from llmtune.worker import run

@@ -48,7 +48,9 @@ class ModelConfig:
     config: str | None = _field(None, "For pt from scratch: a HF config.json (file or folder); weights start random.")
     tokenizer: str | None = _field(None, "Tokenizer folder; defaults to name_or_path.")
     trust_remote_code: bool = _field(False, "Allow model/tokenizer code shipped inside the folder to run.")
-    attn_implementation: str = _field("sdpa", "transformers attention backend (sdpa or eager).")
+    attn_implementation: str = _field("auto", "Attention backend: auto (sdpa where the model class supports it, else "
+                                              "eager) or a transformers backend name (sdpa, eager, ...); a backend "
+                                              "the model cannot run is refused before the run starts.")
 
     def problems(self) -> list[str]:
         if bool(self.name_or_path) == bool(self.config):

@@ -44,11 +44,6 @@ def check_optional_packages(monitor) -> None:
                             f"'llmtune[{package}]', or turn {key} off")
 
 
-def model_config_file(model) -> Path:
-    path = Path(model.name_or_path or model.config)
-    return path if path.is_file() else path / "config.json"
-
-
 def check_inputs(config) -> None:
     """Every path the recipe names exists (the checkpoint to resume from too); sft has a chat template; optional
     sinks are installed."""

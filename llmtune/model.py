@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from llmtune.errors import UserError
 from llmtune.features.base import Features
@@ -67,6 +69,31 @@ def load_model_config(model_cfg):
                                       trust_remote_code=model_cfg.trust_remote_code)
 
 
+def attention_backend(model_cfg) -> str | None:
+    """transformers' name for the recipe's attention backend; None (auto) lets transformers pick: sdpa where the
+    model class has it, else eager."""
+    return None if model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
+
+
+def check_model(model_cfg, model_config) -> None:
+    """The model is built once on the meta device (no memory), before any process starts, so that what would
+    otherwise stop every rank with a traceback stops the CLI with one line: a config with no causal LM class, a
+    backend the recipe names that the class cannot run (as transformers judges it), a class with no decoder
+    layer to shard."""
+    backend = attention_backend(model_cfg)
+    try:
+        with torch.device("meta"):
+            hf_model = AutoModelForCausalLM.from_config(model_config, attn_implementation=backend,
+                                                        trust_remote_code=model_cfg.trust_remote_code)
+    except (ValueError, ImportError) as err:
+        reason = str(err).split(". ")[0].strip().rstrip(".")
+        if backend is None:
+            raise UserError(f"model: transformers cannot build a causal LM from this config ({reason})") from None
+        raise UserError(f"model.attn_implementation: {backend} cannot run this model ({reason}); set "
+                        "model.attn_implementation to auto, which picks a backend the model supports") from None
+    decoder_layers(hf_model)
+
+
 def check_vocab(config, tokenizer) -> None:
     if len(tokenizer) > config.vocab_size:
         raise UserError(f"model.tokenizer: the model's vocabulary ({config.vocab_size}) is smaller than the "
@@ -85,7 +112,7 @@ def decoder_layers(hf_model: PreTrainedModel) -> list[nn.Module]:
 def build_model(model_config, model_cfg, train_cfg, state, features: Features) -> CausalLMForTraining:
     """`model_config`: the HF config (load_model_config); the features change the model before it is sharded."""
     config = copy.deepcopy(model_config)  # the model keeps and changes its config (its attention implementation)
-    kwargs = dict(attn_implementation=model_cfg.attn_implementation, trust_remote_code=model_cfg.trust_remote_code,
+    kwargs = dict(attn_implementation=attention_backend(model_cfg), trust_remote_code=model_cfg.trust_remote_code,
                   dtype=torch.float32)
     pretrained = model_cfg.name_or_path is not None
     if pretrained:
@@ -159,12 +186,33 @@ def read_rows(path: Path, data_start: int, entry: dict, start: int, stop: int) -
         torch.empty(0, *shape[1:], dtype=dtype)
 
 
+def checkpoint_names(hf_model: PreTrainedModel, names, folder: Path) -> dict[str, str]:
+    """Parameter name -> the checkpoint's name for it. Checkpoints keep the names a class had when they were written
+    (GPT-NeoX's embed_out, a missing base-model prefix): transformers' own renaming rules for the class, as
+    from_pretrained applies them, translate them. Tensors transformers converts on load (experts stored one by
+    one, fused in the model) are refused by name."""
+    transforms = get_model_conversion_mapping(hf_model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    params = dict(hf_model.named_parameters())
+    mapping = {}
+    for name in names:
+        renamed, converted = rename_source_key(name, renamings, converters, hf_model.base_model_prefix, params)
+        if converted is not None:
+            raise UserError(f"model.name_or_path: {folder} stores {name} in a layout transformers converts when "
+                            f"loading {type(hf_model).__name__}; llmtune cannot load it shard by shard yet")
+        mapping.setdefault(renamed, name)
+    return mapping
+
+
 def load_weights(hf_model: PreTrainedModel, folder: Path) -> None:
     """Copy into every parameter's local shard the rows of the checkpoint tensor that shard holds.
 
     Parameters tied to another (lm_head to the embeddings) appear once and are loaded once.
     """
     tensors = checkpoint_index(folder)
+    names = checkpoint_names(hf_model, tensors, folder)
+    tensors = {name: tensors[saved] for name, saved in names.items()}
     params = dict(hf_model.named_parameters())
     missing = [name for name in params if name not in tensors]
     if missing:

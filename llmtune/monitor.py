@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 # Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name().
 PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0,
@@ -33,16 +34,20 @@ class StepRecord:
     skipped: bool
 
 
-def flops_per_token(config, seq_len: int) -> float:
-    """6 x parameters (without the embeddings) for the matmuls forward and backward, plus attention's
-    12 x layers x hidden x sequence (PaLM's estimate), for a dense decoder."""
-    hidden, layers = config.hidden_size, config.num_hidden_layers
+def flops_per_token(hf_model, seq_len: int) -> float:
+    """6 x the weights every token is multiplied by, forward and backward, plus attention's 12 x layers x query
+    width x sequence (PaLM's estimate). The weights are counted on the model itself, whatever its config calls
+    its sizes: every matrix but the input embeddings (a lookup), and the lm_head even when it is the embedding.
+    Mixture-of-experts layers are counted whole."""
+    lookups = {id(module.weight) for module in hf_model.modules() if isinstance(module, nn.Embedding)}
+    matmul = sum(p.numel() for p in hf_model.parameters() if p.dim() >= 2 and id(p) not in lookups)
+    head = hf_model.get_output_embeddings().weight
+    if id(head) in lookups:
+        matmul += head.numel()
+    config = hf_model.config.get_text_config()
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    mlp = 3 * hidden * config.intermediate_size
-    return 6.0 * layers * (attention + mlp) + 12.0 * layers * heads * head_dim * seq_len
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 6.0 * matmul + 12.0 * config.num_hidden_layers * heads * head_dim * seq_len
 
 
 def peak_tflops(configured: float | None) -> float | None:

@@ -45,7 +45,7 @@ def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
     total_steps = data.total_steps(config.train)
     scheduler = build_scheduler(optimizer, config.train, total_steps)
     monitor = TrainMonitor(output_dir, config.monitor, config.train.logging_steps, total_steps,
-                           flops_per_token(model_config, config.data.max_seq_len), state.world_size, state.rank)
+                           flops_per_token(model.hf_model, config.data.max_seq_len), state.world_size, state.rank)
     checkpoints = CheckpointManager(output_dir, config.checkpoint, state, config, tokenizer, model.hf_model)
     trainer = Trainer(model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
                       config.train, total_steps)

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.core_model_loading import revert_weight_conversion
 
 from llmtune.checkpoint.validate import check_complete
 from llmtune.config import load_config, parse_size
@@ -39,9 +40,14 @@ def gather_weights(hf_model, dtype: torch.dtype, is_main: bool) -> dict[str, tor
     return weights
 
 
-def write_hf_folder(weights: dict[str, torch.Tensor], config, generation_config, tokenizer, out_dir: Path,
+def write_hf_folder(weights: dict[str, torch.Tensor], model, generation_config, tokenizer, out_dir: Path,
                     max_shard_bytes: int, dtype: torch.dtype, features: Features) -> None:
-    """Write under a temporary name and swap it in: a failed export never leaves a half-written folder."""
+    """Write under a temporary name and swap it in: a failed export never leaves a half-written folder.
+
+    `model` (its class and config; meta tensors do) gives the names the weights are saved under: those
+    save_pretrained writes, transformers' load-time renaming undone (GPT-NeoX's lm_head is embed_out on disk),
+    so that other readers of HF folders (vLLM, older transformers) find what they expect."""
+    weights = revert_weight_conversion(model, weights)
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -65,7 +71,7 @@ def write_hf_folder(weights: dict[str, torch.Tensor], config, generation_config,
         total = sum(t.numel() * t.element_size() for t in weights.values())
         (partial / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config = copy.deepcopy(config)
+    config = copy.deepcopy(model.config)
     config.dtype = dtype
     config.save_pretrained(partial)
     if generation_config is not None:
@@ -84,7 +90,7 @@ def export_trained(hf_model, tokenizer, out_dir: Path, checkpoint_cfg, state, fe
     dtype = EXPORT_DTYPES[checkpoint_cfg.export_dtype]
     weights = gather_weights(hf_model, dtype, state.is_main)
     if state.is_main:
-        write_hf_folder(weights, hf_model.config, hf_model.generation_config, tokenizer, out_dir,
+        write_hf_folder(weights, hf_model, hf_model.generation_config, tokenizer, out_dir,
                         parse_size(checkpoint_cfg.max_shard_size), dtype, features)
     state.barrier()
 
@@ -103,11 +109,12 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, o
     source = checkpoint / "hf_config"
     config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
-        names = {name: param.shape for name, param in AutoModelForCausalLM.from_config(config).named_parameters()}
+        model = AutoModelForCausalLM.from_config(config)
+    names = {name: param.shape for name, param in model.named_parameters()}
     state = {f"model.hf_model.{name}": torch.empty(shape, dtype=torch.float32) for name, shape in names.items()}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     dtype = EXPORT_DTYPES[dtype_name]
     weights = {name: state.pop(f"model.hf_model.{name}").to(dtype) for name in names}
     generation = GenerationConfig.from_pretrained(source) if (source / "generation_config.json").is_file() else None
-    write_hf_folder(weights, config, generation, AutoTokenizer.from_pretrained(source), out_dir,
+    write_hf_folder(weights, model, generation, AutoTokenizer.from_pretrained(source), out_dir,
                     parse_size(run.checkpoint.max_shard_size), dtype, enabled_features(run))

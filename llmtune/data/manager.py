@@ -95,14 +95,21 @@ class StepSampler(Sampler[int]):
         return (self.steps_per_epoch - self.start_step) * self.share
 
 
+def loader(dataset, **kwargs) -> DataLoader:
+    """A DataLoader with a random generator of its own. Each iterator it opens draws a seed from that generator,
+    by default the global one: a resumed run opens its epoch after the RNG state was restored, an uninterrupted
+    run before its first step, and dropout would then draw different numbers after a resume."""
+    return DataLoader(dataset, generator=torch.Generator(), **kwargs)
+
+
 class DataManager:
     def __init__(self, dataset: datasets.Dataset, data_cfg, train_cfg, pad_id: int, dp_size: int, dp_rank: int):
         micro_batch = train_cfg.per_device_train_batch_size
         self.accumulation = train_cfg.gradient_accumulation_steps
         self.sampler = StepSampler(len(dataset), micro_batch, self.accumulation, dp_size, dp_rank, data_cfg.shuffle,
                                    train_cfg.seed)
-        self.loader = DataLoader(dataset, batch_size=micro_batch, sampler=self.sampler,
-                                 collate_fn=partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask))
+        self.loader = loader(dataset, batch_size=micro_batch, sampler=self.sampler,
+                             collate_fn=partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask))
         self.steps_per_epoch = self.sampler.steps_per_epoch
         self.global_batch = self.sampler.global_batch
         self.epoch = 0
@@ -180,7 +187,7 @@ class StreamingDataManager:
         stream = self.stream.skip(consumed) if consumed else self.stream
         # skip() returns a new dataset whose epoch must be set again for the same shuffle.
         stream.set_epoch(self.epoch)
-        return iter(DataLoader(stream, batch_size=self.micro_batch, drop_last=True, collate_fn=self.collate))
+        return iter(loader(stream, batch_size=self.micro_batch, drop_last=True, collate_fn=self.collate))
 
     def steps(self, count: int):
         given = 0

@@ -32,8 +32,8 @@ class Feature:
         raise NotImplementedError
 
     @staticmethod
-    def check(config, model_config: dict, world_size: int) -> list[str]:
-        """Problems of the recipe with this feature on; `model_config` is the model's config.json."""
+    def check(config, model_config, world_size: int) -> list[str]:
+        """Problems of the recipe with this feature on; `model_config` is the model's transformers config."""
         return []
 
     def build(self, hf_model, state) -> None:

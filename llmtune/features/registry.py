@@ -1,21 +1,16 @@
 """The registered features: a new feature is one module in features/ and one entry in FEATURES."""
 
-import json
-
 from llmtune.errors import UserError
 from llmtune.features.base import Features
 from llmtune.features.ulysses import ContextParallel
-from llmtune.inputs import model_config_file
 
 FEATURES = (ContextParallel,)
 
 
-def check_features(config, world_size: int) -> None:
-    """Every problem the enabled features find with the recipe, in one message, before any process starts."""
+def check_features(config, model_config, world_size: int) -> None:
+    """Every problem the enabled features find with the recipe and the model's transformers config, in one
+    message, before any process starts."""
     enabled = [feature for feature in FEATURES if feature.enabled(config)]
-    if not enabled:
-        return
-    model_config = json.loads(model_config_file(config.model).read_text())
     problems = [problem for feature in enabled for problem in feature.check(config, model_config, world_size)]
     if problems:
         raise UserError("\n".join(problems))

@@ -38,10 +38,12 @@ ATTENTION = "llmtune_ulysses"
 DOCUMENT_WINDOW = 2048
 
 
-def layout_problems(model_config: dict, cp: int) -> list[str]:
-    """What stops this model from running with cp ranks per sequence (read from config.json, no torch)."""
-    heads = model_config.get("num_attention_heads")
-    kv_heads = model_config.get("num_key_value_heads") or heads
+def layout_problems(model_config, cp: int) -> list[str]:
+    """What stops this model (its transformers config, whatever names its config.json uses) from running with
+    cp ranks per sequence."""
+    text = model_config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     problems = []
     if heads is None or heads % cp:
         problems.append(f"parallel.cp_size: {cp} does not divide the model's {heads} attention heads; "
@@ -49,7 +51,7 @@ def layout_problems(model_config: dict, cp: int) -> list[str]:
     elif kv_heads % cp and cp % kv_heads:
         problems.append(f"parallel.cp_size: the model's {kv_heads} key/value heads are neither a multiple nor a "
                         f"divisor of cp_size {cp}, so they cannot be spread over the cp ranks")
-    if model_config.get("attention_sinks") or model_config.get("model_type") == "gpt_oss":
+    if getattr(text, "attention_sinks", None) or text.model_type == "gpt_oss":
         problems.append("parallel.cp_size: attention sinks are not supported with context parallelism")
     return problems
 
@@ -62,7 +64,7 @@ class ContextParallel(Feature):
         return config.parallel.cp_size > 1
 
     @staticmethod
-    def check(config, model_config: dict, world_size: int) -> list[str]:
+    def check(config, model_config, world_size: int) -> list[str]:
         return layout_problems(model_config, config.parallel.cp_size)
 
     def build(self, hf_model, state) -> None:

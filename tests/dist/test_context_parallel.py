@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 import yaml
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GptOssConfig, LlamaConfig, LlamaForCausalLM
 
-from tests.dist.cp_worker import run_case
+from tests.dist.case_worker import run_case
 from tests.helpers import REPO, read_metrics, run_cli, save_tiny_model
 
 # name: (model, packing, attention backend, extra overrides of the 2-process run, tokens per attention call in
@@ -43,6 +43,7 @@ def recipe(root, model, sft_file, packing, attention="sdpa") -> str:
         "data": {"train_files": [str(sft_file)], "chat_template": "basic", "packing": packing, "max_seq_len": 96},
         "train": {"output_dir": str(root / "out"), "max_steps": 4, "per_device_train_batch_size": 2,
                   "gradient_accumulation_steps": 2, "logging_steps": 1, "learning_rate": 2e-3, "chunk_loss_size": 0},
+        "checkpoint": {"export_hf": False},
     }))
     return str(path)
 
@@ -62,7 +63,7 @@ def runs(models, sft_file, tmp_path_factory):
     spec = tmp_path_factory.mktemp("cases") / "cases.json"
     spec.write_text(json.dumps(cases))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             str(REPO / "tests" / "dist" / "cp_worker.py"), str(spec)], cwd=REPO, capture_output=True,
+                             str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO, capture_output=True,
                             text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return {name: (references[(model, packing, attention)], case["out"])
@@ -89,6 +90,7 @@ def test_losses_and_gradients_match_one_rank(runs, name):
     (["parallel.cp_size=3"], 2, "parallel.cp_size: 3 does not divide the world size 2"),
     (["parallel.cp_size=2", "model.name_or_path={odd_heads}"], 2, "does not divide the model's 3 attention heads"),
     (["parallel.cp_size=4", "model.name_or_path={kv3}"], 4, "key/value heads are neither a multiple nor a divisor"),
+    (["parallel.cp_size=2", "model.name_or_path={sinks}"], 2, "attention sinks are not supported"),
 ])
 def test_invalid_layouts_are_refused_up_front(overrides, nproc, message, bare_tokenizer, sft_file, tmp_path):
     tokenizer = bare_tokenizer
@@ -96,8 +98,10 @@ def test_invalid_layouts_are_refused_up_front(overrides, nproc, message, bare_to
                       num_attention_heads=3, num_key_value_heads=3)
     kv3 = LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=12, num_key_value_heads=3)
-    folders = {"odd_heads": tmp_path / "odd", "kv3": tmp_path / "kv3"}
-    for name, config in (("odd_heads", odd), ("kv3", kv3)):
+    sinks = GptOssConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1)
+    folders = {"odd_heads": tmp_path / "odd", "kv3": tmp_path / "kv3", "sinks": tmp_path / "sinks"}
+    for name, config in (("odd_heads", odd), ("kv3", kv3), ("sinks", sinks)):
         folders[name].mkdir()
         config.save_pretrained(folders[name])
         tokenizer.save_pretrained(folders[name])

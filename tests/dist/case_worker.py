@@ -1,0 +1,63 @@
+"""Training cases of the 2-process tests: run in pytest's process (world of one) or under torchrun
+(`torchrun --nproc-per-node 2 tests/dist/case_worker.py CASES.json`), one case after another in one launch.
+
+Each case trains a recipe (task, overrides, and the context-parallel attention's document window) as the
+worker does, exports when the recipe says so, and leaves in its output_dir, besides the run's own outputs:
+grads.pt, every parameter's full gradient at step 1, taken just before the optimizer step; and, for a case
+with a `probe` (token ids), logits.pt, the trained model's logits on it.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from llmtune.checkpoint.hf_export import export_trained
+from llmtune.config import load_config
+from llmtune.features import ulysses
+from llmtune.parallel import ParallelState
+from llmtune.worker import build_trainer
+
+
+def run_case(recipe: str, overrides: list[str], world_size: int, keep_process_group: bool = False, task: str = "sft",
+             probe: list[int] | None = None) -> None:
+    """keep_process_group: leave the process group for the next case (a torchrun worker cannot join a second)."""
+    config = load_config(recipe, overrides, task, world_size)
+    output_dir = Path(config.train.output_dir)
+    state = ParallelState.initialize(config.parallel.cp_size)
+    try:
+        trainer, tokenizer = build_trainer(config, state)
+        step = trainer.optimizer.step
+
+        def capture_then_step(*args, **kwargs):
+            if trainer.step == 0:
+                grads = {name: p.grad.full_tensor() for name, p in trainer.model.hf_model.named_parameters()}
+                if state.is_main:
+                    torch.save(grads, output_dir / "grads.pt")
+            return step(*args, **kwargs)
+
+        trainer.optimizer.step = capture_then_step
+        trainer.train()
+        if config.checkpoint.export_hf:
+            export_trained(trainer.model.hf_model, tokenizer, output_dir / "hf", config.checkpoint, state,
+                           trainer.features)
+        if probe:
+            trainer.model.eval()
+            with torch.no_grad():
+                logits = trainer.model(torch.tensor([probe], device=state.device))
+            if state.is_main:
+                torch.save(logits.cpu(), output_dir / "logits.pt")
+    finally:
+        if not keep_process_group:
+            state.close()
+
+
+if __name__ == "__main__":
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    default_window = ulysses.DOCUMENT_WINDOW
+    for number, case in enumerate(cases, start=1):
+        # A window shorter than the test's sequences makes the attention go document span by span.
+        ulysses.DOCUMENT_WINDOW = case.get("document_window") or default_window
+        run_case(case["recipe"], case["overrides"], 2, keep_process_group=number < len(cases),
+                 task=case.get("task", "sft"), probe=case.get("probe"))

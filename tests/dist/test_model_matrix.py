@@ -1,0 +1,145 @@
+"""Every family of tests/model_matrix.py on 2 processes (fp32, one launch for all): pt from the family's
+saved folder (loaded shard by shard) trains, checkpoints and exports; resuming its step-2 checkpoint gives
+bitwise the same losses and exported weights (dropout included: GPT-2's); the export loads with
+from_pretrained under the names save_pretrained writes and gives the trained logits (1e-5); sft with cp=2
+gives the cp=1 (dp=2) losses (1e-5 relative; dropout off). A backend the recipe names that the class cannot
+run is refused up front; `auto` picks one it can."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from tests.helpers import REPO, read_metrics, run_cli
+from tests.model_matrix import FAMILIES
+
+IDS = [family.model_type for family in FAMILIES]
+PROBE = "The sum of 12 and 30 is 42. 7 + 8 = 15."
+
+
+def save_family(family, tokenizer, folder) -> None:
+    """The family's tiny config of the real class, random weights, saved by save_pretrained with the tokenizer."""
+    config = family.hf_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def without_dropout(folder, copy):
+    """The saved model with every dropout off: dropout draws its masks per rank and per micro-batch, so runs of
+    different layouts agree only without it (GPT-2 ships with 0.1)."""
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.update({key: 0.0 for key in config if "dropout" in key or key.endswith("pdrop")})
+    (copy / "config.json").write_text(json.dumps(config))
+
+
+def write_recipe(path, model, data, task, output_dir) -> str:
+    """pt: blocks of 64 tokens; sft: packed rows of 96 (documents and sliding windows inside a row). A global
+    batch of 4 rows, 2 per micro-batch: 1 accumulation step on dp=2, 2 on dp=1 x cp=2."""
+    path.write_text(yaml.safe_dump({
+        "model": {"name_or_path": str(model)},
+        "data": {"train_files": [str(data)], "max_seq_len": 64 if task == "pt" else 96,
+                 **({"chat_template": "basic"} if task == "sft" else {})},
+        "train": {"output_dir": str(output_dir), "max_steps": 4 if task == "pt" else 3,
+                  "per_device_train_batch_size": 2, "global_batch_size": 4, "logging_steps": 1,
+                  "learning_rate": 2e-3},
+        "checkpoint": {"export_dtype": "fp32", "export_hf": task == "pt", "save_steps": 2 if task == "pt" else 0},
+        "monitor": {"console": False},
+    }))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def matrix(bare_tokenizer, assets, sft_file, tmp_path_factory):
+    """family -> its folders: model, pt, pt_resumed, sft_cp1, sft_cp2, and the pt and sft recipes."""
+    probe = bare_tokenizer(PROBE)["input_ids"]
+    runs, cases = {}, []
+    for family in FAMILIES:
+        root = tmp_path_factory.mktemp(family.model_type)
+        save_family(family, bare_tokenizer, root / "model")
+        without_dropout(root / "model", root / "model_without_dropout")
+        folders = {"model": root / "model"}
+        for name, model, data in (("pt", "model", assets / "data" / "pt.jsonl"),
+                                  ("sft", "model_without_dropout", sft_file)):
+            folders[f"{name}_recipe"] = write_recipe(root / f"{name}.yaml", root / model, data, name, root / name)
+        folders["pt"], folders["pt_resumed"] = root / "pt", root / "pt_resumed"
+        cases += [{"recipe": folders["pt_recipe"], "task": "pt", "overrides": [], "probe": probe},
+                  {"recipe": folders["pt_recipe"], "task": "pt", "overrides": [
+                      f"train.output_dir={folders['pt_resumed']}",
+                      f"checkpoint.resume_from_checkpoint={folders['pt'] / 'checkpoints' / 'global_step_2'}"]}]
+        for cp in (1, 2):
+            folders[f"sft_cp{cp}"] = root / f"sft_cp{cp}"
+            cases.append({"recipe": folders["sft_recipe"], "overrides": [
+                f"train.output_dir={folders[f'sft_cp{cp}']}", f"parallel.cp_size={cp}"]})
+        runs[family.model_type] = folders
+    spec = tmp_path_factory.mktemp("matrix") / "cases.json"
+    spec.write_text(json.dumps(cases))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return runs
+
+
+def losses(output_dir) -> list[float]:
+    return [record["loss"] for record in read_metrics(output_dir)]
+
+
+def tensors(folder) -> dict[str, torch.Tensor]:
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+@pytest.mark.parametrize("family", IDS)
+def test_pt_and_sft_train_on_two_processes(matrix, family):
+    runs = matrix[family]
+    assert len(losses(runs["pt"])) == 4 and len(losses(runs["sft_cp1"])) == 3
+    assert all(torch.isfinite(torch.tensor(losses(runs["pt"]) + losses(runs["sft_cp1"]))))
+    assert losses(runs["pt"])[-1] < losses(runs["pt"])[0], "pt learns"
+
+
+@pytest.mark.parametrize("family", IDS)
+def test_resumed_checkpoint_continues_bitwise(matrix, family):
+    runs = matrix[family]
+    assert [m["step"] for m in read_metrics(runs["pt_resumed"])] == [3, 4]
+    assert losses(runs["pt_resumed"]) == losses(runs["pt"])[2:]
+    resumed, straight = tensors(runs["pt_resumed"] / "hf"), tensors(runs["pt"] / "hf")
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
+
+
+@pytest.mark.parametrize("family", IDS)
+def test_export_loads_under_saved_names_and_gives_trained_logits(matrix, family, bare_tokenizer):
+    runs = matrix[family]
+    assert tensors(runs["pt"] / "hf").keys() == tensors(runs["model"]).keys(), "the names save_pretrained writes"
+    model = AutoModelForCausalLM.from_pretrained(runs["pt"] / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([bare_tokenizer(PROBE)["input_ids"]])).logits
+    torch.testing.assert_close(logits, torch.load(runs["pt"] / "logits.pt"), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", IDS)
+def test_context_parallel_gives_the_same_losses(matrix, family):
+    runs = matrix[family]
+    assert len(losses(runs["sft_cp2"])) == 3
+    assert losses(runs["sft_cp2"]) == pytest.approx(losses(runs["sft_cp1"]), rel=1e-5)
+
+
+def test_a_backend_the_class_cannot_run_is_refused_and_auto_picks_one(matrix, tmp_path):
+    """Gemma-2 has no sdpa in transformers: named, it stops the CLI before any process; auto trained above."""
+    recipe = matrix["gemma2"]["pt_recipe"]
+    result = run_cli("pt", recipe, "model.attn_implementation=sdpa", f"train.output_dir={tmp_path / 'out'}",
+                     "--nproc", "2")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "model.attn_implementation: sdpa cannot run this model" in result.stderr
+    assert "Gemma2ForCausalLM" in result.stderr and "auto" in result.stderr
+    assert not (tmp_path / "out").exists()
+    assert json.loads((matrix["gemma2"]["pt"] / "hf" / "config.json").read_text())["model_type"] == "gemma2"
