@@ -42,7 +42,7 @@ def trained(assets, tmp_path_factory):
         input_ids = torch.tensor([tokenizer("The sum of 12 and 30 is 42. 7 + 8 = 15.")["input_ids"]])
         trainer.model.eval()
         with torch.no_grad():
-            logits = trainer.model(input_ids)
+            logits = trainer.model(input_ids.to(state.device)).cpu()
     finally:
         state.close()
     return output_dir, logits, input_ids
