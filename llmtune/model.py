@@ -173,17 +173,26 @@ def checkpoint_index(folder: Path) -> dict[str, tuple[Path, int, dict]]:
     return tensors
 
 
-def read_rows(path: Path, data_start: int, entry: dict, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of one tensor, read from the file alone: plain reads, not a memory map, so
-    the process holds nothing of the file but these rows."""
+def read_rows_into(target: torch.Tensor, path: Path, data_start: int, entry: dict, start: int, stop: int) -> None:
+    """Rows [start, stop) of one tensor, read from the file alone with plain reads, not a memory map, so that
+    the process holds nothing of the file but these rows: straight into `target` (this rank's shard) when it is
+    on the CPU in the file's dtype, else through one buffer that is then copied and converted."""
     dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-    shape = entry["shape"]
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    with open(path, "rb") as f:
+    row_bytes = math.prod(entry["shape"][1:]) * dtype.itemsize
+    direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+    buffer = target.detach() if direct else torch.empty(target.shape, dtype=dtype)
+    view = memoryview(buffer.view(-1).view(torch.uint8).numpy())
+    with open(path, "rb", buffering=0) as f:
         f.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
-        data = bytearray(f.read((stop - start) * row_bytes))
-    return torch.frombuffer(data, dtype=dtype).reshape(stop - start, *shape[1:]) if data else \
-        torch.empty(0, *shape[1:], dtype=dtype)
+        done = 0
+        while done < len(view):  # one read returns at most ~2 GiB on Linux
+            got = f.readinto(view[done:])
+            if not got:
+                raise UserError(f"model.name_or_path: {path} ends inside a tensor; the file is truncated")
+            done += got
+    if not direct:
+        with torch.no_grad():
+            target.copy_(buffer)
 
 
 def checkpoint_names(hf_model: PreTrainedModel, names, folder: Path) -> dict[str, str]:
@@ -224,8 +233,7 @@ def load_weights(hf_model: PreTrainedModel, folder: Path) -> None:
             raise UserError(f"model.name_or_path: {name} has shape {entry['shape']} in {path.name} but the config "
                             f"gives {list(param.shape)}")
         local = param.to_local() if isinstance(param, DTensor) else param.data
-        with torch.no_grad():
-            local.copy_(read_rows(path, data_start, entry, *shard_rows(param)))
+        read_rows_into(local, path, data_start, entry, *shard_rows(param))
 
 
 def shard_rows(param: torch.Tensor) -> tuple[int, int]:
