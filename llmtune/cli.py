@@ -1,5 +1,7 @@
-"""argv -> command. The recipe and every path it names are checked here before torch is imported, then the
-enabled features' checks run: all before any process or process group starts."""
+"""argv -> command. The recipe is checked here, its Hub ids fetched and every path it names checked, before torch
+is imported; then the enabled features' checks run: all before any process or process group starts. Under
+torchrun, where every process runs this, a recipe that names Hub ids is fetched and checked in the worker once
+the process group exists, so that one process per node fetches while the others wait."""
 
 import argparse
 import sys
@@ -15,22 +17,28 @@ USAGE = """llmtune pt|sft RECIPE [section.key=value ...] [--section.key VALUE ..
 def train_command(task: str, recipe: str, rest: list[str]) -> int:
     from llmtune import launch
     from llmtune.config import load_config, parse_overrides
-    from llmtune.inputs import check_inputs
+    from llmtune.inputs import check_inputs, fetch_hub_inputs, hub_inputs, local_inputs
 
     overrides, nproc = parse_overrides(rest)
     if nproc and launch.launched_by_torchrun():
         raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
     world_size = nproc or launch.world_size_from_env()
     config = load_config(recipe, overrides, task, world_size)
-    check_inputs(config)
+    if launch.launched_by_torchrun() and hub_inputs(config):
+        from llmtune.worker import run
+
+        run(config)
+        return 0
+    local = local_inputs(config, fetch_hub_inputs(config))
+    check_inputs(local)
     from llmtune.features.registry import check_features
 
-    check_features(config, world_size)
+    check_features(local, world_size)
     if nproc and nproc > 1:
         return launch.launch_local(nproc, [task, recipe, *overrides])
     from llmtune.worker import run
 
-    run(config)
+    run(config, local)
     return 0
 
 
