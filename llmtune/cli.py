@@ -1,6 +1,8 @@
-"""argv -> command. The recipe and every path it names are checked here before torch is imported, then the
-enabled features' checks and the model's own (built on the meta device), against the model's config: all before
-any process or process group starts."""
+"""argv -> command. The recipe is checked here, its Hub ids fetched and every path it names checked, before torch
+is imported; then, against the model's config, the enabled features' checks and the model's own (built on the meta
+device): all before any process or process group starts. Under torchrun, where every process runs this, a recipe
+that names Hub ids is fetched and checked in the worker once the process group exists, so that one process per
+node fetches while the others wait."""
 
 import argparse
 import sys
@@ -16,25 +18,26 @@ USAGE = """llmtune pt|sft RECIPE [section.key=value ...] [--section.key VALUE ..
 def train_command(task: str, recipe: str, rest: list[str]) -> int:
     from llmtune import launch
     from llmtune.config import load_config, parse_overrides
-    from llmtune.inputs import check_inputs
+    from llmtune.inputs import fetch_hub_inputs, hub_inputs, local_inputs
+    from llmtune.preflight import check_run
 
     overrides, nproc = parse_overrides(rest)
     if nproc and launch.launched_by_torchrun():
         raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
     world_size = nproc or launch.world_size_from_env()
     config = load_config(recipe, overrides, task, world_size)
-    check_inputs(config)
-    from llmtune.features.registry import check_features
-    from llmtune.model import check_model, load_model_config
+    if launch.launched_by_torchrun() and hub_inputs(config):
+        from llmtune.worker import run
 
-    model_config = load_model_config(config.model)
-    check_features(config, model_config, world_size)
-    check_model(config.model, model_config)
+        run(config)
+        return 0
+    local = local_inputs(config, fetch_hub_inputs(config))
+    check_run(local, world_size)
     if nproc and nproc > 1:
         return launch.launch_local(nproc, [task, recipe, *overrides])
     from llmtune.worker import run
 
-    run(config)
+    run(config, local)
     return 0
 
 

@@ -44,9 +44,13 @@ def _field(default, help: str, **kwargs):
 
 @dataclass
 class ModelConfig:
-    name_or_path: str | None = _field(None, "Local HF model folder to fine-tune (config, weights, tokenizer).")
+    name_or_path: str | None = _field(None, "Model to fine-tune (config, safetensors weights, tokenizer): a local HF "
+                                            "folder or a Hub id (org/name).")
     config: str | None = _field(None, "For pt from scratch: a HF config.json (file or folder); weights start random.")
-    tokenizer: str | None = _field(None, "Tokenizer folder; defaults to name_or_path.")
+    tokenizer: str | None = _field(None, "Tokenizer: a local HF folder or a Hub id (org/name); defaults to "
+                                         "name_or_path.")
+    revision: str | None = _field(None, "Branch, tag or commit of the Hub ids in name_or_path and tokenizer; "
+                                        "default main.")
     trust_remote_code: bool = _field(False, "Allow model/tokenizer code shipped inside the folder to run.")
     attn_implementation: str = _field("auto", "Attention backend: auto (sdpa where the model class supports it, else "
                                               "eager) or a transformers backend name (sdpa, eager, ...); a backend "
@@ -64,10 +68,13 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = _field([], "Training sources: files (.jsonl .json .parquet .csv .txt), folders, globs, "
-                                        "or folders written by datasets' save_to_disk.")
+                                        "folders written by datasets' save_to_disk, or Hub datasets "
+                                        "org/name[@revision][:config[:split]] (split default train; "
+                                        "org/name::split for the default config).")
     mix_weights: list[float] = _field([], "One weight per train_files entry: each source's share of an epoch "
                                           "(sampled with repetition when it is smaller); empty = natural sizes.")
-    val_files: list[str] = _field([], "Validation sources (same forms as train_files).")
+    val_files: list[str] = _field([], "Validation sources (same forms as train_files; a Hub dataset's split "
+                                      "defaults to validation).")
     val_ratio: float = _field(0.0, "Hold out this fraction of the training samples for validation (seeded); "
                                    "used when val_files is empty.")
     format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_response | tokenized; auto: "

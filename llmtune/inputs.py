@@ -1,31 +1,93 @@
-"""Checks that every path a recipe names exists, before any process or process group starts."""
+"""The inputs a recipe names: its Hub ids fetched into local snapshots, and checks that every path exists, before
+any process or process group starts."""
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from llmtune.data.files import check_has_rows, is_saved_dataset, resolve_data_files
 from llmtune.errors import UserError
+from llmtune.hub import HubRepo, dataset_source, fetch, model_repo
+
+
+def hub_inputs(config) -> dict[HubRepo, str]:
+    """Every Hub repository the recipe names (model, tokenizer, data sources) -> the first key naming it."""
+    model = config.model
+    found = {}
+    for key, repo in (("model.name_or_path", _model_repo(model, model.name_or_path, tokenizer_only=False)),
+                      ("model.tokenizer", _model_repo(model, model.tokenizer, tokenizer_only=True))):
+        if repo:
+            found.setdefault(repo, key)
+    if model.revision and not found:
+        raise UserError(f"model.revision: {model.revision} names a revision of a Hub id, but model.name_or_path and "
+                        "model.tokenizer are local folders; remove model.revision, or name a Hub id (org/name)")
+    for key, patterns in (("data.train_files", config.data.train_files), ("data.val_files", config.data.val_files)):
+        for pattern in patterns:
+            if source := dataset_source(pattern, key):
+                found.setdefault(source.repo, key)
+    return found
+
+
+def _model_repo(model, text: str | None, tokenizer_only: bool) -> HubRepo | None:
+    return model_repo(text, model.revision, model.trust_remote_code, tokenizer_only=tokenizer_only)
+
+
+def pin_hub_inputs(config) -> dict[HubRepo, str]:
+    """The commit each Hub repository's revision names now (from the cache alone when offline)."""
+    return {repo: fetch(repo.pinning(), key).name for repo, key in hub_inputs(config).items()}
+
+
+def fetch_hub_inputs(config, commits: dict[HubRepo, str] | None = None,
+                     local_files_only: bool = False) -> dict[HubRepo, Path]:
+    """The snapshot folder of every Hub repository the recipe names, at commits[repo] where given."""
+    return {repo: fetch(replace(repo, revision=commits[repo]) if commits else repo, key, local_files_only)
+            for repo, key in hub_inputs(config).items()}
+
+
+def local_inputs(config, folders: dict[HubRepo, Path]):
+    """The recipe as the run reads it: Hub models and tokenizers replaced by their snapshot folders, Hub data
+    sources pinned to their snapshot's commit (org/name@commit:config:split). config.yaml keeps the recipe's own."""
+    model, data = config.model, config.data
+
+    def folder(text: str | None, tokenizer_only: bool) -> str | None:
+        repo = _model_repo(model, text, tokenizer_only=tokenizer_only)
+        return str(folders[repo]) if repo else text
+
+    def sources(patterns: list[str], key: str) -> list[str]:
+        pinned = [(pattern, dataset_source(pattern, key)) for pattern in patterns]
+        return [source.pinned(folders[source.repo].name) if source else pattern for pattern, source in pinned]
+
+    local_model = replace(model, name_or_path=folder(model.name_or_path, tokenizer_only=False),
+                          tokenizer=folder(model.tokenizer, tokenizer_only=True), revision=None)
+    local_data = replace(data, train_files=sources(data.train_files, "data.train_files"),
+                         val_files=sources(data.val_files, "data.val_files"))
+    return replace(config, model=local_model, data=local_data)
 
 
 def check_data_sources(patterns: list[str], key: str) -> None:
     for pattern in patterns:
-        if not is_saved_dataset(pattern):
+        if source := dataset_source(pattern, key):
+            # datasets is imported only for a Hub source: it makes every CLI start slower.
+            from llmtune.data.sources import hub_builder
+
+            hub_builder(source, key)
+        elif not is_saved_dataset(pattern):
             for name in resolve_data_files([pattern], key):
                 check_has_rows(name, key)
 
 
 def check_model_paths(model) -> None:
-    """The model folder (or config) and the tokenizer folder must exist locally."""
+    """The model folder (or config) and the tokenizer folder must exist locally (Hub ids are fetched before)."""
     if model.name_or_path and not (Path(model.name_or_path) / "config.json").is_file():
         raise UserError(f"model.name_or_path: {model.name_or_path} is not a HF model folder (no config.json "
-                        "there); point it at a folder written by save_pretrained")
+                        "there); point it at a folder written by save_pretrained, or at a Hub id (org/name)")
     if model.config and not (Path(model.config).is_file() or (Path(model.config) / "config.json").is_file()):
         raise UserError(f"model.config: {model.config} is neither a config.json file nor a folder holding one")
     tokenizer = model.tokenizer or model.name_or_path
     if not Path(tokenizer).is_dir():
         raise UserError(f"model.tokenizer: tokenizer folder {tokenizer} not found; point it at a folder "
-                        "written by a tokenizer's save_pretrained")
+                        "written by a tokenizer's save_pretrained, or at a Hub id (org/name)")
 
 
 def has_chat_template(tokenizer_dir: Path) -> bool:

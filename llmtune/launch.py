@@ -21,6 +21,9 @@ def launch_local(nproc: int, module_args: list[str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    # This process has fetched every Hub id the run names: its workers read them from the cache alone, at the
+    # commits it fetched, without a Hub call each.
+    os.environ["HF_HUB_OFFLINE"] = "1"
     args = torchrun.parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module", "llmtune", *module_args])
     try:
         torchrun.run(args)

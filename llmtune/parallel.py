@@ -5,11 +5,13 @@ Created once per process and passed down; nothing else reads the distributed env
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from llmtune.errors import UserError
 from llmtune.launch import launched_by_torchrun
 
 
@@ -81,10 +83,10 @@ class ParallelState:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         return bool(agreed.item())
 
-    def broadcast_object(self, obj):
+    def broadcast_object(self, obj, group=None):
         """Rank 0's `obj` (picklable), on every rank."""
         holder = [obj]
-        dist.broadcast_object_list(holder, src=0)
+        dist.broadcast_object_list(holder, src=0, group=group)
         return holder[0]
 
     def cp_all_to_all(self, send: torch.Tensor) -> torch.Tensor:
@@ -93,19 +95,34 @@ class ParallelState:
         dist.all_to_all_single(received, send, group=self.mesh.get_group("cp"))
         return received
 
-    def background_group(self):
+    def background_group(self, timeout: timedelta | None = None):
         """A gloo group of every rank beside the training one, for collectives that run in a background thread
-        while training goes on (asynchronous checkpoint saves). Every rank must call it, in the same order."""
-        return dist.new_group(backend="gloo")
+        while training goes on (asynchronous checkpoint saves), or that wait longer than the training group's
+        timeout allows. Every rank must call it, in the same order."""
+        return dist.new_group(backend="gloo", timeout=timeout)
 
     def barrier(self) -> None:
         dist.barrier()
 
-    def first_error(self, error: str | None) -> str | None:
+    def first_error(self, error: str | None, group=None) -> str | None:
         """Every rank learns the first rank's error message (None when no rank had one)."""
         errors = [None] * self.world_size
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, error, group=group)
         return next((e for e in errors if e), None)
+
+    def run_first(self, here: bool, work, group):
+        """work() on the ranks where `here` holds while the others wait. Every rank returns rank 0's result, or
+        raises the first UserError any rank met, so that no rank goes on alone."""
+        result, error = None, None
+        if here:
+            try:
+                result = work()
+            except UserError as err:
+                error = str(err)
+        error = self.first_error(error, group)
+        if error:
+            raise UserError(error)
+        return self.broadcast_object(result, group)
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -1,6 +1,7 @@
 """What each process runs: wire the parts from the config, top to bottom, train, export."""
 
 import logging
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -11,15 +12,38 @@ from llmtune.checkpoint.manager import CheckpointManager
 from llmtune.data.manager import build_data
 from llmtune.data.templates import apply_recipe_template
 from llmtune.features.registry import enabled_features
+from llmtune.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
 from llmtune.model import build_model, check_vocab, load_model_config, load_tokenizer
 from llmtune.monitor import TrainMonitor, flops_per_token
 from llmtune.optim import build_optimizer, build_scheduler
 from llmtune.parallel import ParallelState
+from llmtune.preflight import check_run
 from llmtune.trainer import Trainer
 
 
-def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
-    """(trainer, tokenizer) for this rank, resumed when the recipe says so; rank 0 writes the resolved config."""
+# The waits for a Hub download outlast any download: a rank that fails shares its error at once and one that
+# dies closes its connections, so the limit only ends a download that has stalled.
+HUB_WAIT = timedelta(hours=24)
+
+
+def fetch_in_turn(config, state: ParallelState):
+    """The recipe with its Hub ids fetched (local_inputs), checked, under torchrun, where every process runs the
+    CLI: rank 0 pins each revision to a commit, so that every node reads the same one; local rank 0 of each node
+    fetches those commits while the other ranks wait; then every rank reads them from its node's cache. The
+    waits run on a gloo group whose timeout outlasts a long download (the training group's is 10 to 30 minutes,
+    and a group's timeout is fixed when it is made)."""
+    group = state.background_group(HUB_WAIT)
+    commits = state.run_first(state.rank == 0, lambda: pin_hub_inputs(config), group)
+    state.run_first(state.local_rank == 0, lambda: fetch_hub_inputs(config, commits), group)
+    local = local_inputs(config, fetch_hub_inputs(config, commits, local_files_only=True))
+    check_run(local, state.world_size)
+    return local
+
+
+def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, object]:
+    """(trainer, tokenizer) for this rank, resumed when the recipe says so; rank 0 writes the resolved config.
+    local: the recipe with its Hub ids fetched (local_inputs), which the run reads; default: config itself."""
+    local = local or config
     output_dir = Path(config.train.output_dir)
     if state.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -30,15 +54,15 @@ def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
         enable_full_determinism(config.train.seed)
     # The same seed on every rank: identical initial weights and data order.
     set_seed(config.train.seed)
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_tokenizer(local.model)
     # sft needs a chat template; a pt recipe may name one too, for the exported model to carry.
     if config.task == "sft" or config.data.chat_template:
         apply_recipe_template(tokenizer, config.data.chat_template)
-    data, validation = build_data(config, tokenizer, state)
-    model_config = load_model_config(config.model)
+    data, validation = build_data(local, tokenizer, state)
+    model_config = load_model_config(local.model)
     check_vocab(model_config, tokenizer)
     features = enabled_features(config)
-    model = build_model(model_config, config.model, config.train, state, features)
+    model = build_model(model_config, local.model, config.train, state, features)
     # From here on ranks draw different random numbers (dropout), each from its own stream.
     torch.manual_seed(config.train.seed + state.rank)
     optimizer = build_optimizer(model, config.train)
@@ -53,12 +77,13 @@ def build_trainer(config, state: ParallelState) -> tuple[Trainer, object]:
     return trainer, tokenizer
 
 
-def run(config) -> None:
+def run(config, local=None) -> None:
+    """local: the recipe with its Hub ids fetched and checked, or None to fetch them here (fetch_in_turn)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("llmtune").setLevel(logging.INFO)
     state = ParallelState.initialize(config.parallel.cp_size)
     try:
-        trainer, tokenizer = build_trainer(config, state)
+        trainer, tokenizer = build_trainer(config, state, local or fetch_in_turn(config, state))
         trainer.train()
         if config.checkpoint.export_hf:
             export_trained(trainer.model.hf_model, tokenizer, Path(config.train.output_dir) / "hf", config.checkpoint,

@@ -2,15 +2,17 @@
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """bin/llmtune as a user runs it, from the repository root."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """bin/llmtune as a user runs it, from the repository root; env: variables to add."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, **(env or {})}
     return subprocess.run([str(REPO / "bin" / "llmtune"), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -19,6 +21,37 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def offline_hub(hf_home: Path) -> dict:
+    """The environment of a run that reads the huggingface_hub cache under hf_home and never the network."""
+    return {"HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"), "HF_DATASETS_CACHE": str(hf_home / "datasets"),
+            "HF_HUB_OFFLINE": "1"}
+
+
+def add_to_hub_cache(hf_home: Path, repo_id: str, kind: str, files: Path, commit: str, refs: tuple[str, ...] = (),
+                     not_fetched: tuple[str, ...] = ()) -> Path:
+    """One commit of a Hub repository in the huggingface_hub cache under hf_home, laid out as a download leaves
+    it: snapshots/<commit>/ holds the files (copies of those in `files`), refs/<name> the commit of each branch
+    or tag in refs, and trees/<commit>.json the commit's file list (huggingface_hub 2.2 and later refuse a
+    snapshot that lacks a listed file its download asked for), which also names the files in not_fetched,
+    left on the Hub. Returns the snapshot folder."""
+    repo = hf_home / "hub" / f"{kind}s--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(files, snapshot)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    for ref in refs:
+        # huggingface_hub reads the commit as the file's whole text: no newline.
+        (repo / "refs" / ref).write_text(commit)
+    listed = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()] + list(not_fetched)
+    (repo / "trees").mkdir(exist_ok=True)
+    (repo / "trees" / f"{commit}.json").write_text(json.dumps(
+        {"format_version": 1, "files": {name: {"size": 1, "blob_id": "0" * 40} for name in listed}}))
+    return snapshot
 
 
 def start_cli(*args: str) -> subprocess.Popen:

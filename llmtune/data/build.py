@@ -1,9 +1,10 @@
 """Sources -> canonical rows -> tokens -> (packing) -> the train and validation datasets.
 
-Preprocessing is paid once: the result is saved under a key of (source fingerprints,
-tokenizer, transform settings); on N ranks, local rank 0 of each node builds it while the
-others wait, then every rank memory-maps the same files. A streaming run tokenizes its
-training sources as it reads them; only its validation split (data.val_files) is built here.
+Preprocessing is paid once: the result is saved under a key of (source fingerprints: each
+file's size and mtime, a Hub dataset's repository, config, split and commit; tokenizer,
+transform settings); on N ranks, local rank 0 of each node builds it while the others wait,
+then every rank memory-maps the same files. A streaming run tokenizes its training sources
+as it reads them; only its validation split (data.val_files) is built here.
 """
 
 import hashlib
@@ -25,6 +26,7 @@ from llmtune.data.files import is_saved_dataset, resolve_data_files
 from llmtune.data.formats import canonical_columns, detect_format, to_canonical
 from llmtune.data.sources import load_source, undecodable_error
 from llmtune.errors import UserError
+from llmtune.hub import dataset_source, fetch
 from llmtune.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -211,8 +213,9 @@ def describe(train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: i
 
 def cache_key(task: str, data_cfg, tokenizer, seed: int) -> str:
     settings = {k: v for k, v in asdict(data_cfg).items() if k not in NOT_IN_KEY}
-    built = data_cfg.val_files if data_cfg.streaming else data_cfg.train_files + data_cfg.val_files
-    sources = [_fingerprint(p, "data") for p in built]
+    built = [("data.val_files", data_cfg.val_files)] if data_cfg.streaming else \
+        [("data.train_files", data_cfg.train_files), ("data.val_files", data_cfg.val_files)]
+    sources = [_fingerprint(pattern, key) for key, patterns in built for pattern in patterns]
     tok = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else \
         json.dumps(sorted(tokenizer.get_vocab().items()))
     parts = [CACHE_VERSION, task, settings, seed, sources, type(tokenizer).__name__,
@@ -221,6 +224,10 @@ def cache_key(task: str, data_cfg, tokenizer, seed: int) -> str:
 
 
 def _fingerprint(pattern: str, key: str) -> list:
+    if hub_source := dataset_source(pattern, key):
+        # A commit never changes: the repository, config, split and commit name the rows.
+        commit = fetch(hub_source.repo, key, local_files_only=True).name
+        return [hub_source.repo.repo_id, hub_source.config, hub_source.split, commit]
     if is_saved_dataset(pattern):
         return [pattern, (Path(pattern) / "state.json").read_text() if (Path(pattern) / "state.json").is_file()
                 else (Path(pattern) / "dataset_dict.json").read_text()]

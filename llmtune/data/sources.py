@@ -1,7 +1,8 @@
-"""Read local data sources into `datasets` objects (memory-mapped Arrow, or streamed).
+"""Read data sources into `datasets` objects (memory-mapped Arrow, or streamed).
 
-A source is a file, a folder of data files, a glob, or a folder written by
-`datasets.Dataset.save_to_disk`. Read errors name the file and, for JSON lines, the line.
+A source is a file, a folder of data files, a glob, a folder written by `datasets.Dataset.save_to_disk`, or
+a Hub dataset (org/name[@revision][:config[:split]]), read from its snapshot in the huggingface_hub cache.
+Read errors name the file and, for JSON lines, the line.
 """
 
 import csv
@@ -12,6 +13,7 @@ import datasets
 
 from llmtune.data.files import is_saved_dataset, resolve_data_files
 from llmtune.errors import UserError
+from llmtune.hub import HubDataset, dataset_source, fetch
 
 # .txt: one document per blank-line-separated paragraph, so a file can hold many documents.
 BUILDERS = {
@@ -25,6 +27,8 @@ BUILDERS = {
 
 def load_source(pattern: str, key: str, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
     """All rows of one source, in file order."""
+    if hub_source := dataset_source(pattern, key):
+        return load_hub_source(hub_source, key, streaming)
     if is_saved_dataset(pattern):
         dataset = datasets.load_from_disk(pattern)
         if isinstance(dataset, datasets.DatasetDict):
@@ -49,6 +53,32 @@ def load_source(pattern: str, key: str, streaming: bool = False) -> datasets.Dat
                         "entry") from None
 
 
+def hub_builder(source: HubDataset, key: str) -> datasets.DatasetBuilder:
+    """The datasets builder of a Hub dataset's config, from its snapshot in the cache (fetched before); a config
+    or split the dataset does not have is refused. It reads no rows: its config's data files name the splits."""
+    folder = fetch(source.repo, key, local_files_only=True)
+    try:
+        builder = datasets.load_dataset_builder(str(folder), name=source.config)
+    except ValueError as err:  # no such config
+        raise UserError(f"{key}: {source.repo}: {' '.join(str(err).split())}; write org/name:config") from None
+    splits = list(builder.config.data_files or ())
+    if source.split not in splits:
+        raise UserError(f"{key}: {source.repo} has no split {source.split!r} in its config {builder.config.name!r} "
+                        f"(splits: {', '.join(splits)}); write org/name:config:split")
+    return builder
+
+
+def load_hub_source(source: HubDataset, key: str, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
+    builder = hub_builder(source, key)
+    if streaming:
+        return builder.as_streaming_dataset(split=source.split)
+    try:
+        builder.download_and_prepare()
+    except datasets.exceptions.DatasetGenerationError as err:
+        raise UserError(f"{key}: could not read {source.repo}: {' '.join(str(err.__cause__ or err).split())}") from None
+    return builder.as_dataset(split=source.split)
+
+
 def _text_columns(csv_file: str) -> datasets.Features:
     """Every CSV column read as text: a response "0.50" must not become the number 0.5."""
     with open(csv_file, newline="", encoding="utf-8") as f:
@@ -70,8 +100,9 @@ def _builder_of(name: str) -> str:
 
 def undecodable_error(pattern: str, key: str, err: UnicodeDecodeError) -> UserError:
     """Text that is not UTF-8 can pass the reader and fail only when a row is read: name its line."""
-    files = [] if is_saved_dataset(pattern) else resolve_data_files([pattern], key)
-    return UserError(_read_error(files, err))
+    if is_saved_dataset(pattern) or dataset_source(pattern, key):
+        return UserError(f"{key}: {pattern} holds text that is not UTF-8 ({err})")
+    return UserError(_read_error(resolve_data_files([pattern], key), err))
 
 
 def _read_error(files: list[str], err: Exception) -> str:

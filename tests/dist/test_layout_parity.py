@@ -6,7 +6,6 @@ run on 1 and on 2 processes (accumulation derived: 2 and 1): bitwise the same ru
 two torchrun invocations with --nnodes 2 on 127.0.0.1."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import REPO, read_metrics, run_cli
+from tests.helpers import REPO, free_port, read_metrics, run_cli
 
 STEPS = 5
 GLOBAL_BATCH = ["train.global_batch_size=4"]
@@ -36,12 +35,6 @@ def overrides(tiny_model, sft_file, output_dir, micro, batch):
     return [f"model.name_or_path={tiny_model}", f"data.train_files={sft_file}", "data.packing=false",
             f"train.output_dir={output_dir}", f"train.max_steps={STEPS}", "train.logging_steps=1",
             "train.learning_rate=2e-3", "train.warmup_ratio=0", f"train.per_device_train_batch_size={micro}", *batch]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_node_run(args: list[str]) -> None:
