@@ -173,10 +173,11 @@ def checkpoint_index(folder: Path) -> dict[str, tuple[Path, int, dict]]:
     return tensors
 
 
-def read_rows_into(target: torch.Tensor, path: Path, data_start: int, entry: dict, start: int, stop: int) -> None:
-    """Rows [start, stop) of one tensor, read from the file alone with plain reads, not a memory map, so that
-    the process holds nothing of the file but these rows: straight into `target` (this rank's shard) when it is
-    on the CPU in the file's dtype, else through one buffer that is then copied and converted."""
+def read_rows_into(target: torch.Tensor, path: Path, data_start: int, entry: dict, start: int) -> None:
+    """The rows of one tensor from row `start` on, as many as `target` holds, read from the file alone with plain
+    reads, not a memory map, so that the process holds nothing of the file but these rows: straight into `target`
+    (this rank's shard) when it is on the CPU in the file's dtype, else through one buffer that is then copied and
+    converted."""
     dtype = SAFETENSORS_DTYPES[entry["dtype"]]
     row_bytes = math.prod(entry["shape"][1:]) * dtype.itemsize
     direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
@@ -195,15 +196,15 @@ def read_rows_into(target: torch.Tensor, path: Path, data_start: int, entry: dic
             target.copy_(buffer)
 
 
-def checkpoint_names(hf_model: PreTrainedModel, names, folder: Path) -> dict[str, str]:
+def checkpoint_names(hf_model: PreTrainedModel, params: dict, names, folder: Path) -> dict[str, str]:
     """Parameter name -> the checkpoint's name for it. Checkpoints keep the names a class had when they were written
     (GPT-NeoX's embed_out, a missing base-model prefix): transformers' own renaming rules for the class, as
-    from_pretrained applies them, translate them. Tensors transformers converts on load (experts stored one by
-    one, fused in the model) are refused by name."""
+    from_pretrained applies them, translate them; `params` (the model's, by name) tell whether the prefix is added
+    or dropped. Tensors transformers converts on load (experts stored one by one, fused in the model) are refused
+    by name."""
     transforms = get_model_conversion_mapping(hf_model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    params = dict(hf_model.named_parameters())
     mapping = {}
     for name in names:
         renamed, converted = rename_source_key(name, renamings, converters, hf_model.base_model_prefix, params)
@@ -220,9 +221,9 @@ def load_weights(hf_model: PreTrainedModel, folder: Path) -> None:
     Parameters tied to another (lm_head to the embeddings) appear once and are loaded once.
     """
     tensors = checkpoint_index(folder)
-    names = checkpoint_names(hf_model, tensors, folder)
-    tensors = {name: tensors[saved] for name, saved in names.items()}
     params = dict(hf_model.named_parameters())
+    names = checkpoint_names(hf_model, params, tensors, folder)
+    tensors = {name: tensors[saved] for name, saved in names.items()}
     missing = [name for name in params if name not in tensors]
     if missing:
         raise UserError(f"model.name_or_path: {folder} lacks weights for {', '.join(missing[:5])}"
@@ -233,15 +234,14 @@ def load_weights(hf_model: PreTrainedModel, folder: Path) -> None:
             raise UserError(f"model.name_or_path: {name} has shape {entry['shape']} in {path.name} but the config "
                             f"gives {list(param.shape)}")
         local = param.to_local() if isinstance(param, DTensor) else param.data
-        read_rows_into(local, path, data_start, entry, *shard_rows(param))
+        read_rows_into(local, path, data_start, entry, shard_start(param))
 
 
-def shard_rows(param: torch.Tensor) -> tuple[int, int]:
-    """Rows [start, stop) of dim 0 held by this rank: FSDP2 shards dim 0 as torch.chunk does."""
+def shard_start(param: torch.Tensor) -> int:
+    """The first row of dim 0 held by this rank (its local shard holds the rows that follow): FSDP2 shards dim 0
+    as torch.chunk does."""
     if not isinstance(param, DTensor):
-        return 0, param.shape[0]
-    ranks, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+        return 0
     rows = param.shape[0]
-    per_rank = -(-rows // ranks)
-    start = min(rank * per_rank, rows)
-    return start, min(start + per_rank, rows)
+    per_rank = -(-rows // param.device_mesh.size())
+    return min(param.device_mesh.get_local_rank() * per_rank, rows)

@@ -29,8 +29,8 @@ def free_port() -> int:
 
 def offline_hub(hf_home: Path) -> dict:
     """The environment of a run that reads the huggingface_hub cache under hf_home and never the network."""
-    return {"HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"), "HF_DATASETS_CACHE": str(hf_home / "datasets"),
-            "HF_HUB_OFFLINE": "1"}
+    return {"HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"),
+            "HF_DATASETS_CACHE": str(hf_home / "datasets"), "HF_HUB_OFFLINE": "1"}
 
 
 def add_to_hub_cache(hf_home: Path, repo_id: str, kind: str, files: Path, commit: str, refs: tuple[str, ...] = (),

@@ -142,4 +142,4 @@ def test_a_backend_the_class_cannot_run_is_refused_and_auto_picks_one(matrix, tm
     assert "model.attn_implementation: sdpa cannot run this model" in result.stderr
     assert "Gemma2ForCausalLM" in result.stderr and "auto" in result.stderr
     assert not (tmp_path / "out").exists()
-    assert json.loads((matrix["gemma2"]["pt"] / "hf" / "config.json").read_text())["model_type"] == "gemma2"
+    assert len(read_metrics(matrix["gemma2"]["pt"])) == 4, "auto (eager for Gemma-2) trained every step"
