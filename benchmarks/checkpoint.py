@@ -72,7 +72,7 @@ def run(root: Path, assets: Path, model_dir: Path, async_save: bool) -> dict:
             # Exported before training: afterwards, memory freed by training would hide the export's own.
             started = time.perf_counter()
             with RssPeak() as peak:
-                export_trained(trainer.model.hf_model, tokenizer, out / "hf", config.checkpoint, state, trainer.features)
+                export_trained(trainer.model.hf_model, tokenizer, out, config.checkpoint, state, trainer.features)
             result["export_s"] = time.perf_counter() - started
             result["export_rss_growth_mib"] = (peak.peak - peak.start) / 2**20
         trainer.train()

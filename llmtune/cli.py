@@ -11,7 +11,7 @@ from llmtune.errors import TrainingStopped, UserError
 
 USAGE = """llmtune pt|sft RECIPE [section.key=value ...] [--section.key VALUE ...] [--nproc N]
                [--resume_from_checkpoint PATH|latest]
-       llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite]
+       llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge]
        llmtune demo"""
 
 
@@ -48,12 +48,14 @@ def export_command(args: list[str]) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--dtype", help="bf16 or fp32; default: the run's checkpoint.export_dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    parser.add_argument("--merge", action="store_true", help="a run that trained adapters: write the HF folder with "
+                                                            "them merged, not the adapter folder")
     parsed = parser.parse_args(args)
     from pathlib import Path
 
     from llmtune.checkpoint.hf_export import export_checkpoint
 
-    export_checkpoint(Path(parsed.checkpoint), Path(parsed.out_dir), parsed.dtype, parsed.overwrite)
+    export_checkpoint(Path(parsed.checkpoint), Path(parsed.out_dir), parsed.dtype, parsed.overwrite, parsed.merge)
     print(f"exported {parsed.checkpoint} to {parsed.out_dir}")
     return 0
 

@@ -7,6 +7,7 @@ reported together, before anything expensive (torch import, process group) happe
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,10 @@ DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_respon
 TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
+PEFT_METHODS = ("none", "lora", "dora")
+# peft's other initialisations (pissa, olora, loftq, corda, eva, ...) read or rewrite the base weights or need data
+# at init, which the sharded model built on the meta device does not give them.
+LORA_INITS = (True, False, "gaussian")
 
 
 SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
@@ -159,6 +164,10 @@ class TrainConfig:
     per_device_eval_batch_size: int = _field(8, "Rows per validation micro-batch on each data-parallel rank.")
     deterministic: bool = _field(False, "Deterministic algorithms, set as transformers' enable_full_determinism sets "
                                         "them (cuBLAS workspace, cuDNN); slower on GPU.")
+    trainable_modules: list[str] = _field([], "Regular expressions (re.search on parameter names): only the "
+                                              "parameters they match are trained, the rest frozen; empty = all.")
+    frozen_modules: list[str] = _field([], "Regular expressions (re.search on parameter names): the parameters they "
+                                           "match are frozen (applied after trainable_modules).")
 
     def problems(self) -> list[str]:
         out = []
@@ -182,6 +191,53 @@ class TrainConfig:
             out.append("train: set train.max_steps > 0 or train.num_train_epochs > 0")
         if self.learning_rate < 0 or self.max_grad_norm < 0 or self.weight_decay < 0:
             out.append("train: learning_rate, max_grad_norm and weight_decay must not be negative")
+        for key in ("trainable_modules", "frozen_modules"):
+            out += [f"train.{key}: {pattern!r} is not a regular expression ({err})"
+                    for pattern, err in _regex_errors(getattr(self, key))]
+        return out
+
+
+def _regex_errors(patterns: list[str]) -> list[tuple[str, str]]:
+    errors = []
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            errors.append((pattern, str(err)))
+    return errors
+
+
+@dataclass
+class PeftConfig:
+    method: str = _field("none", "none | lora | dora: train low-rank adapters (built with peft) instead of the "
+                                 "weights, which stay frozen.")
+    r: int = _field(16, "Rank of the adapters.")
+    alpha: float = _field(32.0, "Scale of the adapters' update: alpha / r (alpha / sqrt(r) with use_rslora).")
+    dropout: float = _field(0.0, "Dropout on the adapters' input.")
+    target_modules: str | list[str] = _field("all-linear", "Layers that get adapters: all-linear (every linear "
+                                                           "layer of the decoder blocks), a list of module names "
+                                                           "(q_proj, ...) or one regular expression (peft's rules).")
+    modules_to_save: list[str] = _field([], "Modules trained in full besides the adapters and saved with them "
+                                            "(e.g. embed_tokens, lm_head when new tokens are trained).")
+    use_rslora: bool = _field(False, "Rank-stabilised scaling alpha / sqrt(r).")
+    init_lora_weights: bool | str = _field(True, "peft's initialisation: true (A Kaiming-uniform, B zero), gaussian, "
+                                                 "or false (B random too: the adapters change the model from the "
+                                                 "first step).")
+    adapter_path: str | None = _field(None, "An adapter folder (adapter_config.json + adapter_model.safetensors) "
+                                            "to continue training from; its adapter_config.json gives method, r, "
+                                            "alpha, target and saved modules.")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.method not in PEFT_METHODS:
+            out.append(_choice_problem("peft.method", self.method, PEFT_METHODS))
+        if self.r < 1:
+            out.append(f"peft.r: {self.r} must be a positive rank (at least 1)")
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"peft.dropout: {self.dropout} must be in [0, 1)")
+        if self.init_lora_weights not in LORA_INITS:
+            out.append(f"peft.init_lora_weights: {self.init_lora_weights!r} is not supported; use true, false or "
+                       "gaussian (initialisations that read the base weights do not run on a sharded model)")
         return out
 
 
@@ -211,6 +267,8 @@ class CheckpointConfig:
     resume_from_checkpoint: str | None = _field(None, "A checkpoint folder, or latest (the newest in output_dir; "
                                                       "starts fresh when there is none).")
     export_hf: bool = _field(True, "At the end, write output_dir/hf: a folder AutoModelForCausalLM loads.")
+    export_merged: bool = _field(False, "peft runs: also write output_dir/hf, the adapters merged into the "
+                                        "weights (output_dir/adapter is always written).")
     export_dtype: str = _field("bf16", "Dtype of the exported weights: bf16 or fp32.")
     max_shard_size: str = _field("5GB", "Largest safetensors file of the export (e.g. 5GB, 500MB).")
 
@@ -251,6 +309,7 @@ SECTIONS = {
     "data": DataConfig,
     "train": TrainConfig,
     "parallel": ParallelConfig,
+    "peft": PeftConfig,
     "checkpoint": CheckpointConfig,
     "monitor": MonitorConfig,
 }
@@ -263,6 +322,7 @@ class Config:
     data: DataConfig
     train: TrainConfig
     parallel: ParallelConfig
+    peft: PeftConfig
     checkpoint: CheckpointConfig
     monitor: MonitorConfig
 

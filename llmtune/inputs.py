@@ -98,18 +98,22 @@ def has_chat_template(tokenizer_dir: Path) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
-def check_optional_packages(monitor) -> None:
-    for wanted, package, key in ((monitor.tensorboard, "tensorboard", "monitor.tensorboard"),
-                                 (monitor.wandb_project, "wandb", "monitor.wandb_project")):
+def check_optional_packages(config) -> None:
+    for wanted, package, key in ((config.monitor.tensorboard, "tensorboard", "monitor.tensorboard"),
+                                 (config.monitor.wandb_project, "wandb", "monitor.wandb_project")):
         if wanted and importlib.util.find_spec(package) is None:
             raise UserError(f"{key}: needs the {package} package, which is not installed; pip install "
                             f"'llmtune[{package}]', or turn {key} off")
+    # peft is a dependency of llmtune; an environment can still lack it (installed with --no-deps, uninstalled).
+    if config.peft.method != "none" and importlib.util.find_spec("peft") is None:
+        raise UserError(f"peft.method: {config.peft.method} needs the peft package, which is not installed; pip "
+                        "install peft, or set peft.method: none")
 
 
 def check_inputs(config) -> None:
     """Every path the recipe names exists (the checkpoint to resume from too); sft has a chat template; optional
     sinks are installed."""
-    check_optional_packages(config.monitor)
+    check_optional_packages(config)
     check_model_paths(config.model)
     tokenizer_dir = Path(config.model.tokenizer or config.model.name_or_path)
     if config.task == "sft" and not config.data.chat_template and not has_chat_template(tokenizer_dir):

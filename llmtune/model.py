@@ -8,6 +8,7 @@ the initial weights do not depend on the number of ranks.
 """
 
 import copy
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -102,7 +103,8 @@ def check_vocab(config, tokenizer) -> None:
 
 def decoder_layers(hf_model: PreTrainedModel) -> list[nn.Module]:
     names = set(hf_model._no_split_modules or ())
-    layers = [m for m in hf_model.modules() if type(m).__name__ in names]
+    # Sharded, a layer's class is FSDP's subclass of its own.
+    layers = [m for m in hf_model.modules() if any(cls.__name__ in names for cls in type(m).__mro__)]
     if not layers:
         raise UserError(f"model: {type(hf_model).__name__} declares no decoder layer class "
                         "(_no_split_modules), so it cannot be sharded layer by layer")
@@ -125,6 +127,12 @@ def build_model(model_config, model_cfg, train_cfg, state, features: Features) -
         torch.manual_seed(train_cfg.seed)
         hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
     features.build(hf_model, state)
+    if train_cfg.bf16:
+        # Frozen weights (an adapter run's base) are never updated, so they need no fp32 master copy: stored in bf16
+        # they compute exactly as their fp32 copy cast to bf16 would, in half the memory.
+        for param in hf_model.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
     if train_cfg.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(hf_model)
@@ -142,9 +150,10 @@ def build_model(model_config, model_cfg, train_cfg, state, features: Features) -
         module.to_empty(device=state.device)
         for name, buffer in module.named_buffers():
             buffer.copy_(buffers[name])
-        load_weights(hf_model, Path(model_cfg.name_or_path))
+        load_weights(hf_model, Path(model_cfg.name_or_path), features.pretrained_parameters(hf_model))
     else:
         module.to(state.device)
+    features.weights_ready(hf_model)
     return module
 
 
@@ -171,6 +180,27 @@ def checkpoint_index(folder: Path) -> dict[str, tuple[Path, int, dict]]:
         header.pop("__metadata__", None)
         tensors.update({name: (path, 8 + size, entry) for name, entry in header.items()})
     return tensors
+
+
+def base_fingerprint(model_cfg, model_config, seed: int) -> str:
+    """What identifies the weights a run starts from, for checkpoints that hold only the parameters it trains: the
+    pretrained checkpoint's index (every tensor's file, name, dtype, shape and offsets) and, since fine-tunes of one
+    model share their index, 64 KiB of data from the start, middle and end of each file; for a model trained from
+    model.config, that config and the seed that initialises it."""
+    digest = hashlib.sha256()
+    if not model_cfg.name_or_path:
+        digest.update(f"{model_config.to_json_string(use_diff=False)} seed={seed}".encode())
+        return digest.hexdigest()[:16]
+    index = checkpoint_index(Path(model_cfg.name_or_path))
+    digest.update(json.dumps(sorted([path.name, name, entry] for name, (path, _, entry) in index.items())).encode())
+    sample = 2**16
+    for path in sorted({path for path, _, _ in index.values()}):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            for at in (0, size // 2, max(0, size - sample)):
+                f.seek(at)
+                digest.update(f.read(sample))
+    return digest.hexdigest()[:16]
 
 
 def read_rows_into(target: torch.Tensor, path: Path, data_start: int, entry: dict, start: int) -> None:
@@ -215,13 +245,13 @@ def checkpoint_names(hf_model: PreTrainedModel, params: dict, names, folder: Pat
     return mapping
 
 
-def load_weights(hf_model: PreTrainedModel, folder: Path) -> None:
-    """Copy into every parameter's local shard the rows of the checkpoint tensor that shard holds.
+def load_weights(hf_model: PreTrainedModel, folder: Path, params: dict[str, nn.Parameter]) -> None:
+    """Copy into every parameter's local shard the rows of the checkpoint tensor that shard holds. `params`: the
+    parameters the checkpoint holds, by their names in the unchanged model (Features.pretrained_parameters).
 
     Parameters tied to another (lm_head to the embeddings) appear once and are loaded once.
     """
     tensors = checkpoint_index(folder)
-    params = dict(hf_model.named_parameters())
     names = checkpoint_names(hf_model, params, tensors, folder)
     tensors = {name: tensors[saved] for name, saved in names.items()}
     missing = [name for name in params if name not in tensors]
@@ -235,6 +265,18 @@ def load_weights(hf_model: PreTrainedModel, folder: Path) -> None:
                             f"gives {list(param.shape)}")
         local = param.to_local() if isinstance(param, DTensor) else param.data
         read_rows_into(local, path, data_start, entry, shard_start(param))
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    """The full value of a parameter, gathered from every rank when it is sharded (every rank must call)."""
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+
+
+def copy_rows(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set a parameter, sharded or not, from its full value: each rank copies the rows its shard holds."""
+    local = param.to_local() if isinstance(param, DTensor) else param.data
+    start = shard_start(param)
+    local.copy_(value[start:start + len(local)])
 
 
 def shard_start(param: torch.Tensor) -> int:

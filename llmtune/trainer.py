@@ -104,7 +104,7 @@ class Trainer:
             (loss * scale).backward()
             loss_sum += loss.detach()
         mean_loss = self.state.all_reduce_sum(loss_sum).item() / max(label_tokens, 1.0)
-        grad_norm = clip_gradients(list(self.model.parameters()), self.cfg.max_grad_norm)
+        grad_norm = clip_gradients([p for p in self.model.parameters() if p.requires_grad], self.cfg.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(mean_loss) and math.isfinite(grad_norm)
         if finite:

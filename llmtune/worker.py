@@ -13,7 +13,7 @@ from llmtune.data.manager import build_data
 from llmtune.data.templates import apply_recipe_template
 from llmtune.features.registry import enabled_features
 from llmtune.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
-from llmtune.model import build_model, check_vocab, load_model_config, load_tokenizer
+from llmtune.model import base_fingerprint, build_model, check_vocab, load_model_config, load_tokenizer
 from llmtune.monitor import TrainMonitor, flops_per_token
 from llmtune.optim import build_optimizer, build_scheduler
 from llmtune.parallel import ParallelState
@@ -70,7 +70,9 @@ def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, ob
     scheduler = build_scheduler(optimizer, config.train, total_steps)
     monitor = TrainMonitor(output_dir, config.monitor, config.train.logging_steps, total_steps,
                            flops_per_token(model.hf_model, config.data.max_seq_len), state.world_size, state.rank)
-    checkpoints = CheckpointManager(output_dir, config.checkpoint, state, config, tokenizer, model.hf_model)
+    base = {"name_or_path": config.model.name_or_path or config.model.config,
+            "fingerprint": base_fingerprint(local.model, model_config, config.train.seed)}
+    checkpoints = CheckpointManager(output_dir, config.checkpoint, state, config, tokenizer, model.hf_model, base)
     trainer = Trainer(model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
                       config.train, total_steps)
     checkpoints.restore(trainer)
@@ -86,7 +88,7 @@ def run(config, local=None) -> None:
         trainer, tokenizer = build_trainer(config, state, local or fetch_in_turn(config, state))
         trainer.train()
         if config.checkpoint.export_hf:
-            export_trained(trainer.model.hf_model, tokenizer, Path(config.train.output_dir) / "hf", config.checkpoint,
-                           state, trainer.features)
+            export_trained(trainer.model.hf_model, tokenizer, Path(config.train.output_dir), config.checkpoint, state,
+                           trainer.features)
     finally:
         state.close()

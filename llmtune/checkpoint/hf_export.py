@@ -2,101 +2,155 @@
 their index, config.json, generation_config.json and the tokenizer (with its chat template), plus the
 files the run's features add.
 
-Two sources share one writer: the FSDP model at the end of training (gathered one parameter at a
-time to rank 0, which keeps only the export-dtype copy: one full copy of the model in the export
-dtype plus one parameter in fp32 at the peak), and a DCP checkpoint of any world size, offline.
+Two sources share one writer: the FSDP model at the end of training, gathered to rank 0 one decoder layer at a
+time, and a DCP checkpoint of any world size, offline. The writer saves each safetensors shard as soon as it is
+full, so rank 0 holds at most one shard (max_shard_size) and one layer in the export dtype, never the whole model.
 """
 
 import copy
 import json
-import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.core_model_loading import revert_weight_conversion
 
-from llmtune.checkpoint.validate import check_complete
+from llmtune.checkpoint.publish import write_folder
+from llmtune.checkpoint.validate import check_base, check_complete, saved_model_shapes
 from llmtune.config import load_config, parse_size
 from llmtune.errors import UserError
+from llmtune.features.adapters import Adapters, merge_adapters
 from llmtune.features.base import Features
 from llmtune.features.registry import enabled_features
+from llmtune.model import decoder_layers, whole
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def gather_weights(hf_model, dtype: torch.dtype, is_main: bool) -> dict[str, torch.Tensor]:
-    """name -> full tensor in `dtype` on rank 0's CPU (empty elsewhere). Every rank takes part in each gather.
-    Tied parameters appear once (named_parameters skips the second name)."""
-    weights = {}
+def gather_weights(hf_model, dtype: torch.dtype, is_main: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """The weights as name -> full tensor in `dtype` on rank 0's CPU (empty dicts elsewhere), one decoder layer at
+    a time (the weights outside the layers one by one): the unit in which transformers converts names and layouts
+    back. Every rank must run the generator to its end: each gather takes part of all of them. Tied parameters
+    appear once (named_parameters skips the second name)."""
+    layers = {name + "." for name, module in hf_model.named_modules() if module in set(decoder_layers(hf_model))}
+    chunk, owner = {}, None
     for name, param in hf_model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        layer = next((prefix for prefix in layers if name.startswith(prefix)), name)
+        if layer != owner and owner is not None:
+            yield chunk
+            chunk = {}
+        owner = layer
+        full = whole(param)
         if is_main:
-            weights[name] = full.to(device="cpu", dtype=dtype)
+            chunk[name] = full.to(device="cpu", dtype=dtype)
         del full
-    return weights
+    yield chunk
 
 
-def write_hf_folder(weights: dict[str, torch.Tensor], model, generation_config, tokenizer, out_dir: Path,
+def write_hf_folder(chunks: Iterable[dict[str, torch.Tensor]], model, generation_config, tokenizer, out_dir: Path,
                     max_shard_bytes: int, dtype: torch.dtype, features: Features) -> None:
-    """Write under a temporary name and swap it in: a failed export never leaves a half-written folder.
+    """`chunks`: the weights as gather_weights gives them. `model` (its class and config; meta tensors do) gives
+    the names the weights are saved under: those save_pretrained writes, transformers' load-time renaming undone
+    (GPT-NeoX's lm_head is embed_out on disk), so that other readers of HF folders (vLLM, older transformers) find
+    what they expect."""
 
-    `model` (its class and config; meta tensors do) gives the names the weights are saved under: those
-    save_pretrained writes, transformers' load-time renaming undone (GPT-NeoX's lm_head is embed_out on disk),
-    so that other readers of HF folders (vLLM, older transformers) find what they expect."""
-    weights = revert_weight_conversion(model, weights)
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in weights.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.contiguous()
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], partial / "model.safetensors", metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for number, shard in enumerate(shards, start=1):
-            filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, partial / filename, metadata={"format": "pt"})
-            weight_map.update({name: filename for name in shard})
-        total = sum(t.numel() * t.element_size() for t in weights.values())
-        (partial / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config = copy.deepcopy(model.config)
-    config.dtype = dtype
-    config.save_pretrained(partial)
-    if generation_config is not None:
-        generation_config.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    features.export(partial, weights)
-    replaced = out_dir.with_name(out_dir.name + ".replaced")
-    shutil.rmtree(replaced, ignore_errors=True)
-    if out_dir.exists():
-        out_dir.rename(replaced)
-    partial.rename(out_dir)
-    shutil.rmtree(replaced, ignore_errors=True)
+    def fill(partial: Path) -> None:
+        shards: list[list[str]] = []  # the tensor names of each shard written, in order
+        shard, size, total = {}, 0, 0
+
+        def save() -> None:
+            save_file(shard, partial / f"shard-{len(shards) + 1}", metadata={"format": "pt"})
+            shards.append(list(shard))
+            shard.clear()
+
+        for chunk in chunks:
+            for name, tensor in revert_weight_conversion(model, chunk).items():
+                nbytes = tensor.numel() * tensor.element_size()
+                if shard and size + nbytes > max_shard_bytes:
+                    save()
+                    size = 0
+                shard[name] = tensor.contiguous()
+                size, total = size + nbytes, total + nbytes
+        save()
+        if len(shards) == 1:
+            (partial / "shard-1").rename(partial / "model.safetensors")
+        else:
+            weight_map = {}
+            for number, names in enumerate(shards, start=1):
+                filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+                (partial / f"shard-{number}").rename(partial / filename)
+                weight_map.update({name: filename for name in names})
+            (partial / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype
+        config.save_pretrained(partial)
+        if generation_config is not None:
+            generation_config.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        features.export(partial, [name for names in shards for name in names])
+
+    write_folder(out_dir, fill)
 
 
-def export_trained(hf_model, tokenizer, out_dir: Path, checkpoint_cfg, state, features: Features) -> None:
+def export_trained(hf_model, tokenizer, output_dir: Path, checkpoint_cfg, state, features: Features) -> None:
+    """output_dir/hf, the trained model; for an adapter run output_dir/adapter, and output_dir/hf with the
+    adapters merged only when checkpoint.export_merged asks (merging changes hf_model: training is over)."""
     dtype = EXPORT_DTYPES[checkpoint_cfg.export_dtype]
-    weights = gather_weights(hf_model, dtype, state.is_main)
+    adapters = features.find(Adapters)
+    if adapters:
+        adapters.export_adapter(hf_model, tokenizer, output_dir / "adapter", dtype, state.is_main)
+        if not checkpoint_cfg.export_merged:
+            state.barrier()
+            return
+        merge_adapters(hf_model)
+    chunks = gather_weights(hf_model, dtype, state.is_main)
     if state.is_main:
-        write_hf_folder(weights, hf_model, hf_model.generation_config, tokenizer, out_dir,
+        write_hf_folder(chunks, hf_model, hf_model.generation_config, tokenizer, output_dir / "hf",
                         parse_size(checkpoint_cfg.max_shard_size), dtype, features)
+    else:
+        for _ in chunks:  # the gathers rank 0 is taking part in
+            pass
     state.barrier()
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, overwrite: bool) -> None:
-    """Offline, one process: a DCP checkpoint (any world size) -> the same HF folder as the end of training.
+def checkpoint_model(checkpoint: Path, run, trainer_state: dict, adapters: Adapters | None):
+    """The checkpoint's HF model on the CPU in fp32, adapters in their layers: the parameters the run trained from
+    the checkpoint, the frozen ones (a run that trained adapters or some modules only) re-read from its base model,
+    which must be the one it was trained on."""
+    from llmtune.inputs import fetch_hub_inputs, local_inputs
+    from llmtune.model import base_fingerprint, load_model_config, load_weights
+
+    config = AutoConfig.from_pretrained(checkpoint / "hf_config")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    features = Features([adapters] if adapters else [])
+    features.build(model, None)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    if trainer_state["trained_only"]:
+        local = local_inputs(run, fetch_hub_inputs(run))
+        base_config = load_model_config(local.model)
+        check_base(checkpoint, {"name_or_path": run.model.name_or_path or run.model.config,
+                                "fingerprint": base_fingerprint(local.model, base_config, run.train.seed)})
+        if local.model.name_or_path:
+            load_weights(model, Path(local.model.name_or_path), features.pretrained_parameters(model))
+        else:  # trained from model.config: the frozen weights are its seeded initialisation
+            torch.manual_seed(run.train.seed)
+            initialised = AutoModelForCausalLM.from_config(base_config, dtype=torch.float32)
+            model.load_state_dict(initialised.state_dict(), strict=False)
+    saved = saved_model_shapes(checkpoint, "model.hf_model.")
+    dcp.load({f"model.hf_model.{name}": param.data for name, param in model.named_parameters() if name in saved},
+             checkpoint_id=str(checkpoint), no_dist=True)
+    return model
+
+
+def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, overwrite: bool, merge: bool) -> None:
+    """Offline, one process: a DCP checkpoint (any world size) -> the same HF folder as the end of training; for a
+    run that trained adapters, their adapter folder, or (merge) the HF folder with them merged.
     dtype_name None: the run's checkpoint.export_dtype."""
     check_complete(checkpoint)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
@@ -106,15 +160,19 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, o
     dtype_name = dtype_name or run.checkpoint.export_dtype
     if dtype_name not in EXPORT_DTYPES:
         raise UserError(f"--dtype: {dtype_name!r} is not one of {', '.join(EXPORT_DTYPES)}")
-    source = checkpoint / "hf_config"
-    config = AutoConfig.from_pretrained(source)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    names = {name: param.shape for name, param in model.named_parameters()}
-    state = {f"model.hf_model.{name}": torch.empty(shape, dtype=torch.float32) for name, shape in names.items()}
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    features = enabled_features(run)
+    adapters = features.find(Adapters)
+    if merge and not adapters:
+        raise UserError(f"--merge: {checkpoint} has no adapters to merge (peft.method is none); leave --merge out")
     dtype = EXPORT_DTYPES[dtype_name]
-    weights = {name: state.pop(f"model.hf_model.{name}").to(dtype) for name in names}
+    model = checkpoint_model(checkpoint, run, saved, adapters)
+    source = checkpoint / "hf_config"
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if adapters and not merge:
+        adapters.export_adapter(model, tokenizer, out_dir, dtype, is_main=True)
+        return
+    if adapters:
+        merge_adapters(model)
     generation = GenerationConfig.from_pretrained(source) if (source / "generation_config.json").is_file() else None
-    write_hf_folder(weights, model, generation, AutoTokenizer.from_pretrained(source), out_dir,
-                    parse_size(run.checkpoint.max_shard_size), dtype, enabled_features(run))
+    write_hf_folder(gather_weights(model, dtype, True), model, generation, tokenizer, out_dir,
+                    parse_size(run.checkpoint.max_shard_size), dtype, features)

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from llmtune.checkpoint.validate import check_complete, check_model_matches
+from llmtune.checkpoint.validate import check_base, check_complete, check_model_matches
 from llmtune.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,20 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def trained_state(model, model_state: dict) -> dict:
+    """The model's state without its frozen parameters, which the run re-reads from its base model: a checkpoint of
+    an adapter run holds the adapters alone. (check_model_matches checks the names that are loaded.)"""
+    frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    return {name: value for name, value in model_state.items() if name not in frozen}
+
+
 class CheckpointManager:
     """Every run has one: it saves when the recipe's schedule says so (never, when it names none) and
     restores what the recipe's resume_from_checkpoint names."""
 
-    def __init__(self, output_dir: Path, checkpoint_cfg, state, config, tokenizer, hf_model):
+    def __init__(self, output_dir: Path, checkpoint_cfg, state, config, tokenizer, hf_model, base: dict):
+        """base: the weights the run starts from ({"name_or_path", "fingerprint"}), recorded in every checkpoint:
+        one that holds only the trained parameters (frozen weights, adapters) resumes only on the same base."""
         self.output_dir = output_dir
         self.root = output_dir / "checkpoints"
         self.cfg = checkpoint_cfg
@@ -81,6 +90,7 @@ class CheckpointManager:
         self.config = config
         self.tokenizer = tokenizer
         self.hf_model = hf_model
+        self.base = base
         self.pending = None  # (future, partial folder, final folder) of an asynchronous save
         # Asynchronous saves run their collectives on a group of their own, beside training's.
         self.group = state.background_group() if checkpoint_cfg.async_save else None
@@ -102,15 +112,16 @@ class CheckpointManager:
             (partial / "extra_state").mkdir(parents=True)
         self.state.barrier()
         if self.cfg.save_only_model:
-            content = {"model": get_model_state_dict(model)}
+            content = {"model": trained_state(model, get_model_state_dict(model))}
         else:
             model_state, optim_state = get_state_dict(model, optimizer)
-            content = {"model": model_state, "optim": optim_state}
+            content = {"model": trained_state(model, model_state), "optim": optim_state}
         torch.save(rng_state(), partial / "extra_state" / f"rank_{self.state.rank}.pt")
         if self.state.is_main:
             (partial / "trainer_state.json").write_text(json.dumps(
                 {**trainer_state, "world_size": self.state.world_size, "task": self.config.task,
-                 "save_only_model": self.cfg.save_only_model}, indent=1))
+                 "save_only_model": self.cfg.save_only_model, "base": self.base,
+                 "trained_only": any(not p.requires_grad for p in model.parameters())}, indent=1))
             self.config.write(partial / "config.yaml")
             # What an offline export needs to rebuild the HF folder from this checkpoint alone.
             self.hf_model.config.save_pretrained(partial / "hf_config")
@@ -165,6 +176,7 @@ class CheckpointManager:
                 chosen = resolve_resume(self.cfg.resume_from_checkpoint, self.output_dir)
                 if chosen:
                     check_complete(chosen)
+                    check_base(chosen, self.base)
             except UserError as err:
                 error = str(err)
         chosen, error = self.state.broadcast_object((chosen, error))
@@ -177,6 +189,7 @@ class CheckpointManager:
         """Restore model, optimizer and this rank's RNG; returns the trainer state to continue from."""
         trainer_state = json.loads((path / "trainer_state.json").read_text())
         model_state, optim_state = get_state_dict(model, optimizer)
+        model_state = trained_state(model, model_state)
         check_model_matches(path, model_state)
         content = {"model": model_state}
         if not trainer_state["save_only_model"]:
@@ -184,7 +197,7 @@ class CheckpointManager:
         dcp.load(content, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=content["model"],
                        optim_state_dict=content.get("optim", optim_state),
-                       options=StateDictOptions(strict=True))
+                       options=StateDictOptions(strict=False))
         if trainer_state["save_only_model"]:
             log.warning("checkpoint: %s holds the model only; the optimizer starts fresh", path)
         saved_world = trainer_state["world_size"]

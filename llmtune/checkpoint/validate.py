@@ -1,5 +1,6 @@
 """Checks on a checkpoint before anything is loaded from it: complete, not truncated, the same model."""
 
+import json
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
@@ -29,6 +30,16 @@ def check_complete(path: Path) -> None:
             raise UserError(f"{path}: shard {name} is missing; the checkpoint cannot be loaded")
         if shard.stat().st_size < end:
             raise UserError(f"{path}: shard {name} is truncated ({shard.stat().st_size} of {end} bytes)")
+
+
+def check_base(path: Path, base: dict) -> None:
+    """A checkpoint that holds only the trained parameters continues on the base model it was trained on."""
+    saved = json.loads((path / "trainer_state.json").read_text())
+    if saved.get("trained_only") and saved["base"]["fingerprint"] != base["fingerprint"]:
+        raise UserError(f"{path}: holds only the trained parameters of a run on {saved['base']['name_or_path']}, but "
+                        f"the recipe's model {base['name_or_path']} has other weights (fingerprint "
+                        f"{base['fingerprint']}, not {saved['base']['fingerprint']}); resume with the base model the "
+                        "checkpoint was trained on")
 
 
 def saved_model_shapes(path: Path, prefix: str = "model.") -> dict[str, list[int]]:

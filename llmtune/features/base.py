@@ -2,14 +2,18 @@
 
     check(config, model_config, world_size)  the launcher, before any process starts (features/registry.py)
     build(hf_model, state)                   model.build_model, before activation checkpointing and sharding
+    pretrained_name(name)                    model.build_model: the pretrained checkpoint's name of a parameter the
+                                             feature renamed, None for one it added
+    weights_ready(hf_model)                  model.build_model, once the weights are loaded (or initialised) and
+                                             sharded: the values of the parameters the feature added
     transform(inputs)                        Trainer, every micro-batch (training and evaluation), before its
                                              labels are counted and before the forward
     loss_terms(outputs, inputs)              CausalLMForTraining.forward: terms added to the micro-batch's summed
                                              loss, in its units (the trainer divides the sum by the step's
                                              labelled tokens)
     state_dict() / load_state_dict(state)    trainer_state.json of every checkpoint, under the feature's name
-    export(folder, weights)                  rank 0, end-of-training export: extra files written into the
-                                             folder before it is published
+    export(folder, names)                    rank 0, end-of-training and offline export: extra files written into
+                                             the HF folder before it is published
 
 Every point does nothing until a feature overrides it; the Trainer never asks whether a feature is on.
 """
@@ -39,6 +43,15 @@ class Feature:
     def build(self, hf_model, state) -> None:
         """Change the HF model before it is sharded (wrap attention, add adapters)."""
 
+    def pretrained_name(self, name: str) -> str | None:
+        """The name under which a pretrained checkpoint holds the model's parameter `name` (the feature may have
+        wrapped its layer); None for a parameter the feature added, whose values weights_ready gives."""
+        return name
+
+    def weights_ready(self, hf_model) -> None:
+        """The sharded model has its weights (pretrained ones loaded, or initialised): give the parameters the
+        feature added their values."""
+
     def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return inputs
 
@@ -52,8 +65,8 @@ class Feature:
     def load_state_dict(self, state: dict) -> None:
         """`state` is what this feature's state_dict gave when the checkpoint was written."""
 
-    def export(self, folder: Path, weights: dict[str, torch.Tensor]) -> None:
-        """`weights`: the exported tensors by name (export dtype, rank 0)."""
+    def export(self, folder: Path, names: list[str]) -> None:
+        """`names`: the tensors the HF folder holds (written shard by shard, so their values are gone)."""
 
 
 class Features:
@@ -65,6 +78,26 @@ class Features:
     def build(self, hf_model, state) -> None:
         for feature in self.features:
             feature.build(hf_model, state)
+
+    def pretrained_parameters(self, hf_model) -> dict[str, torch.nn.Parameter]:
+        """The parameters a pretrained checkpoint holds, by the checkpoint's names for them."""
+        params = {}
+        for name, param in hf_model.named_parameters():
+            for feature in self.features:
+                name = feature.pretrained_name(name)
+                if name is None:
+                    break
+            else:
+                params[name] = param
+        return params
+
+    def weights_ready(self, hf_model) -> None:
+        for feature in self.features:
+            feature.weights_ready(hf_model)
+
+    def find(self, kind: type) -> Feature | None:
+        """The run's feature of this class, if it is on."""
+        return next((feature for feature in self.features if isinstance(feature, kind)), None)
 
     def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for feature in self.features:
@@ -85,6 +118,6 @@ class Features:
             if feature.name in state:
                 feature.load_state_dict(state[feature.name])
 
-    def export(self, folder: Path, weights: dict[str, torch.Tensor]) -> None:
+    def export(self, folder: Path, names: list[str]) -> None:
         for feature in self.features:
-            feature.export(folder, weights)
+            feature.export(folder, names)

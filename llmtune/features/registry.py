@@ -1,10 +1,12 @@
 """The registered features: a new feature is one module in features/ and one entry in FEATURES."""
 
 from llmtune.errors import UserError
+from llmtune.features.adapters import Adapters
 from llmtune.features.base import Features
+from llmtune.features.freezing import Freezing
 from llmtune.features.ulysses import ContextParallel
 
-FEATURES = (ContextParallel,)
+FEATURES = (ContextParallel, Adapters, Freezing)
 
 
 def check_features(config, model_config, world_size: int) -> None:

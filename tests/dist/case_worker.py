@@ -32,22 +32,23 @@ def run_case(recipe: str, overrides: list[str], world_size: int, keep_process_gr
 
         def capture_then_step(*args, **kwargs):
             if trainer.step == 0:
-                grads = {name: p.grad.full_tensor() for name, p in trainer.model.hf_model.named_parameters()}
+                grads = {name: p.grad.full_tensor() for name, p in trainer.model.hf_model.named_parameters()
+                         if p.grad is not None}
                 if state.is_main:
                     torch.save(grads, output_dir / "grads.pt")
             return step(*args, **kwargs)
 
         trainer.optimizer.step = capture_then_step
         trainer.train()
-        if config.checkpoint.export_hf:
-            export_trained(trainer.model.hf_model, tokenizer, output_dir / "hf", config.checkpoint, state,
-                           trainer.features)
         if probe:
             trainer.model.eval()
             with torch.no_grad():
                 logits = trainer.model(torch.tensor([probe], device=state.device))
             if state.is_main:
                 torch.save(logits.cpu(), output_dir / "logits.pt")
+        if config.checkpoint.export_hf:
+            export_trained(trainer.model.hf_model, tokenizer, output_dir, config.checkpoint, state,
+                           trainer.features)
     finally:
         if not keep_process_group:
             state.close()

@@ -88,7 +88,7 @@ def test_a_damaged_checkpoint_is_named_and_refused(saved, tmp_path, damage, mess
     with pytest.raises(UserError, match=message):
         check_complete(target)
     with pytest.raises(UserError, match=message):
-        export_checkpoint(target, tmp_path / "export", "bf16", overwrite=False)
+        export_checkpoint(target, tmp_path / "export", "bf16", overwrite=False, merge=False)
 
 
 def test_an_unfinished_save_is_never_loaded(saved, tmp_path):

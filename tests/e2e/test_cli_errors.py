@@ -17,7 +17,7 @@ def recipe(tmp_path, tiny_model, sft_file):
                   "train": {"output_dir": str(tmp_path / "out"), "max_steps": 1}}
         for key, value in changes.items():
             section, name = key.split("__")
-            recipe[section][name] = value
+            recipe.setdefault(section, {})[name] = value
         path = tmp_path / "recipe.yaml"
         path.write_text(yaml.safe_dump(recipe))
         return str(path)
@@ -33,6 +33,15 @@ def recipe(tmp_path, tiny_model, sft_file):
     ({"data__chat_template": None}, [], "data.chat_template: the tokenizer in "),
     ({}, ["--resume_from_checkpoint", "no/such/global_step_5"],
      "checkpoint.resume_from_checkpoint: no/such/global_step_5 is not a checkpoint folder"),
+    ({"peft__method": "lora", "peft__r": 0}, [], "peft.r: 0 must be a positive rank (at least 1)"),
+    ({"peft__method": "lora", "peft__target_modules": ["qkv_proj"]}, [],
+     "peft.target_modules: ['qkv_proj'] matches no layer of the model; name layers of the model (down_proj, "
+     "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj) or use all-linear"),
+    ({"peft__method": "lora", "peft__modules_to_save": ["embeddings"]}, [],
+     "peft.modules_to_save: embeddings match no module of the model"),
+    ({"peft__method": "lora", "peft__adapter_path": "no/such/adapter"}, [],
+     "peft.adapter_path: no/such/adapter lacks adapter_config.json and adapter_model.safetensors"),
+    ({"train__frozen_modules": [r"layers\.9\."]}, [], r"train.frozen_modules: 'layers\\.9\\.' matches no parameter"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, changes, overrides, expected):
     result = run_cli("sft", recipe(**changes), *overrides, "--nproc", "2")
@@ -96,6 +105,19 @@ def test_optional_sink_without_its_package_is_refused_up_front(tmp_path, recipe,
     assert cli.main(["sft", recipe(), "monitor.tensorboard=true"]) == 2
     assert ("monitor.tensorboard: needs the tensorboard package, which is not installed; "
             "pip install 'llmtune[tensorboard]'") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_peft_without_its_package_is_refused_up_front(tmp_path, recipe):
+    """peft is a dependency, but an environment can lack it: the CLI's check, with peft hidden from it."""
+    code = ("import importlib.util, sys; find = importlib.util.find_spec; "
+            "importlib.util.find_spec = lambda name, *a: None if name == 'peft' else find(name, *a); "
+            f"from llmtune.cli import main; sys.exit(main(['sft', {recipe(peft__method='lora')!r}]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "llmtune: error: peft.method: lora needs the peft package, which is not installed; pip install peft, or "
+        "set peft.method: none"]
     assert not (tmp_path / "out").exists()
 
 

@@ -36,9 +36,9 @@ def trained(assets, tmp_path_factory):
         check_inputs(config)
         trainer, tokenizer = build_trainer(config, state)
         trainer.train()
-        export_trained(trainer.model.hf_model, tokenizer, output_dir / "hf", config.checkpoint, state, trainer.features)
+        export_trained(trainer.model.hf_model, tokenizer, output_dir, config.checkpoint, state, trainer.features)
         bf16 = dataclasses.replace(config.checkpoint, export_dtype="bf16", max_shard_size="5GB")
-        export_trained(trainer.model.hf_model, tokenizer, output_dir / "hf_bf16", bf16, state, trainer.features)
+        export_trained(trainer.model.hf_model, tokenizer, output_dir / "bf16", bf16, state, trainer.features)
         input_ids = torch.tensor([tokenizer("The sum of 12 and 30 is 42. 7 + 8 = 15.")["input_ids"]])
         trainer.model.eval()
         with torch.no_grad():
@@ -64,8 +64,8 @@ def test_exported_folder_gives_the_trained_logits(trained, assets):
 
 def test_bf16_export_is_within_bf16_rounding(trained):
     output_dir, logits, input_ids = trained
-    assert (output_dir / "hf_bf16" / "model.safetensors").is_file()
-    model = AutoModelForCausalLM.from_pretrained(output_dir / "hf_bf16")
+    assert (output_dir / "bf16" / "hf" / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(output_dir / "bf16" / "hf")
     assert model.dtype == torch.bfloat16
     with torch.no_grad():
         exported = model.float()(input_ids).logits

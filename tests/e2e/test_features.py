@@ -60,8 +60,8 @@ class Toy(Feature):
     def load_state_dict(self, state):
         self.restored = state
 
-    def export(self, folder, weights):
-        (folder / "toy.json").write_text(json.dumps(sorted(weights)))
+    def export(self, folder, names):
+        (folder / "toy.json").write_text(json.dumps(sorted(names)))
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def train(recipe: str, *overrides: str) -> Toy:
     try:
         trainer, tokenizer = build_trainer(config, state)
         trainer.train()
-        export_trained(trainer.model.hf_model, tokenizer, trainer.checkpoints.output_dir / "hf", config.checkpoint,
+        export_trained(trainer.model.hf_model, tokenizer, trainer.checkpoints.output_dir, config.checkpoint,
                        state, trainer.features)
     finally:
         state.close()

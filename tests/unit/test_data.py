@@ -7,7 +7,7 @@ import datasets
 import pytest
 
 from llmtune.config import (CheckpointConfig, Config, DataConfig, ModelConfig, MonitorConfig, ParallelConfig,
-                            TrainConfig)
+                            PeftConfig, TrainConfig)
 from llmtune.data.build import build_datasets, build_stream, load_or_build
 from llmtune.data.collate import collate
 from llmtune.data.manager import DataManager, StreamingDataManager, Validation, build_data
@@ -196,7 +196,7 @@ def test_a_streaming_run_validates_on_the_whole_of_val_files_at_the_eval_steps(t
     data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64, streaming=True,
                   val_files=[val_file])
     train = TrainConfig(max_steps=6, eval_steps=2, per_device_train_batch_size=2, per_device_eval_batch_size=1)
-    run = Config("sft", ModelConfig(), data, train, ParallelConfig(), CheckpointConfig(), MonitorConfig())
+    run = Config("sft", ModelConfig(), data, train, ParallelConfig(), PeftConfig(), CheckpointConfig(), MonitorConfig())
     stream, validation = build_data(run, tokenizer, state)
     assert isinstance(stream, StreamingDataManager)
     assert [step for step in range(1, 7) if validation.due(step, last=step == 6)] == [2, 4, 6]

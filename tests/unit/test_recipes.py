@@ -2,14 +2,18 @@
 built on the meta device from its real shapes (tests/real_shapes.py): it has its published size, llmtune finds
 its decoder layers to shard, and the recipe's context parallelism and sequence length fit it."""
 
+import copy
 import functools
 from pathlib import Path
 
 import pytest
 import torch
+from peft import inject_adapter_in_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmtune.config import load_config
+from llmtune.features.adapters import lora_config
+from llmtune.features.registry import check_features
 from llmtune.features.ulysses import layout_problems
 from llmtune.model import decoder_layers
 from tests.real_shapes import REAL_MODELS
@@ -25,6 +29,7 @@ LAYOUTS = {
     "llama3/pt-continued.yaml": ("pt", (8, 16, 32)),
     "llama3/sft-8b.yaml": ("sft", (8, 16, 32)),
     "qwen3/sft-8b.yaml": ("sft", (8, 16, 32)),
+    "qwen3/sft-8b-lora.yaml": ("sft", (1, 2, 8)),
     "qwen3/sft-long-context-cp.yaml": ("sft", (8, 16)),
     "qwen3-moe/sft-30b-a3b-2nodes.yaml": ("sft", (16, 32)),
 }
@@ -107,3 +112,14 @@ def test_recipe_fits_its_real_model(name):
     assert layout_problems(model.config, config.parallel.cp_size) == []
     assert config.data.max_seq_len <= shape["max_position_embeddings"]
     assert config.train.bf16 and config.train.gradient_checkpointing and config.train.chunk_loss_size > 0
+    check_features(config, model.config, LAYOUTS[name][1][0])
+
+
+def test_lora_recipe_header_gives_its_adapter_size():
+    """The adapters the recipe's header counts: peft's layers on the real shapes, their parameters on the meta
+    device."""
+    config = load("qwen3/sft-8b-lora.yaml")
+    model = copy.deepcopy(meta_model(config.model.name_or_path))
+    inject_adapter_in_model(lora_config(config.peft), model, low_cpu_mem_usage=True)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert f"{adapters / 1e6:.1f}M parameters" in (RECIPES / "qwen3/sft-8b-lora.yaml").read_text()

@@ -1,0 +1,156 @@
+"""Full fine-tuning against LoRA (r 16, alpha 32, all-linear), same pretrained model and data, same run.
+
+    python benchmarks/peft.py [--hidden 1024] [--intermediate 4096] [--layers 12] [--steps N]
+
+A Llama (default: about 190M parameters, fp32) saved with save_pretrained and loaded as a user's pretrained model
+(model.name_or_path), pre-trained further (pt) on the demo corpus on 2 processes (torchrun, gloo, CPU); each
+variant in a torchrun launch of its own, one after the other, so that each process's peak RSS is its variant's.
+Per variant: trainable and total parameters, optimizer-state bytes (per rank, and summed), the size of the one
+checkpoint written (at the last step), peak RSS (max over ranks) and the median step time after the warm-up steps.
+Then the LoRA / full ratios against their goals: checkpoint <= 0.03, peak RSS <= 0.6, step time <= 0.9.
+"""
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {"full": {"method": "none"}, "lora": {"method": "lora", "r": 16, "alpha": 32.0,
+                                                 "target_modules": "all-linear"}}
+GOALS = {"checkpoint_bytes": 0.03, "peak_rss_bytes": 0.6, "step_time_s": 0.9}
+
+
+def write_recipe(root: Path, variant: str, args) -> Path:
+    recipe = root / f"{variant}.yaml"
+    steps = args.warmup + args.steps
+    recipe.write_text(yaml.safe_dump({
+        "model": {"name_or_path": str(root / "model"), "tokenizer": str(root / "assets" / "tokenizer")},
+        "data": {"train_files": [str(root / "assets" / "data" / "pt.jsonl")], "max_seq_len": args.seq,
+                 "cache_dir": str(root / "cache")},
+        "train": {"output_dir": str(root / variant), "max_steps": steps, "per_device_train_batch_size": args.batch,
+                  "logging_steps": 1, "learning_rate": 1e-4},
+        "peft": VARIANTS[variant],
+        # Saved at the last step only, after the timed steps; no export, which is not what is compared.
+        "checkpoint": {"save_steps": steps, "export_hf": False},
+        "monitor": {"console": False},
+    }))
+    return recipe
+
+
+def local_bytes(tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def worker(variant: str, root: Path) -> None:
+    """Under torchrun: train the variant; rank 0 writes every rank's figures to root/<variant>.json."""
+    import torch
+    import torch.distributed as dist
+
+    from llmtune.config import load_config
+    from llmtune.parallel import ParallelState
+    from llmtune.worker import build_trainer
+
+    state = ParallelState.initialize()
+    try:
+        trainer, _ = build_trainer(load_config(str(root / f"{variant}.yaml"), [], "pt", state.world_size), state)
+        trainer.train()
+        params = list(trainer.model.parameters())
+        mine = {"optimizer_bytes": sum(local_bytes(value) for per_param in trainer.optimizer.state.values()
+                                       for value in per_param.values() if isinstance(value, torch.Tensor)),
+                # ru_maxrss is in KiB on Linux: the whole process's peak, loading and saving included.
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        ranks = [None] * state.world_size
+        dist.all_gather_object(ranks, mine)
+        if state.is_main:
+            (root / f"{variant}.json").write_text(json.dumps({
+                "ranks": ranks, "total_params": sum(p.numel() for p in params),  # a DTensor's numel is global
+                "trainable_params": sum(p.numel() for p in params if p.requires_grad)}))
+    finally:
+        state.close()
+
+
+def measure(root: Path, variant: str, args) -> dict:
+    steps = args.warmup + args.steps
+    write_recipe(root, variant, args)
+    print(f"training {variant} ...", file=sys.stderr, flush=True)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          __file__, "--worker", variant, str(root)], cwd=REPO, capture_output=True, text=True)
+    if run.returncode:
+        sys.exit(f"the {variant} run failed:\n{run.stderr[-6000:]}")
+    result = json.loads((root / f"{variant}.json").read_text())
+    records = [json.loads(line) for line in (root / variant / "metrics.jsonl").read_text().splitlines()]
+    checkpoint = root / variant / "checkpoints" / f"global_step_{steps}"
+    return {**result,
+            # logging_steps 1: each record's step_time_s is that one step's (data, forward/backward, optimizer).
+            "step_time_s": statistics.median(r["step_time_s"] for r in records[args.warmup:]),
+            "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()),
+            "optimizer_bytes": sum(r["optimizer_bytes"] for r in result["ranks"]),
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in result["ranks"])}
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, help="default: 4 x hidden")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps, after --warmup")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker[0], Path(args.worker[1]))
+        return
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from llmtune.demo.assets import write_demo_assets
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_demo_assets(root / "assets")
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(AutoTokenizer.from_pretrained(root / "assets" / "tokenizer")), hidden_size=args.hidden,
+            intermediate_size=args.intermediate or 4 * args.hidden, num_hidden_layers=args.layers,
+            num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False))
+        model.save_pretrained(root / "model")
+        del model  # not to count in the parent while the workers run
+        results = {variant: measure(root, variant, args) for variant in VARIANTS}
+    print(f"Llama hidden {args.hidden}, intermediate {args.intermediate or 4 * args.hidden}, {args.layers} layers, "
+          f"fp32, pt seq {args.seq} x batch {args.batch} per rank, 2 processes (gloo, CPU); step time: median of "
+          f"{args.steps} steps after {args.warmup}")
+    for variant, r in results.items():
+        print(f"\n{variant}: {r['trainable_params']:,} trainable of {r['total_params']:,} parameters "
+              f"({r['trainable_params'] / r['total_params']:.2%})")
+        print(f"  optimizer state: {', '.join(mib(rank['optimizer_bytes']) for rank in r['ranks'])} per rank, "
+              f"{mib(r['optimizer_bytes'])} in all")
+        print(f"  checkpoint {mib(r['checkpoint_bytes'])}, peak RSS {mib(r['peak_rss_bytes'])} (max over ranks), "
+              f"step time {r['step_time_s']:.3f} s")
+    print("\nLoRA / full:")
+    for key, goal in GOALS.items():
+        ratio = results["lora"][key] / results["full"][key]
+        print(f"  {key.removesuffix('_s').removesuffix('_bytes'):<10} {ratio:.3f} (goal <= {goal}: "
+              f"{'pass' if ratio <= goal else 'FAIL'})")
+
+
+if __name__ == "__main__":
+    # Python puts this file's folder first on sys.path, where this file would stand in for the peft package (for
+    # llmtune, and for transformers, which looks for peft when imported).
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    main()
