@@ -4,7 +4,8 @@
 
 A Llama (default: about 190M parameters, fp32) saved with save_pretrained and loaded as a user's pretrained model
 (model.name_or_path), pre-trained further (pt) on the demo corpus on 2 processes (torchrun, gloo, CPU); each
-variant in a torchrun launch of its own, one after the other, so that each process's peak RSS is its variant's.
+variant in a torchrun launch of its own, one after the other, so that each process's peak RSS is its variant's;
+activation checkpointing on in both.
 Per variant: trainable and total parameters, optimizer-state bytes (per rank, and summed), the size of the one
 checkpoint written (at the last step), peak RSS (max over ranks) and the median step time after the warm-up steps.
 Then the LoRA / full ratios against their goals: checkpoint <= 0.03, peak RSS <= 0.6, step time <= 0.9.
@@ -35,7 +36,10 @@ def write_recipe(root: Path, variant: str, args) -> Path:
         "data": {"train_files": [str(root / "assets" / "data" / "pt.jsonl")], "max_seq_len": args.seq,
                  "cache_dir": str(root / "cache")},
         "train": {"output_dir": str(root / variant), "max_steps": steps, "per_device_train_batch_size": args.batch,
-                  "logging_steps": 1, "learning_rate": 1e-4},
+                  "logging_steps": 1, "learning_rate": 1e-4,
+                  # As fine-tuning runs are set up; without it the activations, the same in both variants, would
+                  # outweigh the weights of a model this small.
+                  "gradient_checkpointing": True},
         "peft": VARIANTS[variant],
         # Saved at the last step only, after the timed steps; no export, which is not what is compared.
         "checkpoint": {"save_steps": steps, "export_hf": False},

@@ -21,6 +21,7 @@ import torch
 
 from llmtune.errors import UserError
 from llmtune.features.base import Feature
+from llmtune.model import copy_rows, whole
 
 ADAPTER = "default"  # peft's name of a model's only adapter
 ADAPTER_CONFIG = "adapter_config.json"
@@ -80,8 +81,6 @@ def peft_key(name: str) -> str:
 
 def full_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """(base weight, B @ A) of one adapted layer, whole: gathered from every rank when sharded."""
-    from llmtune.model import whole
-
     lora = whole(layer.lora_B[ADAPTER].weight) @ whole(layer.lora_A[ADAPTER].weight)
     return whole(layer.get_base_layer().weight), lora
 
@@ -90,8 +89,6 @@ def merged_weight(layer) -> torch.Tensor:
     """The layer's base weight with its adapter merged in, whole, as peft merges it (LoRA: W + s BA; DoRA: scaled
     row by row to the magnitudes), computed from the gathered tensors of this one layer."""
     from peft.utils.other import transpose
-
-    from llmtune.model import whole
 
     weight, lora = full_weights(layer)
     scaling = layer.scaling[ADAPTER]
@@ -106,8 +103,6 @@ def merged_weight(layer) -> torch.Tensor:
 def merge_adapters(hf_model) -> None:
     """Merge every adapter into its layer's weight and put the layer back in its place: hf_model becomes the plain
     HF model of the merged export. On a sharded model every rank calls it; one layer is gathered at a time."""
-    from llmtune.model import copy_rows
-
     with torch.no_grad():
         for name, layer in lora_layers(hf_model).items():
             copy_rows(layer.get_base_layer().weight, merged_weight(layer))
@@ -172,8 +167,6 @@ class Adapters(Feature):
                 self.initial.update(self._initialise(name, layer))
         for name in saved_module_names(hf_model, self.modules_to_save()):
             hf_model.get_submodule(name).requires_grad_(True)
-        if self.config.peft.adapter_path:
-            self.initial.update(self._read_adapter_folder(hf_model))
 
     def _initialise(self, name: str, layer) -> dict[str, torch.Tensor]:
         """peft's initialisation of one layer's adapters, on the CPU, whole: peft made them on the base weight's
@@ -213,7 +206,6 @@ class Adapters(Feature):
         both names, so that peft's separate copies both take the trained values), with the adapter_config.json that
         names them and the run's base model, and the tokenizer. Every rank calls it (the adapters are gathered)."""
         from llmtune.checkpoint.publish import write_folder
-        from llmtune.model import whole
         from safetensors.torch import save_file
 
         gathered: dict[int, str] = {}  # parameter -> the key it was saved under first
@@ -251,8 +243,10 @@ class Adapters(Feature):
         return None if name in self.added else name.replace(".base_layer.", ".")
 
     def weights_ready(self, hf_model) -> None:
-        from llmtune.model import copy_rows
-
+        """The adapters' initial values (the adapter folder's, when the run continues from one: modules trained in
+        full and DoRA's magnitudes included); else DoRA's magnitudes from the loaded base, as peft computes them."""
+        if self.config.peft.adapter_path:
+            self.initial.update(self._read_adapter_folder(hf_model))
         params = dict(hf_model.named_parameters())
         with torch.no_grad():
             for name, value in self.initial.items():
@@ -260,5 +254,6 @@ class Adapters(Feature):
             if self.lora.use_dora and not self.config.peft.adapter_path:
                 for layer in lora_layers(hf_model).values():
                     magnitude = layer.lora_magnitude_vector[ADAPTER]
-                    copy_rows(magnitude.weight, magnitude.get_weight_norm(*full_weights(layer), scaling=1.0))
+                    norm = magnitude.get_weight_norm(*full_weights(layer), scaling=layer.scaling[ADAPTER])
+                    copy_rows(magnitude.weight, norm)
         self.initial = {}

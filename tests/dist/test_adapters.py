@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from llmtune.checkpoint.validate import saved_model_shapes
 from llmtune.config import load_config
 from llmtune.errors import UserError
+from llmtune.features.adapters import lora_layers
 from llmtune.parallel import ParallelState
 from llmtune.worker import build_trainer
 from tests.dist.case_worker import run_case
@@ -184,6 +185,23 @@ def test_a_checkpoint_is_refused_on_a_base_with_other_weights(runs, bare_tokeniz
         run_case(runs["recipes"]["lora"], [f"train.output_dir={tmp_path / 'out'}", f"model.name_or_path={other}",
                                            f"checkpoint.resume_from_checkpoint={step_2}"], 1)
     assert "\n" not in str(error.value)
+
+
+def test_dora_magnitudes_start_as_the_norms_of_the_adapted_weights(runs, tmp_path):
+    """As peft sets them: the row norms of W + s BA, here with B random (init_lora_weights false)."""
+    config = load_config(runs["recipes"]["dora"], [f"train.output_dir={tmp_path}"], "sft", 1)
+    state = ParallelState.initialize()
+    try:
+        trainer, _ = build_trainer(config, state)
+        layers = lora_layers(trainer.model.hf_model)
+        assert len(layers) == 14
+        for layer in layers.values():
+            adapted = (layer.base_layer.weight.full_tensor() + layer.scaling["default"]
+                       * layer.lora_B["default"].weight.full_tensor() @ layer.lora_A["default"].weight.full_tensor())
+            torch.testing.assert_close(layer.lora_magnitude_vector["default"].weight.full_tensor(),
+                                       torch.linalg.vector_norm(adapted, dim=1), rtol=1e-6, atol=0)
+    finally:
+        state.close()
 
 
 def test_under_bf16_the_frozen_base_is_stored_in_bf16_and_the_adapters_in_fp32(runs, tmp_path):
