@@ -1,6 +1,6 @@
-"""Build the model in one order: meta device -> the features' build -> activation checkpointing -> (compile)
--> fully_shard per decoder layer, then the root -> materialise -> load the weights, each rank reading only
-its own shard.
+"""Build the model in one order: meta device -> the features' build -> frozen weights to bf16 (under bf16) ->
+activation checkpointing -> (compile) -> fully_shard per decoder layer, then the root -> materialise -> load the
+weights, each rank reading only its own shard -> the features' weights_ready (the values of what they added).
 
 No rank ever holds the full pretrained model. A model trained from a config is the exception: its
 random initialisation is done whole on every rank (with the same seed) and then sharded, so that

@@ -177,6 +177,15 @@ def test_offline_export_writes_the_same_folders(runs, tmp_path):
           1e-6)
 
 
+def test_offline_export_of_frozen_modules_rereads_the_base(runs, tmp_path):
+    last = runs["frozen"] / "checkpoints" / "global_step_4"
+    assert run_cli("export", str(last), str(tmp_path / "hf")).returncode == 0
+    close(load_file(tmp_path / "hf" / "model.safetensors"), load_file(runs["frozen"] / "hf" / "model.safetensors"), 0)
+    refused = run_cli("export", str(last), str(tmp_path / "merged"), "--merge")
+    assert refused.returncode == 2 and "--merge: " in refused.stderr and "has no adapters" in refused.stderr
+    assert not (tmp_path / "merged").exists()
+
+
 def test_a_checkpoint_is_refused_on_a_base_with_other_weights(runs, bare_tokenizer, tmp_path):
     other = save_tiny_model(tmp_path / "other", LlamaForCausalLM, bare_tokenizer, seed=5, num_key_value_heads=2,
                             tie_word_embeddings=False)
@@ -204,18 +213,21 @@ def test_dora_magnitudes_start_as_the_norms_of_the_adapted_weights(runs, tmp_pat
         state.close()
 
 
-def test_under_bf16_the_frozen_base_is_stored_in_bf16_and_the_adapters_in_fp32(runs, tmp_path):
+def test_under_bf16_the_frozen_base_is_stored_in_bf16_and_only_the_adapters_are_optimized(runs, tmp_path):
     config = load_config(runs["recipes"]["lora"], [f"train.output_dir={tmp_path}", "train.bf16=true",
                                                    "train.max_steps=2", "checkpoint.save_steps=0"], "sft", 1)
     state = ParallelState.initialize()
     try:
         trainer, _ = build_trainer(config, state)
         dtypes = {name: param.dtype for name, param in trainer.model.hf_model.named_parameters()}
+        optimized = {id(param) for group in trainer.optimizer.param_groups for param in group["params"]}
+        trained = {id(param) for name, param in trainer.model.hf_model.named_parameters() if ".lora_" in name}
         trainer.train()
     finally:
         state.close()
     assert {dtypes[name] for name in dtypes if ".lora_" in name} == {torch.float32}
     assert {dtypes[name] for name in dtypes if ".lora_" not in name} == {torch.bfloat16}
+    assert optimized == trained, "only the adapters reach AdamW"
     assert all(torch.isfinite(torch.tensor(losses(tmp_path))))
 
 
