@@ -1,12 +1,14 @@
 """A feature is one class plus one registry entry, and acts at every point docs/architecture.md names (one
 process): its check refuses a recipe before anything is written; its build sees the model before sharding;
-its transform runs on every micro-batch before the labels are counted; its loss terms are added to the
+its pretrained names are asked for every parameter, and its weights_ready sees the loaded weights; its
+transform runs on every micro-batch before the labels are counted; its loss terms are added to the
 summed loss; its state travels in every checkpoint and comes back on resume; its export files are in the
 end-of-training and the offline export."""
 
 import json
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
@@ -17,6 +19,7 @@ from llmtune.config import load_config
 from llmtune.features import registry
 from llmtune.features.base import Feature
 from llmtune.loss import IGNORE_INDEX
+from llmtune.model import whole
 from llmtune.parallel import ParallelState
 from llmtune.worker import build_trainer
 from tests.helpers import read_metrics
@@ -31,6 +34,7 @@ class Toy(Feature):
     def __init__(self, config):
         super().__init__(config)
         self.micro_batches, self.given, self.kept, self.restored, self.built_unsharded = 0, [], [], None, None
+        self.asked, self.ready_embeddings = [], None
 
     @staticmethod
     def enabled(config) -> bool:
@@ -42,6 +46,13 @@ class Toy(Feature):
 
     def build(self, hf_model, state):
         self.built_unsharded = not any(isinstance(p, DTensor) for p in hf_model.parameters())
+
+    def pretrained_name(self, name):
+        self.asked.append(name)
+        return name
+
+    def weights_ready(self, hf_model):
+        self.ready_embeddings = whole(hf_model.get_input_embeddings().weight).clone()
 
     def transform(self, inputs):
         labels = inputs["shift_labels"].clone()
@@ -97,7 +108,7 @@ def test_check_refuses_the_recipe_before_anything_is_written(recipe, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
-def test_build_transform_loss_terms_state_and_export(recipe, tmp_path, monkeypatch):
+def test_build_transform_loss_terms_state_and_export(recipe, tmp_path, monkeypatch, tiny_model):
     toy = train(recipe, f"train.output_dir={tmp_path / 'plain'}")
     plain = read_metrics(tmp_path / "plain")
     monkeypatch.setattr(Toy, "term", 0.5)
@@ -106,6 +117,8 @@ def test_build_transform_loss_terms_state_and_export(recipe, tmp_path, monkeypat
     metrics = read_metrics(out)
 
     assert toy.built_unsharded
+    assert sorted(toy.asked) == sorted(load_file(tiny_model / "model.safetensors")), "every parameter, once"
+    assert torch.equal(toy.ready_embeddings, load_file(tiny_model / "model.safetensors")["model.embed_tokens.weight"])
     assert toy.micro_batches == STEPS * ACCUMULATION
     assert [m["tokens"] for m in metrics] == [sum(toy.kept[i:i + ACCUMULATION])
                                                for i in range(0, len(toy.kept), ACCUMULATION)], \
