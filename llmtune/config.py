@@ -156,6 +156,9 @@ class TrainConfig:
                                         "the full [tokens, vocab] logits; 0 computes the full logits.")
     z_loss: float = _field(0.0, "Coefficient of the z-loss (logsumexp(logits)^2 per labelled token); 0 = off.")
     label_smoothing: float = _field(0.0, "Label smoothing of the cross-entropy, as in torch's cross_entropy.")
+    router_aux_loss_coef: float | None = _field(None, "Mixture-of-experts models: coefficient of the router's "
+                                                      "load-balancing loss added to the loss; default the model "
+                                                      "config's router_aux_loss_coef, 0 = off.")
     gradient_checkpointing: bool = _field(False, "Recompute each decoder layer's activations in backward.")
     compile: bool = _field(False, "torch.compile each decoder layer.")
     max_skipped_steps: int = _field(5, "Stop after this many optimizer steps in a row skipped for a non-finite "
@@ -179,8 +182,9 @@ class TrainConfig:
                 out.append(f"train.{name}: {getattr(self, name)} must be at least 1")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             out.append(_choice_problem("train.lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS))
-        if self.chunk_loss_size < 0 or self.z_loss < 0:
-            out.append("train: chunk_loss_size and z_loss must not be negative (0 turns them off)")
+        if self.chunk_loss_size < 0 or self.z_loss < 0 or (self.router_aux_loss_coef or 0) < 0:
+            out.append("train: chunk_loss_size, z_loss and router_aux_loss_coef must not be negative (0 turns them "
+                       "off)")
         if not 0.0 <= self.label_smoothing <= 1.0:
             out.append(f"train.label_smoothing: {self.label_smoothing} must be in [0, 1]")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

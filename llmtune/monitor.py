@@ -9,7 +9,7 @@ import json
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ class StepRecord:
     step_time: float
     data_wait: float
     skipped: bool
+    features: dict[str, float] = field(default_factory=dict)  # the features' step_metrics
 
 
 def flops_per_token(hf_model, seq_len: int) -> float:
@@ -151,6 +152,8 @@ class TrainMonitor:
             "eta_s": (now - self.started) / (step - self.first_step) * (self.total_steps - step),
             "skipped_steps": self.skipped_steps,
         }
+        for key in stats.features:  # averaged over the window, as the loss
+            record[key] = sum(s.features[key] for s in steps) / len(steps)
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
         self.window, self.window_started = [], now

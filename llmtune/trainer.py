@@ -104,6 +104,7 @@ class Trainer:
             (loss * scale).backward()
             loss_sum += loss.detach()
         mean_loss = self.state.all_reduce_sum(loss_sum).item() / max(label_tokens, 1.0)
+        feature_metrics = self.features.step_metrics(self.state)
         grad_norm = clip_gradients([p for p in self.model.parameters() if p.requires_grad], self.cfg.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(mean_loss) and math.isfinite(grad_norm)
@@ -114,7 +115,7 @@ class Trainer:
         self.scheduler.step()
         return StepRecord(loss=mean_loss, lr=lr, grad_norm=grad_norm, label_tokens=int(label_tokens),
                           input_tokens=int(input_tokens), samples=int(samples), step_time=0.0, data_wait=0.0,
-                          skipped=not finite)
+                          skipped=not finite, features=feature_metrics)
 
     def evaluate(self) -> float:
         """Validation loss: the token-weighted mean over the whole validation set, on all ranks."""

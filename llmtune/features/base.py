@@ -11,6 +11,8 @@
     loss_terms(outputs, inputs)              CausalLMForTraining.forward: terms added to the micro-batch's summed
                                              loss, in its units (the trainer divides the sum by the step's
                                              labelled tokens)
+    step_metrics(state)                      Trainer, after each training step's micro-batches, on every rank: values
+                                             for metrics.jsonl
     state_dict() / load_state_dict(state)    trainer_state.json of every checkpoint, under the feature's name
     export(folder, names)                    rank 0, end-of-training and offline export: extra files written into
                                              the HF folder before it is published
@@ -58,6 +60,11 @@ class Feature:
     def loss_terms(self, outputs, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """`outputs`: the decoder's outputs; `inputs`: the micro-batch the model was called with."""
         return None
+
+    def step_metrics(self, state) -> dict[str, float]:
+        """Values of the training step whose micro-batches just ran, by metric name, the same on every rank: every
+        rank calls it, so it may reduce over them (state: the ParallelState)."""
+        return {}
 
     def state_dict(self) -> dict:
         return {}
@@ -107,6 +114,9 @@ class Features:
     def loss_terms(self, outputs, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         terms = (feature.loss_terms(outputs, inputs) for feature in self.features)
         return [term for term in terms if term is not None]
+
+    def step_metrics(self, state) -> dict[str, float]:
+        return {key: value for feature in self.features for key, value in feature.step_metrics(state).items()}
 
     def state_dict(self) -> dict:
         return {feature.name: feature.state_dict() for feature in self.features}

@@ -4,9 +4,10 @@ from llmtune.errors import UserError
 from llmtune.features.adapters import Adapters
 from llmtune.features.base import Features
 from llmtune.features.freezing import Freezing
+from llmtune.features.router_loss import RouterLoss
 from llmtune.features.ulysses import ContextParallel
 
-FEATURES = (ContextParallel, Adapters, Freezing)
+FEATURES = (ContextParallel, Adapters, Freezing, RouterLoss)
 
 
 def check_features(config, model_config, world_size: int) -> None:

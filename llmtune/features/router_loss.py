@@ -1,0 +1,80 @@
+"""The router load-balancing loss of mixture-of-experts models, which their *MoeForCausalLM.forward adds to the
+token loss (coefficient router_aux_loss_coef of the model config) and which llmtune's own loss, computed from the
+decoder's hidden states, would otherwise drop.
+
+The term is the model's own: its modeling module's load_balancing_loss_func on the router logits the decoder
+records, with the model's number of experts and experts per token. In llmtune's units (a micro-batch's summed loss,
+divided by the step's labelled tokens T) a micro-batch with T_i labelled tokens adds coef x aux_i x T_i: the step's
+loss is the mean cross-entropy plus coef times the token-weighted mean of its micro-batches' aux losses. On one
+micro-batch that is exactly the HF model's loss; it does not depend on how the same micro-batches are spread over
+ranks and accumulation steps, but it does on their size (the load-balancing loss of a batch is not the mean of its
+parts' losses), and under context parallelism each rank's slice is one part.
+
+metrics.jsonl gets, for every training step: aux_loss, that token-weighted mean before the coefficient; and
+expert_load, for each layer the tokens routed to its busiest expert over the mean per expert (1: balanced; at worst
+experts / experts per token), of the least balanced layer.
+"""
+
+import sys
+
+import torch
+
+from llmtune.features.base import Feature
+from llmtune.loss import IGNORE_INDEX
+
+
+class RouterLoss(Feature):
+    """On for every run; it acts once build has found a model with a router loss and a coefficient that is not 0."""
+
+    name = "router_loss"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.loss_function = None  # with the model's experts and top-k, once build found them
+        self._reset()
+
+    def _reset(self) -> None:
+        # Of the training step under way: sum of aux_i x T_i, sum of T_i, tokens routed per layer and expert.
+        self.weighted_aux, self.tokens, self.routed = 0.0, 0.0, 0.0
+
+    @staticmethod
+    def enabled(config) -> bool:
+        return True
+
+    def build(self, hf_model, state) -> None:
+        function = getattr(sys.modules[type(hf_model).__module__], "load_balancing_loss_func", None)
+        model_coef = getattr(hf_model, "router_aux_loss_coef", None)
+        if function is None or model_coef is None:
+            return
+        recipe_coef = self.config.train.router_aux_loss_coef
+        self.coef = model_coef if recipe_coef is None else recipe_coef
+        if self.coef:
+            self.experts, self.top_k = hf_model.num_experts, hf_model.num_experts_per_tok
+            self.loss_function = lambda logits, mask: function(logits, self.experts, self.top_k, mask)
+
+    def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**inputs, "output_router_logits": True} if self.loss_function else inputs
+
+    def loss_terms(self, outputs, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        if not self.loss_function:
+            return None
+        aux = self.loss_function(outputs.router_logits, inputs.get("attention_mask"))
+        tokens = (inputs["shift_labels"] != IGNORE_INDEX).sum()
+        if torch.is_grad_enabled():  # a training micro-batch; evaluation runs without gradients
+            with torch.no_grad():
+                self.weighted_aux += aux.detach().double() * tokens
+                self.tokens += tokens.double()
+                # The experts each token goes to, as the model routes it: top-k of the router's logits.
+                self.routed += torch.stack([torch.bincount(logits.topk(self.top_k, dim=-1).indices.flatten(),
+                                                           minlength=self.experts)
+                                            for logits in outputs.router_logits]).double()
+        return self.coef * aux * tokens
+
+    def step_metrics(self, state) -> dict[str, float]:
+        if not self.loss_function:
+            return {}
+        totals = state.all_reduce_sum(torch.cat([torch.stack([self.weighted_aux, self.tokens]), self.routed.flatten()]))
+        routed = totals[2:].view(-1, self.experts)
+        self._reset()
+        return {"aux_loss": (totals[0] / totals[1].clamp(min=1)).item(),
+                "expert_load": (routed.max(dim=1).values / routed.mean(dim=1).clamp(min=1e-9)).max().item()}
