@@ -36,7 +36,8 @@ def runs(bare_tokenizer, assets, tmp_path_factory):
     }))
     out = {name: root / name for name in ("dp2", "dp1", "dp1_without_router_loss")}
     spec = root / "cases.json"
-    spec.write_text(json.dumps([{"recipe": str(recipe), "task": "pt", "overrides": [f"train.output_dir={out['dp2']}"]}]))
+    case = {"recipe": str(recipe), "task": "pt", "overrides": [f"train.output_dir={out['dp2']}"]}
+    spec.write_text(json.dumps([case]))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
                             capture_output=True, text=True, timeout=600)
