@@ -76,6 +76,13 @@ def attention_backend(model_cfg) -> str | None:
     return None if model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
 
 
+def meta_model(model_config, model_cfg, **kwargs) -> PreTrainedModel:
+    """The model of `model_config` with its parameters on the meta device (no memory): for checks of its shapes and
+    names before anything is built."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=model_cfg.trust_remote_code, **kwargs)
+
+
 def check_model(model_cfg, model_config) -> None:
     """The model is built once on the meta device (no memory), before any process starts, so that what would
     otherwise stop every rank with a traceback stops the CLI with one line: a config with no causal LM class, a
@@ -83,9 +90,7 @@ def check_model(model_cfg, model_config) -> None:
     layer to shard."""
     backend = attention_backend(model_cfg)
     try:
-        with torch.device("meta"):
-            hf_model = AutoModelForCausalLM.from_config(model_config, attn_implementation=backend,
-                                                        trust_remote_code=model_cfg.trust_remote_code)
+        hf_model = meta_model(model_config, model_cfg, attn_implementation=backend)
     except (ValueError, ImportError) as err:
         reason = str(err).split(". ")[0].strip().rstrip(".")
         if backend is None:
@@ -180,6 +185,13 @@ def checkpoint_index(folder: Path) -> dict[str, tuple[Path, int, dict]]:
         header.pop("__metadata__", None)
         tensors.update({name: (path, 8 + size, entry) for name, entry in header.items()})
     return tensors
+
+
+def base_record(config, model_cfg, model_config) -> dict:
+    """The base a checkpoint of the trained parameters alone needs (checkpoint.validate.check_base): the recipe's
+    model and the fingerprint of its weights. `model_cfg`: config.model as the run reads it (Hub ids fetched)."""
+    return {"name_or_path": config.model.name_or_path or config.model.config,
+            "fingerprint": base_fingerprint(model_cfg, model_config, config.train.seed)}
 
 
 def base_fingerprint(model_cfg, model_config, seed: int) -> str:

@@ -13,7 +13,7 @@ from llmtune.data.manager import build_data
 from llmtune.data.templates import apply_recipe_template
 from llmtune.features.registry import enabled_features
 from llmtune.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
-from llmtune.model import base_fingerprint, build_model, check_vocab, load_model_config, load_tokenizer
+from llmtune.model import base_record, build_model, check_vocab, load_model_config, load_tokenizer
 from llmtune.monitor import TrainMonitor, flops_per_token
 from llmtune.optim import build_optimizer, build_scheduler
 from llmtune.parallel import ParallelState
@@ -70,8 +70,9 @@ def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, ob
     scheduler = build_scheduler(optimizer, config.train, total_steps)
     monitor = TrainMonitor(output_dir, config.monitor, config.train.logging_steps, total_steps,
                            flops_per_token(model.hf_model, config.data.max_seq_len), state.world_size, state.rank)
-    base = {"name_or_path": config.model.name_or_path or config.model.config,
-            "fingerprint": base_fingerprint(local.model, model_config, config.train.seed)}
+    # Only a run with frozen weights saves the trained part alone, and needs its base to resume.
+    frozen = any(not param.requires_grad for param in model.parameters())
+    base = base_record(config, local.model, model_config) if frozen else None
     checkpoints = CheckpointManager(output_dir, config.checkpoint, state, config, tokenizer, model.hf_model, base)
     trainer = Trainer(model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
                       config.train, total_steps)

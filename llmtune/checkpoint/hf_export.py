@@ -35,7 +35,8 @@ def gather_weights(hf_model, dtype: torch.dtype, is_main: bool) -> Iterator[dict
     a time (the weights outside the layers one by one): the unit in which transformers converts names and layouts
     back. Every rank must run the generator to its end: each gather takes part of all of them. Tied parameters
     appear once (named_parameters skips the second name)."""
-    layers = {name + "." for name, module in hf_model.named_modules() if module in set(decoder_layers(hf_model))}
+    layer_modules = set(decoder_layers(hf_model))
+    layers = {name + "." for name, module in hf_model.named_modules() if module in layer_modules}
     chunk, owner = {}, None
     for name, param in hf_model.named_parameters():
         layer = next((prefix for prefix in layers if name.startswith(prefix)), name)
@@ -122,7 +123,7 @@ def checkpoint_model(checkpoint: Path, run, trainer_state: dict, adapters: Adapt
     the checkpoint, the frozen ones (a run that trained adapters or some modules only) re-read from its base model,
     which must be the one it was trained on."""
     from llmtune.inputs import fetch_hub_inputs, local_inputs
-    from llmtune.model import base_fingerprint, load_model_config, load_weights
+    from llmtune.model import base_record, load_model_config, load_weights
 
     config = AutoConfig.from_pretrained(checkpoint / "hf_config")
     with torch.device("meta"):
@@ -131,11 +132,10 @@ def checkpoint_model(checkpoint: Path, run, trainer_state: dict, adapters: Adapt
     features.build(model, None)
     model.to_empty(device="cpu")
     model.tie_weights()
-    if trainer_state["trained_only"]:
+    if trainer_state.get("base"):
         local = local_inputs(run, fetch_hub_inputs(run))
         base_config = load_model_config(local.model)
-        check_base(checkpoint, {"name_or_path": run.model.name_or_path or run.model.config,
-                                "fingerprint": base_fingerprint(local.model, base_config, run.train.seed)})
+        check_base(checkpoint, base_record(run, local.model, base_config))
         if local.model.name_or_path:
             load_weights(model, Path(local.model.name_or_path), features.pretrained_parameters(model))
         else:  # trained from model.config: the frozen weights are its seeded initialisation

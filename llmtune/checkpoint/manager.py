@@ -81,8 +81,9 @@ class CheckpointManager:
     restores what the recipe's resume_from_checkpoint names."""
 
     def __init__(self, output_dir: Path, checkpoint_cfg, state, config, tokenizer, hf_model, base: dict):
-        """base: the weights the run starts from ({"name_or_path", "fingerprint"}), recorded in every checkpoint:
-        one that holds only the trained parameters (frozen weights, adapters) resumes only on the same base."""
+        """base: for a run with frozen weights (adapters, frozen modules), whose checkpoints hold only the trained
+        parameters, the weights it starts from (model.base_record), recorded in each checkpoint: it resumes only on
+        the same base. None for a run that trains every weight."""
         self.output_dir = output_dir
         self.root = output_dir / "checkpoints"
         self.cfg = checkpoint_cfg
@@ -120,8 +121,7 @@ class CheckpointManager:
         if self.state.is_main:
             (partial / "trainer_state.json").write_text(json.dumps(
                 {**trainer_state, "world_size": self.state.world_size, "task": self.config.task,
-                 "save_only_model": self.cfg.save_only_model, "base": self.base,
-                 "trained_only": any(not p.requires_grad for p in model.parameters())}, indent=1))
+                 "save_only_model": self.cfg.save_only_model, "base": self.base}, indent=1))
             self.config.write(partial / "config.yaml")
             # What an offline export needs to rebuild the HF folder from this checkpoint alone.
             self.hf_model.config.save_pretrained(partial / "hf_config")

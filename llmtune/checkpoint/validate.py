@@ -33,9 +33,10 @@ def check_complete(path: Path) -> None:
 
 
 def check_base(path: Path, base: dict) -> None:
-    """A checkpoint that holds only the trained parameters continues on the base model it was trained on."""
+    """A checkpoint that holds only the trained parameters (it records its base) continues on the base model it was
+    trained on. `base`: this run's (None when it trains every weight: check_model_matches tells that apart)."""
     saved = json.loads((path / "trainer_state.json").read_text())
-    if saved.get("trained_only") and saved["base"]["fingerprint"] != base["fingerprint"]:
+    if saved.get("base") and base and saved["base"]["fingerprint"] != base["fingerprint"]:
         raise UserError(f"{path}: holds only the trained parameters of a run on {saved['base']['name_or_path']}, but "
                         f"the recipe's model {base['name_or_path']} has other weights (fingerprint "
                         f"{base['fingerprint']}, not {saved['base']['fingerprint']}); resume with the base model the "

@@ -21,7 +21,7 @@ import torch
 
 from llmtune.errors import UserError
 from llmtune.features.base import Feature
-from llmtune.model import copy_rows, whole
+from llmtune.model import copy_rows, meta_model, whole
 
 ADAPTER = "default"  # peft's name of a model's only adapter
 ADAPTER_CONFIG = "adapter_config.json"
@@ -135,11 +135,8 @@ class Adapters(Feature):
         if config.peft.adapter_path and (problems := adapter_folder_problems(config.peft)):
             return problems
         from peft import inject_adapter_in_model
-        from transformers import AutoModelForCausalLM
 
-        with torch.device("meta"):
-            hf_model = AutoModelForCausalLM.from_config(model_config,
-                                                        trust_remote_code=config.model.trust_remote_code)
+        hf_model = meta_model(model_config, config.model)
         linear = sorted({name.rpartition(".")[2] for name, module in hf_model.named_modules()
                          if isinstance(module, torch.nn.Linear) and name != "lm_head"})
         try:

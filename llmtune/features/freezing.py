@@ -4,9 +4,8 @@ the optimizer, the clipping or the checkpoint (which records the base model inst
 
 import re
 
-import torch
-
 from llmtune.features.base import Feature
+from llmtune.model import meta_model
 
 
 def trainable_names(names: list[str], trainable: list[str], frozen: list[str]) -> set[str]:
@@ -30,10 +29,7 @@ class Freezing(Feature):
     def check(config, model_config, world_size: int) -> list[str]:
         """Every pattern matches a parameter of the model (built on the meta device), and something is left to
         train."""
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            hf_model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
+        hf_model = meta_model(model_config, config.model)
         names = [name for name, _ in hf_model.named_parameters(remove_duplicate=False)]
         problems = [f"train.{key}: {pattern!r} matches no parameter of the model (names such as {names[1]!r})"
                     for key in ("trainable_modules", "frozen_modules") for pattern in getattr(config.train, key)
