@@ -10,21 +10,19 @@ the initial weights do not depend on the number of ranks.
 import copy
 import hashlib
 import json
-import math
 from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from llmtune.errors import UserError
 from llmtune.features.base import Features
 from llmtune.loss import LossOptions, cross_entropy_sum
+from llmtune.model_state import saved_tensors
+from llmtune.pretrained import checkpoint_index, load_weights, weight_sources
 
 
 class CausalLMForTraining(nn.Module):
@@ -87,7 +85,14 @@ def check_model(model_cfg, model_config) -> None:
     """The model is built once on the meta device (no memory), before any process starts, so that what would
     otherwise stop every rank with a traceback stops the CLI with one line: a config with no causal LM class, a
     backend the recipe names that the class cannot run (as transformers judges it), a class with no decoder
-    layer to shard."""
+    layer to shard; and, for a pretrained folder, weights it lacks or stores in a layout llmtune cannot convert
+    rank by rank (their headers are read, not their data), or quantized weights."""
+    quantization = getattr(model_config, "quantization_config", None)
+    if model_cfg.name_or_path and quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise UserError(f"model.name_or_path: {model_cfg.name_or_path} holds quantized weights ({method}); llmtune "
+                        "trains from bf16 or fp32 weights: use a dequantized copy of the checkpoint (e.g. loaded with "
+                        "from_pretrained and saved with save_pretrained)")
     backend = attention_backend(model_cfg)
     try:
         hf_model = meta_model(model_config, model_cfg, attn_implementation=backend)
@@ -98,6 +103,8 @@ def check_model(model_cfg, model_config) -> None:
         raise UserError(f"model.attn_implementation: {backend} cannot run this model ({reason}); set "
                         "model.attn_implementation to auto, which picks a backend the model supports") from None
     decoder_layers(hf_model)
+    if model_cfg.name_or_path:
+        weight_sources(hf_model, Path(model_cfg.name_or_path), saved_tensors(hf_model))
 
 
 def check_vocab(config, tokenizer) -> None:
@@ -155,36 +162,11 @@ def build_model(model_config, model_cfg, train_cfg, state, features: Features) -
         module.to_empty(device=state.device)
         for name, buffer in module.named_buffers():
             buffer.copy_(buffers[name])
-        load_weights(hf_model, Path(model_cfg.name_or_path), features.pretrained_parameters(hf_model))
+        load_weights(hf_model, Path(model_cfg.name_or_path), features.pretrained_tensors(hf_model))
     else:
         module.to(state.device)
     features.weights_ready(hf_model)
     return module
-
-
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool}
-
-
-def checkpoint_index(folder: Path) -> dict[str, tuple[Path, int, dict]]:
-    """Tensor name -> (safetensors file, where its data starts, its header entry)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
-    elif (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    else:
-        raise UserError(f"model.name_or_path: {folder} holds no model.safetensors (or its index); llmtune loads "
-                        "safetensors weights only — convert .bin weights with save_pretrained")
-    tensors = {}
-    for path in files:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
-        tensors.update({name: (path, 8 + size, entry) for name, entry in header.items()})
-    return tensors
 
 
 def base_record(config, model_cfg, model_config) -> dict:
@@ -204,98 +186,12 @@ def base_fingerprint(model_cfg, model_config, seed: int) -> str:
         digest.update(f"{model_config.to_json_string(use_diff=False)} seed={seed}".encode())
         return digest.hexdigest()[:16]
     index = checkpoint_index(Path(model_cfg.name_or_path))
-    digest.update(json.dumps(sorted([path.name, name, entry] for name, (path, _, entry) in index.items())).encode())
+    digest.update(json.dumps(sorted([tensor.path.name, name, tensor.entry] for name, tensor in index.items())).encode())
     sample = 2**16
-    for path in sorted({path for path, _, _ in index.values()}):
+    for path in sorted({tensor.path for tensor in index.values()}):
         size = path.stat().st_size
         with open(path, "rb") as f:
             for at in (0, size // 2, max(0, size - sample)):
                 f.seek(at)
                 digest.update(f.read(sample))
     return digest.hexdigest()[:16]
-
-
-def read_rows_into(target: torch.Tensor, path: Path, data_start: int, entry: dict, start: int) -> None:
-    """The rows of one tensor from row `start` on, as many as `target` holds, read from the file alone with plain
-    reads, not a memory map, so that the process holds nothing of the file but these rows: straight into `target`
-    (this rank's shard) when it is on the CPU in the file's dtype, else through one buffer that is then copied and
-    converted."""
-    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-    row_bytes = math.prod(entry["shape"][1:]) * dtype.itemsize
-    direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
-    buffer = target.detach() if direct else torch.empty(target.shape, dtype=dtype)
-    view = memoryview(buffer.view(-1).view(torch.uint8).numpy())
-    with open(path, "rb", buffering=0) as f:
-        f.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
-        done = 0
-        while done < len(view):  # one read returns at most ~2 GiB on Linux
-            got = f.readinto(view[done:])
-            if not got:
-                raise UserError(f"model.name_or_path: {path} ends inside a tensor; the file is truncated")
-            done += got
-    if not direct:
-        with torch.no_grad():
-            target.copy_(buffer)
-
-
-def checkpoint_names(hf_model: PreTrainedModel, params: dict, names, folder: Path) -> dict[str, str]:
-    """Parameter name -> the checkpoint's name for it. Checkpoints keep the names a class had when they were written
-    (GPT-NeoX's embed_out, a missing base-model prefix): transformers' own renaming rules for the class, as
-    from_pretrained applies them, translate them; `params` (the model's, by name) tell whether the prefix is added
-    or dropped. Tensors transformers converts on load (experts stored one by one, fused in the model) are refused
-    by name."""
-    transforms = get_model_conversion_mapping(hf_model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    mapping = {}
-    for name in names:
-        renamed, converted = rename_source_key(name, renamings, converters, hf_model.base_model_prefix, params)
-        if converted is not None:
-            raise UserError(f"model.name_or_path: {folder} stores {name} in a layout transformers converts when "
-                            f"loading {type(hf_model).__name__}; llmtune cannot load it shard by shard yet")
-        mapping.setdefault(renamed, name)
-    return mapping
-
-
-def load_weights(hf_model: PreTrainedModel, folder: Path, params: dict[str, nn.Parameter]) -> None:
-    """Copy into every parameter's local shard the rows of the checkpoint tensor that shard holds. `params`: the
-    parameters the checkpoint holds, by their names in the unchanged model (Features.pretrained_parameters).
-
-    Parameters tied to another (lm_head to the embeddings) appear once and are loaded once.
-    """
-    tensors = checkpoint_index(folder)
-    names = checkpoint_names(hf_model, params, tensors, folder)
-    tensors = {name: tensors[saved] for name, saved in names.items()}
-    missing = [name for name in params if name not in tensors]
-    if missing:
-        raise UserError(f"model.name_or_path: {folder} lacks weights for {', '.join(missing[:5])}"
-                        f"{' and more' if len(missing) > 5 else ''}; is it the checkpoint of this architecture?")
-    for name, param in params.items():
-        path, data_start, entry = tensors[name]
-        if list(entry["shape"]) != list(param.shape):
-            raise UserError(f"model.name_or_path: {name} has shape {entry['shape']} in {path.name} but the config "
-                            f"gives {list(param.shape)}")
-        local = param.to_local() if isinstance(param, DTensor) else param.data
-        read_rows_into(local, path, data_start, entry, shard_start(param))
-
-
-def whole(param: torch.Tensor) -> torch.Tensor:
-    """The full value of a parameter, gathered from every rank when it is sharded (every rank must call)."""
-    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
-
-
-def copy_rows(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Set a parameter, sharded or not, from its full value: each rank copies the rows its shard holds."""
-    local = param.to_local() if isinstance(param, DTensor) else param.data
-    start = shard_start(param)
-    local.copy_(value[start:start + len(local)])
-
-
-def shard_start(param: torch.Tensor) -> int:
-    """The first row of dim 0 held by this rank (its local shard holds the rows that follow): FSDP2 shards dim 0
-    as torch.chunk does."""
-    if not isinstance(param, DTensor):
-        return 0
-    rows = param.shape[0]
-    per_rank = -(-rows // param.device_mesh.size())
-    return min(param.device_mesh.get_local_rank() * per_rank, rows)

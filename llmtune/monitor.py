@@ -37,18 +37,27 @@ class StepRecord:
 
 def flops_per_token(hf_model, seq_len: int) -> float:
     """6 x the weights every token is multiplied by, forward and backward, plus attention's 12 x layers x query
-    width x sequence (PaLM's estimate). The weights are counted on the model itself, whatever its config calls
+    width x sequence (PaLM's estimate; 6 x layers x (key width + value width) x sequence where they differ). The weights are counted on the model itself, whatever its config calls
     its sizes: every matrix but the input embeddings (a lookup), and the lm_head even when it is the embedding.
-    Mixture-of-experts layers are counted whole."""
+    A mixture of experts multiplies each token by its experts per token alone: the stacked experts' matrices
+    (transformers' *Experts modules, [experts, ...]) count experts-per-token / experts of their size, their
+    biases nothing."""
     lookups = {id(module.weight) for module in hf_model.modules() if isinstance(module, nn.Embedding)}
-    matmul = sum(p.numel() for p in hf_model.parameters() if p.dim() >= 2 and id(p) not in lookups)
+    experts = {id(p): hf_model.config.get_text_config().num_experts_per_tok / module.num_experts
+               for module in hf_model.modules() if type(module).__name__.endswith("Experts")
+               for p in module.parameters()}
+    matmul = sum(p.numel() * experts.get(id(p), 1) for p in hf_model.parameters()
+                 if p.dim() >= (3 if id(p) in experts else 2) and id(p) not in lookups)
     head = hf_model.get_output_embeddings().weight
     if id(head) in lookups:
         matmul += head.numel()
     config = hf_model.config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 6.0 * matmul + 12.0 * config.num_hidden_layers * heads * head_dim * seq_len
+    # Queries x keys and weights x values, each 2 x 3 (forward, backward) FLOPs per product; MLA (DeepSeek) gives
+    # keys and values widths of their own.
+    widths = getattr(config, "qk_head_dim", head_dim) + getattr(config, "v_head_dim", head_dim)
+    return 6.0 * matmul + 6.0 * config.num_hidden_layers * heads * widths * seq_len
 
 
 def peak_tflops(configured: float | None) -> float | None:

@@ -25,7 +25,8 @@ from llmtune.errors import UserError
 from llmtune.features.adapters import Adapters, merge_adapters
 from llmtune.features.base import Features
 from llmtune.features.registry import enabled_features
-from llmtune.model import decoder_layers, whole
+from llmtune.model import decoder_layers
+from llmtune.model_state import saved_tensors, whole
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -34,11 +35,11 @@ def gather_weights(hf_model, dtype: torch.dtype, is_main: bool) -> Iterator[dict
     """The weights as name -> full tensor in `dtype` on rank 0's CPU (empty dicts elsewhere), one decoder layer at
     a time (the weights outside the layers one by one): the unit in which transformers converts names and layouts
     back. Every rank must run the generator to its end: each gather takes part of all of them. Tied parameters
-    appear once (named_parameters skips the second name)."""
+    appear once; persistent buffers (DeepSeek-V3's router bias) are saved with the parameters."""
     layer_modules = set(decoder_layers(hf_model))
     layers = {name + "." for name, module in hf_model.named_modules() if module in layer_modules}
     chunk, owner = {}, None
-    for name, param in hf_model.named_parameters():
+    for name, param in saved_tensors(hf_model).items():
         layer = next((prefix for prefix in layers if name.startswith(prefix)), name)
         if layer != owner and owner is not None:
             yield chunk
@@ -123,7 +124,8 @@ def checkpoint_model(checkpoint: Path, run, trainer_state: dict, adapters: Adapt
     the checkpoint, the frozen ones (a run that trained adapters or some modules only) re-read from its base model,
     which must be the one it was trained on."""
     from llmtune.inputs import fetch_hub_inputs, local_inputs
-    from llmtune.model import base_record, load_model_config, load_weights
+    from llmtune.model import base_record, load_model_config
+    from llmtune.pretrained import load_weights
 
     config = AutoConfig.from_pretrained(checkpoint / "hf_config")
     with torch.device("meta"):
@@ -137,13 +139,13 @@ def checkpoint_model(checkpoint: Path, run, trainer_state: dict, adapters: Adapt
         base_config = load_model_config(local.model)
         check_base(checkpoint, base_record(run, local.model, base_config))
         if local.model.name_or_path:
-            load_weights(model, Path(local.model.name_or_path), features.pretrained_parameters(model))
+            load_weights(model, Path(local.model.name_or_path), features.pretrained_tensors(model))
         else:  # trained from model.config: the frozen weights are its seeded initialisation
             torch.manual_seed(run.train.seed)
             initialised = AutoModelForCausalLM.from_config(base_config, dtype=torch.float32)
             model.load_state_dict(initialised.state_dict(), strict=False)
     saved = saved_model_shapes(checkpoint, "model.hf_model.")
-    dcp.load({f"model.hf_model.{name}": param.data for name, param in model.named_parameters() if name in saved},
+    dcp.load({f"model.hf_model.{name}": tensor.data for name, tensor in saved_tensors(model).items() if name in saved},
              checkpoint_id=str(checkpoint), no_dist=True)
     return model
 

@@ -21,7 +21,8 @@ import torch
 
 from llmtune.errors import UserError
 from llmtune.features.base import Feature
-from llmtune.model import copy_rows, meta_model, whole
+from llmtune.model import meta_model
+from llmtune.model_state import copy_rows, whole
 
 ADAPTER = "default"  # peft's name of a model's only adapter
 ADAPTER_CONFIG = "adapter_config.json"

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from llmtune.model_state import saved_tensors
+
 
 class Feature:
     """One feature of a run, made from the run's Config when `enabled(config)` says it is on."""
@@ -86,17 +88,17 @@ class Features:
         for feature in self.features:
             feature.build(hf_model, state)
 
-    def pretrained_parameters(self, hf_model) -> dict[str, torch.nn.Parameter]:
-        """The parameters a pretrained checkpoint holds, by the checkpoint's names for them."""
-        params = {}
-        for name, param in hf_model.named_parameters():
+    def pretrained_tensors(self, hf_model) -> dict[str, torch.Tensor]:
+        """The parameters and persistent buffers a pretrained checkpoint holds, by the checkpoint's names for them."""
+        tensors = {}
+        for name, tensor in saved_tensors(hf_model).items():
             for feature in self.features:
                 name = feature.pretrained_name(name)
                 if name is None:
                     break
             else:
-                params[name] = param
-        return params
+                tensors[name] = tensor
+        return tensors
 
     def weights_ready(self, hf_model) -> None:
         for feature in self.features:

@@ -19,7 +19,7 @@ from llmtune.config import load_config
 from llmtune.features import registry
 from llmtune.features.base import Feature
 from llmtune.loss import IGNORE_INDEX
-from llmtune.model import whole
+from llmtune.model_state import whole
 from llmtune.parallel import ParallelState
 from llmtune.worker import build_trainer
 from tests.helpers import read_metrics

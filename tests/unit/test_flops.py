@@ -1,5 +1,6 @@
 """The monitor's FLOPs per token are counted on the model itself, for every family of the support matrix
-(GPT-2 and GPT-NeoX name their sizes differently): 6 x its matrices plus PaLM's attention term equal what
+(GPT-2 and GPT-NeoX name their sizes differently; mixtures of experts count the experts a token is routed to):
+6 x its matrices plus PaLM's attention term equal what
 torch's FlopCounterMode counts for a forward and backward of the eager model, exactly."""
 
 import pytest
@@ -17,8 +18,8 @@ VOCAB, SEQUENCE = 300, 48
 def test_flops_per_token_equal_the_counted_matmuls(family):
     config = family.hf_config(VOCAB)
     # Eager attention: its matmuls are counted (the CPU sdpa kernel is not), over the whole square, as PaLM's
-    # estimate counts them.
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    # estimate counts them. Eager experts likewise: one matmul per expert on its tokens (grouped_mm is not counted).
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
     input_ids = torch.randint(0, VOCAB, (1, SEQUENCE), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
         model(input_ids).logits.sum().backward()

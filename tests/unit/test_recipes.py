@@ -4,18 +4,22 @@ its decoder layers to shard, and the recipe's context parallelism and sequence l
 
 import copy
 import functools
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from peft import inject_adapter_in_model
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 
 from llmtune.config import load_config
 from llmtune.features.adapters import lora_config
 from llmtune.features.registry import check_features
 from llmtune.features.ulysses import layout_problems
 from llmtune.model import decoder_layers
+from llmtune.model_state import saved_tensors
+from llmtune.pretrained import Converted, weight_sources
 from tests.real_shapes import REAL_MODELS
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -113,6 +117,30 @@ def test_recipe_fits_its_real_model(name):
     assert config.data.max_seq_len <= shape["max_position_embeddings"]
     assert config.train.bf16 and config.train.gradient_checkpointing and config.train.chunk_loss_size > 0
     check_features(config, model.config, LAYOUTS[name][1][0])
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_the_loader_finds_every_weight_of_the_real_checkpoint_layout(name, tmp_path):
+    """The recipe's model as save_pretrained stores it (the Hub's layout: Qwen3-MoE's experts one tensor each), as
+    a safetensors header without its data: every weight is found under its stored name with its shape, the
+    experts through a conversion each rank can apply to its own rows."""
+    model = meta_model(load(name).model.name_or_path)
+    tensors = saved_tensors(model)
+    header, offset = {}, 0
+    for key, tensor in revert_weight_conversion(model, dict(tensors)).items():
+        end = offset + 2 * tensor.numel()
+        header[key] = {"dtype": "BF16", "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        offset = end
+    encoded = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded)
+    sources = weight_sources(model, tmp_path, tensors)
+    assert tensors.keys() <= sources.keys()
+    experts = [source for source in sources.values() if isinstance(source, Converted)]
+    if model.config.model_type == "qwen3_moe":
+        assert len(experts) == 2 * model.config.num_hidden_layers
+        assert all(len(parts) == model.config.num_experts for source in experts for parts in source.parts.values())
+    else:
+        assert experts == []
 
 
 def test_lora_recipe_header_gives_its_adapter_size():

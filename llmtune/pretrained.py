@@ -1,0 +1,208 @@
+"""Read a pretrained HF folder (safetensors) into the sharded model: each rank reads from the files only the rows
+of each tensor that its shard holds, so that no rank ever holds the full model.
+
+Names: checkpoints keep the names a class had when they were written (GPT-NeoX's embed_out, a missing base-model
+prefix, Mixtral's block_sparse_moe); transformers' own renaming rules for the class, as from_pretrained applies
+them, translate them.
+
+Layouts: transformers 5 holds some weights in another layout than checkpoints store them. The experts of a
+mixture-of-experts layer are stored one by one (experts.N.gate_proj / up_proj / down_proj) and held as one tensor
+per projection, the experts on dim 0 (experts.gate_up_proj, experts.down_proj). from_pretrained converts whole
+tensors; here a rank reads only the experts of the rows of dim 0 its shard holds (FSDP2 shards dim 0) and applies
+transformers' own operations of the conversion to them. That gives exactly its rows of the converted weight when
+every operation keeps the rows of dim 0 apart: stacking per-expert tensors on dim 0, then concatenating,
+transposing or interleaving other dims, as every mixture-of-experts conversion of transformers' causal LMs does.
+Any other conversion is refused before the run starts, naming the class (check_pretrained).
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (Concatenate, Interleave, MergeModulelist, Transpose, WeightConverter,
+                                             WeightRenaming, dot_natural_key, rename_source_key)
+
+from llmtune.errors import UserError
+from llmtune.model_state import local_rows, shard_start
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor of a safetensors file: the file, where its data starts, the tensor's header entry."""
+    path: Path
+    data_start: int
+    entry: dict
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.entry["shape"])
+
+
+@dataclass
+class Converted:
+    """A weight transformers builds from stored tensors by a conversion: for each of its source patterns, the
+    stored tensors in the order from_pretrained takes them (expert 0 first)."""
+    converter: WeightConverter
+    parts: dict[str, list[Stored]] = field(default_factory=dict)
+
+    @property
+    def stacked(self) -> bool:
+        """The parts are one tensor per expert, stacked on dim 0; else each part holds every expert on dim 0."""
+        return isinstance(self.converter.operations[0], MergeModulelist)
+
+
+def checkpoint_index(folder: Path) -> dict[str, Stored]:
+    """Tensor name -> where it is stored."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        raise UserError(f"model.name_or_path: {folder} holds no model.safetensors (or its index); llmtune loads "
+                        "safetensors weights only — convert .bin weights with save_pretrained")
+    tensors = {}
+    for path in files:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        tensors.update({name: Stored(path, 8 + size, entry) for name, entry in header.items()})
+    return tensors
+
+
+def keeps_rows_apart(converter: WeightConverter) -> bool:
+    """Row i of dim 0 of the converted weight comes from expert i (or row i of every part) alone, so that a rank
+    can convert its own rows."""
+    operations = converter.operations
+    if isinstance(operations[0], MergeModulelist) and operations[0].dim == 0:
+        operations = operations[1:]
+    for operation in operations:
+        if isinstance(operation, (Concatenate, Interleave)) and operation.dim >= 1:
+            continue
+        # check_dims transposes or not by comparing with the whole weight's shape, which a rank's rows do not have.
+        if isinstance(operation, Transpose) and min(operation.dim0, operation.dim1) >= 1 and not operation.check_dims:
+            continue
+        return False
+    return True
+
+
+def weight_sources(hf_model: PreTrainedModel, folder: Path, tensors: dict) -> dict[str, Stored | Converted]:
+    """The model's name -> where the checkpoint stores its value, for every tensor of `tensors` (the model's, by
+    name: they tell whether the base-model prefix is added or dropped). Refuses a conversion a rank cannot apply to
+    its own rows, and a checkpoint that lacks some of `tensors`."""
+    transforms = get_model_conversion_mapping(hf_model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    stored = checkpoint_index(folder)
+    sources = {}
+    # In from_pretrained's order, the one in which the experts of a converted weight are stacked.
+    for name in sorted(stored, key=dot_natural_key):
+        target, pattern = rename_source_key(name, renamings, converters, hf_model.base_model_prefix, tensors)
+        if pattern is None:
+            sources.setdefault(target, stored[name])
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        if not keeps_rows_apart(converter):
+            model = type(hf_model).__name__
+            raise UserError(f"model.name_or_path: {folder} stores {name} in a layout that transformers converts "
+                            f"for {model} ({converter.operations}) and llmtune cannot convert rank by rank (each "
+                            f"rank reads only the rows it holds): {model} is not supported; docs/models.md lists "
+                            "the model families that are")
+        source = sources.setdefault(target, Converted(converter))
+        source.parts.setdefault(pattern, []).append(stored[name])
+    missing = [name for name in tensors if name not in sources]
+    if missing:
+        raise UserError(f"model.name_or_path: {folder} lacks weights for {', '.join(missing[:5])}"
+                        f"{' and more' if len(missing) > 5 else ''}; is it the checkpoint of this architecture?")
+    for name, source in sources.items():
+        if name in tensors:
+            check_shape(name, source, list(tensors[name].shape), folder)
+    return sources
+
+
+def check_shape(name: str, source: Stored | Converted, shape: list[int], folder: Path) -> None:
+    if isinstance(source, Stored):
+        if source.shape != shape:
+            raise UserError(f"model.name_or_path: {name} has shape {source.shape} in {source.path.name} but the "
+                            f"config gives {shape}")
+        return
+    for pattern, parts in source.parts.items():
+        rows = len(parts) if source.stacked else parts[0].shape[0]
+        if rows != shape[0]:
+            raise UserError(f"model.name_or_path: {folder} holds {rows} experts for {name} ({pattern}) but the "
+                            f"config gives {shape[0]}")
+
+
+def load_weights(hf_model: PreTrainedModel, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy into every tensor's local shard the rows of its value that shard holds. `tensors`: the parameters and
+    persistent buffers the checkpoint holds, by their names in the unchanged model (Features.pretrained_tensors).
+
+    Parameters tied to another (lm_head to the embeddings) appear once and are loaded once.
+    """
+    sources = weight_sources(hf_model, folder, tensors)
+    for name, tensor in tensors.items():
+        local, start = local_rows(tensor), shard_start(tensor)
+        source = sources[name]
+        if isinstance(source, Stored):
+            read_rows_into(local, source, start)
+        elif len(local):
+            value = converted_rows(source, start, len(local), name, hf_model)
+            if value.shape != local.shape:
+                raise UserError(f"model.name_or_path: the conversion of {name} gives rows of shape "
+                                f"{list(value.shape)[1:]}, the model holds {list(local.shape)[1:]}")
+            with torch.no_grad():
+                local.copy_(value)
+
+
+def converted_rows(source: Converted, start: int, count: int, name: str, hf_model: PreTrainedModel) -> torch.Tensor:
+    """Rows [start, start + count) of a converted weight: the experts of those rows read from the files, then
+    transformers' operations of the conversion applied to them as from_pretrained applies them to all."""
+    converter = source.converter
+    if source.stacked:
+        inputs = {pattern: [read_rows(part, 0, part.shape[0]) for part in parts[start:start + count]]
+                  for pattern, parts in source.parts.items()}
+    else:
+        inputs = {pattern: [read_rows(part, start, count) for part in parts] for pattern, parts in source.parts.items()}
+    for operation in converter.operations:
+        inputs = operation.convert(inputs, source_patterns=converter.source_patterns,
+                                   target_patterns=converter.target_patterns, full_layer_name=name, model=hf_model,
+                                   config=hf_model.config)
+    (value,) = inputs.values()
+    return value
+
+
+def read_rows(source: Stored, start: int, count: int) -> torch.Tensor:
+    rows = torch.empty([count, *source.shape[1:]], dtype=SAFETENSORS_DTYPES[source.entry["dtype"]])
+    read_rows_into(rows, source, start)
+    return rows
+
+
+def read_rows_into(target: torch.Tensor, source: Stored, start: int) -> None:
+    """The rows of one tensor from row `start` on, as many as `target` holds, read from the file alone with plain
+    reads, not a memory map, so that the process holds nothing of the file but these rows: straight into `target`
+    (this rank's shard) when it is on the CPU in the file's dtype, else through one buffer that is then copied and
+    converted."""
+    dtype = SAFETENSORS_DTYPES[source.entry["dtype"]]
+    row_bytes = int(torch.Size(source.shape[1:]).numel()) * dtype.itemsize
+    direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+    buffer = target.detach() if direct else torch.empty(target.shape, dtype=dtype)
+    view = memoryview(buffer.view(-1).view(torch.uint8).numpy())
+    with open(source.path, "rb", buffering=0) as f:
+        f.seek(source.data_start + source.entry["data_offsets"][0] + start * row_bytes)
+        done = 0
+        while done < len(view):  # one read returns at most ~2 GiB on Linux
+            got = f.readinto(view[done:])
+            if not got:
+                raise UserError(f"model.name_or_path: {source.path} ends inside a tensor; the file is truncated")
+            done += got
+    if not direct:
+        with torch.no_grad():
+            target.copy_(buffer)
