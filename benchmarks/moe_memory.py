@@ -2,9 +2,9 @@
 
     python benchmarks/moe_memory.py [--dir DIR] [--seq 512] [--json PATH]
 
-The model is a Qwen3-MoE of 0.3B parameters (hidden 512, 8 layers, 64 experts of intermediate 256, 8 per token,
-vocabulary 32000, untied) with random weights, written by save_pretrained into DIR (kept) or a temporary folder,
-so that its experts are stored one by one as on the Hub. Each case runs under torchrun (gloo, CPU) in fresh
+The model is a Qwen3-MoE of 0.24B parameters, 0.2B of them experts (hidden 512, 8 layers, 64 experts of
+intermediate 256, 8 per token, vocabulary 32000, untied), with random weights written by save_pretrained into DIR
+(kept) or a temporary folder, so that its experts are stored one by one as on the Hub. Each case runs under torchrun (gloo, CPU) in fresh
 processes: the model is built as `llmtune pt` builds it (meta device, fully_shard per decoder layer, each rank
 reading and converting only the experts of its shard), then trains one AdamW step on a batch of 2 x SEQ tokens
 with the router loss on. Per rank:
@@ -113,11 +113,12 @@ def main() -> None:
           f"one step on 2 x {args.seq} tokens\n")
     print(f"{'ranks, rank':<12} {'params GiB':>10} {'experts':>8} {'+grads+Adam':>11} {'load RSS':>9} "
           f"{'step RSS':>9}   (GiB; RSS above the baseline)")
+    widths = (10, 8, 11, 9, 9)
     for r in sorted(results, key=lambda r: (r["world"], r["rank"])):
-        print(f"{r['world']}, {r['rank']:<9} " + " ".join(f"{r[k]:>{w}.3f}" for k, w in zip(FIGURES, (10, 8, 11, 9, 9))))
+        print(f"{r['world']}, {r['rank']:<9} " + " ".join(f"{r[k]:>{w}.3f}" for k, w in zip(FIGURES, widths)))
     one = next(r for r in results if r["world"] == 1)
-    for r in (r for r in results if r["world"] == 2):
-        print(f"2 / 1, rank {r['rank']} " + " ".join(f"{r[k] / one[k]:>{w}.2f}" for k, w in zip(FIGURES, (10, 8, 11, 9, 9))))
+    for r in sorted((r for r in results if r["world"] == 2), key=lambda r: r["rank"]):
+        print(f"2 / 1, rank {r['rank']} " + " ".join(f"{r[k] / one[k]:>{w}.2f}" for k, w in zip(FIGURES, widths)))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -36,12 +36,12 @@ class StepRecord:
 
 
 def flops_per_token(hf_model, seq_len: int) -> float:
-    """6 x the weights every token is multiplied by, forward and backward, plus attention's 12 x layers x query
-    width x sequence (PaLM's estimate; 6 x layers x (key width + value width) x sequence where they differ). The weights are counted on the model itself, whatever its config calls
-    its sizes: every matrix but the input embeddings (a lookup), and the lm_head even when it is the embedding.
-    A mixture of experts multiplies each token by its experts per token alone: the stacked experts' matrices
-    (transformers' *Experts modules, [experts, ...]) count experts-per-token / experts of their size, their
-    biases nothing."""
+    """6 x the weights every token is multiplied by, forward and backward, plus attention's 12 x layers x query width x
+    sequence (PaLM's estimate; 6 x layers x (key width + value width) x sequence where they differ). The weights are
+    counted on the model itself, whatever its config calls its sizes: every matrix but the input embeddings (a
+    lookup), and the lm_head even when it is the embedding. A mixture of experts multiplies each token by its
+    experts per token alone: the stacked experts' matrices (transformers' *Experts modules, [experts, ...]) count
+    experts-per-token / experts of their size, their biases nothing."""
     lookups = {id(module.weight) for module in hf_model.modules() if isinstance(module, nn.Embedding)}
     experts = {id(p): hf_model.config.get_text_config().num_experts_per_tok / module.num_experts
                for module in hf_model.modules() if type(module).__name__.endswith("Experts")

@@ -1,9 +1,10 @@
 """Mixture-of-experts checkpoints as the Hub has them, on 2 processes (one launch): tiny Qwen3-MoE (3 experts, so
-the ranks hold unequal shares) and Mixtral (block_sparse_moe, w1/w2/w3) folders written by save_pretrained store
-every expert's projections apart; llmtune reads them through transformers' conversion, each rank reading only the
-experts of its shard, and gives exactly the weights from_pretrained gives; the export of the loaded model is the
-folder again, tensor for tensor (names and values). A conversion llmtune cannot apply rank by rank is refused
-before any process starts, naming the class."""
+the ranks hold unequal shares), Mixtral (block_sparse_moe, w1/w2/w3) and DeepSeek-V3 (its router's bias is a buffer,
+set to non-zero values here) folders written by save_pretrained store every expert's projections apart; llmtune
+reads them through transformers' conversion, each rank reading only the experts of its shard, and gives exactly the
+weights from_pretrained gives; the export of the loaded model is the folder again, tensor for tensor (names and
+values). A conversion llmtune cannot apply rank by rank, and a quantized checkpoint, are refused before any
+process starts, naming the class or the quantization."""
 
 import json
 import shutil
@@ -14,10 +15,11 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
 from tests.helpers import REPO, run_cli
 
+MODELS = ["qwen3_moe", "mixtral", "deepseek_v3"]
 SHAPES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, tie_word_embeddings=False)
 
@@ -35,10 +37,19 @@ def loaded(bare_tokenizer, assets, tmp_path_factory):
     configs = {"qwen3_moe": Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=3,
                                            num_experts_per_tok=2, head_dim=8, **SHAPES, **special),
                "mixtral": MixtralConfig(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
-                                        **SHAPES, **special)}
+                                        **SHAPES, **special),
+               "deepseek_v3": DeepseekV3Config(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
+                                               n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                                               q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                               qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1,
+                                               **{**SHAPES, "num_key_value_heads": 4}, **special)}
     for seed, (name, config) in enumerate(configs.items()):
         torch.manual_seed(seed)
-        AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+        model = AutoModelForCausalLM.from_config(config)
+        for key, buffer in model.named_buffers():
+            if key.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape))
+        model.save_pretrained(root / name)
         bare_tokenizer.save_pretrained(root / name)
     recipe = root / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
@@ -51,33 +62,36 @@ def loaded(bare_tokenizer, assets, tmp_path_factory):
     out.mkdir()
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              str(REPO / "tests" / "dist" / "moe_load_worker.py"), str(recipe), str(out),
-                             *(str(root / name) for name in configs)],
+                             *(str(root / name) for name in MODELS)],
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads(line) for line in (out / "reports.jsonl").read_text().splitlines()]
     return root, out, reports
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", MODELS)
 def test_each_rank_reads_only_its_experts_and_gets_what_from_pretrained_gives(loaded, name):
     root, _, reports = loaded
     mine = [r for r in reports if r["model"] == name]
     assert len(mine) == 2 and all(r["mismatched"] == [] for r in mine)
-    total = sum(t.numel() * t.element_size() for t in stored(root / name).values())
-    # Every stored byte is read once over the two ranks, none twice; neither rank reads the whole model.
-    assert sum(r["bytes_read"] for r in mine) == total
+    sizes = {key: t.numel() * t.element_size() for key, t in stored(root / name).items()}
+    total = sum(sizes.values())
+    # Every stored byte of a parameter is read once over the two ranks, none twice; buffers, which FSDP does not
+    # shard, by each rank; neither rank reads the whole model.
+    buffers = sum(size for key, size in sizes.items() if key.endswith("e_score_correction_bias"))
+    assert sum(r["bytes_read"] for r in mine) == total + buffers
     assert all(r["bytes_read"] < 0.7 * total for r in mine)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", MODELS)
 def test_the_export_is_the_per_expert_folder_tensor_for_tensor(loaded, name):
     root, out, _ = loaded
     original, exported = stored(root / name), stored(out / name / "hf")
-    assert "model.layers.0.mlp.experts.gate_up_proj" not in exported
+    assert not any(key.endswith("experts.gate_up_proj") for key in exported), "stored one expert per tensor"
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[key], original[key]) for key in original)
     reloaded = AutoModelForCausalLM.from_pretrained(out / name / "hf", dtype=torch.float32)
-    assert reloaded.model.layers[0].mlp.experts.gate_up_proj.shape[0] == (3 if name == "qwen3_moe" else 4)
+    assert reloaded.model.layers[1].mlp.experts.gate_up_proj.shape[0] == (3 if name == "qwen3_moe" else 4)
 
 
 def refusal(model, assets, tmp_path) -> str:
