@@ -42,8 +42,9 @@ def flops_per_token(hf_model, seq_len: int) -> float:
     lookup), and the lm_head even when it is the embedding. A mixture of experts multiplies each token by its
     experts per token alone: the stacked experts' matrices (transformers' *Experts modules, [experts, ...]) count
     experts-per-token / experts of their size, their biases nothing."""
+    config = hf_model.config.get_text_config()
     lookups = {id(module.weight) for module in hf_model.modules() if isinstance(module, nn.Embedding)}
-    experts = {id(p): hf_model.config.get_text_config().num_experts_per_tok / module.num_experts
+    experts = {id(p): config.num_experts_per_tok / module.num_experts
                for module in hf_model.modules() if type(module).__name__.endswith("Experts")
                for p in module.parameters()}
     matmul = sum(p.numel() * experts.get(id(p), 1) for p in hf_model.parameters()
@@ -51,7 +52,6 @@ def flops_per_token(hf_model, seq_len: int) -> float:
     head = hf_model.get_output_embeddings().weight
     if id(head) in lookups:
         matmul += head.numel()
-    config = hf_model.config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     # Queries x keys and weights x values, each 2 x 3 (forward, backward) FLOPs per product; MLA (DeepSeek) gives
