@@ -18,7 +18,7 @@ import yaml
 from llmtune.errors import UserError
 
 TASKS = ("pt", "sft")
-DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_response", "tokenized")
+DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response", "tokenized")
 TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -80,14 +80,24 @@ class DataConfig:
                                           "(sampled with repetition when it is smaller); empty = natural sizes.")
     val_files: list[str] = _field([], "Validation sources (same forms as train_files; a Hub dataset's split "
                                       "defaults to validation).")
+    dataset_info: str | None = _field(None, "A LLaMA-Factory dataset_info.json (or the folder holding it) that "
+                                            "data.datasets and data.val_datasets name entries of.")
+    datasets: list[str] = _field([], "Training datasets by their name in data.dataset_info (file_name, formatting "
+                                     "alpaca/sharegpt, columns, tags), after data.train_files.")
+    val_datasets: list[str] = _field([], "Validation datasets by their name in data.dataset_info, after "
+                                         "data.val_files.")
     val_ratio: float = _field(0.0, "Hold out this fraction of the training samples for validation (seeded); "
                                    "used when val_files is empty.")
-    format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_response | tokenized; auto: "
-                                 "detected from the columns of each source.")
+    format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_completion | prompt_response "
+                                 "| tokenized; auto: detected from the columns of each source (see Data formats).")
     chat_template: str | None = _field(None, "Chat template: a built-in name (basic) or a .jinja file; default: the "
                                              "tokenizer's own. sft renders with it; it is saved with the exported "
                                              "tokenizer (pt too).")
-    train_on_prompt: bool = _field(False, "sft: also train on the non-assistant tokens (system, user, template).")
+    train_on_prompt: bool = _field(False, "sft: also train on the non-assistant tokens (system, user, tool results, "
+                                          "template).")
+    train_on_reasoning: bool = _field(True, "sft: train on the assistant's reasoning (reasoning_content / thinking) "
+                                            "as the template renders it; false leaves the reasoning text out of the "
+                                            "loss (the template's markup around it stays trained).")
     max_seq_len: int = _field(2048, "Tokens per row: pt packs blocks of this length; longer sft samples follow "
                                     "data.truncation.")
     truncation: str = _field("truncate_prompt", "Over-long samples: truncate_prompt (cut the oldest tokens from the "
@@ -106,23 +116,31 @@ class DataConfig:
     cache_dir: str | None = _field(None, "Where tokenized datasets are cached; default $LLMTUNE_CACHE/data or "
                                          "~/.cache/llmtune/data.")
 
+    def has_validation_sources(self) -> bool:
+        return bool(self.val_files or self.val_datasets)
+
     def problems(self) -> list[str]:
         out = []
-        if not self.train_files:
-            out.append("data.train_files: no training files given; list at least one file, folder or glob")
+        if not self.train_files and not self.datasets:
+            out.append("data.train_files: no training files given; list at least one file, folder or glob (or name "
+                       "data.datasets of a data.dataset_info)")
+        if (self.datasets or self.val_datasets) and not self.dataset_info:
+            out.append("data.dataset_info: data.datasets / data.val_datasets name entries of a LLaMA-Factory "
+                       "dataset_info.json; set data.dataset_info to it (or to the folder holding it)")
         for key, value, choices in (("format", self.format, DATA_FORMATS), ("truncation", self.truncation, TRUNCATIONS),
                                     ("pt_remainder", self.pt_remainder, REMAINDERS)):
             if value not in choices:
                 out.append(_choice_problem(f"data.{key}", value, choices))
         if self.max_seq_len < 2:
             out.append(f"data.max_seq_len: {self.max_seq_len} is too small; it must be at least 2")
-        if self.mix_weights and (len(self.mix_weights) != len(self.train_files) or min(self.mix_weights) <= 0):
-            out.append(f"data.mix_weights: give one positive weight per data.train_files entry "
-                       f"({len(self.train_files)}), not {self.mix_weights}")
+        sources = len(self.train_files) + len(self.datasets)
+        if self.mix_weights and (len(self.mix_weights) != sources or min(self.mix_weights) <= 0):
+            out.append(f"data.mix_weights: give one positive weight per data.train_files and data.datasets entry "
+                       f"({sources}), not {self.mix_weights}")
         if not 0.0 <= self.val_ratio < 1.0:
             out.append(f"data.val_ratio: {self.val_ratio} must be in [0, 1)")
-        if self.val_ratio and self.val_files:
-            out.append("data.val_ratio: set either data.val_files or data.val_ratio, not both")
+        if self.val_ratio and (self.val_files or self.val_datasets):
+            out.append("data.val_ratio: set either data.val_files (data.val_datasets) or data.val_ratio, not both")
         if self.streaming and self.val_ratio:
             out.append("data.val_ratio: a stream cannot be split; give data.val_files instead")
         if self.num_proc < 1 or self.shuffle_buffer < 1:

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from llmtune.data.files import check_has_rows, is_saved_dataset, resolve_data_files
+from llmtune.data.registry import Source, split_sources
 from llmtune.errors import UserError
 from llmtune.hub import HubRepo, dataset_source, fetch, model_repo
 
@@ -65,16 +66,16 @@ def local_inputs(config, folders: dict[HubRepo, Path]):
     return replace(config, model=local_model, data=local_data)
 
 
-def check_data_sources(patterns: list[str], key: str) -> None:
-    for pattern in patterns:
-        if source := dataset_source(pattern, key):
+def check_data_sources(sources: list[Source]) -> None:
+    for source in sources:
+        if hub_source := dataset_source(source.pattern, source.key):
             # datasets is imported only for a Hub source: it makes every CLI start slower.
             from llmtune.data.sources import hub_builder
 
-            hub_builder(source, key)
-        elif not is_saved_dataset(pattern):
-            for name in resolve_data_files([pattern], key):
-                check_has_rows(name, key)
+            hub_builder(hub_source, source.key)
+        elif not is_saved_dataset(source.pattern):
+            for name in resolve_data_files([source.pattern], source.key):
+                check_has_rows(name, source.key)
 
 
 def check_model_paths(model) -> None:
@@ -119,8 +120,8 @@ def check_inputs(config) -> None:
     if config.task == "sft" and not config.data.chat_template and not has_chat_template(tokenizer_dir):
         raise UserError(f"data.chat_template: the tokenizer in {tokenizer_dir} has no chat template; set "
                         "data.chat_template to a built-in one (basic) or to a .jinja file")
-    check_data_sources(config.data.train_files, "data.train_files")
-    check_data_sources(config.data.val_files, "data.val_files")
+    for split in ("train", "val"):
+        check_data_sources(split_sources(config.data, config.task, split))
     template = config.data.chat_template
     if template and template.endswith(".jinja") and not Path(template).is_file():
         raise UserError(f"data.chat_template: template file {template} not found")

@@ -16,7 +16,7 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from llmtune.errors import UserError
 from llmtune.features.base import Features
@@ -56,11 +56,6 @@ class CausalLMForTraining(nn.Module):
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       shift_labels=shift_labels, **model_kwargs)
         return sum(self.features.loss_terms(outputs, inputs), loss)
-
-
-def load_tokenizer(model_cfg):
-    return AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_cfg.name_or_path,
-                                         trust_remote_code=model_cfg.trust_remote_code)
 
 
 def load_model_config(model_cfg):

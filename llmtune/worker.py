@@ -10,10 +10,10 @@ from transformers import enable_full_determinism, set_seed
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
 from llmtune.data.manager import build_data
-from llmtune.data.templates import apply_recipe_template
+from llmtune.data.templates import recipe_tokenizer
 from llmtune.features.registry import enabled_features
 from llmtune.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
-from llmtune.model import base_record, build_model, check_vocab, load_model_config, load_tokenizer
+from llmtune.model import base_record, build_model, check_vocab, load_model_config
 from llmtune.monitor import TrainMonitor, flops_per_token
 from llmtune.optim import build_optimizer, build_scheduler
 from llmtune.parallel import ParallelState
@@ -54,10 +54,7 @@ def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, ob
         enable_full_determinism(config.train.seed)
     # The same seed on every rank: identical initial weights and data order.
     set_seed(config.train.seed)
-    tokenizer = load_tokenizer(local.model)
-    # sft needs a chat template; a pt recipe may name one too, for the exported model to carry.
-    if config.task == "sft" or config.data.chat_template:
-        apply_recipe_template(tokenizer, config.data.chat_template)
+    tokenizer = recipe_tokenizer(config.task, local.model, config.data.chat_template)
     data, validation = build_data(local, tokenizer, state)
     model_config = load_model_config(local.model)
     check_vocab(model_config, tokenizer)

@@ -23,7 +23,8 @@ import pyarrow.compute as pc
 
 from llmtune.data import packing, pretrain, sft
 from llmtune.data.files import is_saved_dataset, resolve_data_files
-from llmtune.data.formats import canonical_columns, detect_format, to_canonical
+from llmtune.data.formats import canonical_columns, check_columns, detect_format, to_canonical
+from llmtune.data.registry import Source, split_sources
 from llmtune.data.sources import load_source, undecodable_error
 from llmtune.errors import UserError
 from llmtune.hub import dataset_source, fetch
@@ -32,7 +33,7 @@ from llmtune.loss import IGNORE_INDEX
 log = logging.getLogger(__name__)
 
 # Bump when a change to the transforms changes their output, so old caches are not reused.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 # Settings that do not change the built datasets, left out of the cache key. (data.streaming does: a
 # streaming run's entry holds its validation split only.)
 NOT_IN_KEY = ("shuffle", "shuffle_buffer", "num_proc", "cache_dir", "document_mask")
@@ -63,34 +64,44 @@ def map_options(dataset, num_proc: int, desc: str) -> dict:
     return {"num_proc": num_proc if num_proc > 1 else None, "desc": desc}
 
 
-def canonical_rows(pattern: str, task: str, data_cfg, streaming: bool, key: str):
-    rows = load_source(pattern, key, streaming)
+def canonical_rows(source: Source, task: str, data_cfg, streaming: bool):
+    """(the source's rows in canonical form, its form)."""
+    rows = load_source(source.pattern, source.key, streaming)
     columns = rows.column_names or list(next(iter(rows)).keys())
-    fmt = detect_format(columns, task, data_cfg.format, pattern)
+    if source.row_format:
+        row_format = source.row_format
+        check_columns(row_format, columns, source.pattern, f"its {source.key} entry ({row_format.form})")
+    else:
+        row_format = detect_format(columns, task, data_cfg.format, source.pattern)
 
     def convert(row, index):
-        return to_canonical(row, fmt, f"{pattern}: row {index + 1}")
+        return to_canonical(row, row_format, f"{source.pattern}: row {index + 1}")
 
+    # A sample is one JSON value (formats.py says why); the other forms' columns are inferred.
+    features = datasets.Features({"sample": datasets.Json()}) if canonical_columns(row_format.form) == ("sample",) \
+        else None
     try:
-        converted = rows.map(convert, with_indices=True, remove_columns=columns,
-                             **map_options(rows, data_cfg.num_proc, f"read {Path(pattern).name}"))
+        converted = rows.map(convert, with_indices=True, remove_columns=columns, features=features,
+                             **map_options(rows, data_cfg.num_proc, f"read {Path(source.pattern).name}"))
     except UnicodeDecodeError as err:
-        raise undecodable_error(pattern, key, err) from None
-    return converted.select_columns(list(canonical_columns(fmt))), fmt
+        raise undecodable_error(source.pattern, source.key, err) from None
+    return converted.select_columns(list(canonical_columns(row_format.form))), row_format.form
 
 
-def tokenize_source(rows, fmt: str, tokenizer, data_cfg, pattern: str, key: str):
-    """Canonical rows of the source `pattern` -> input_ids, labels (and position_ids for pt blocks); samples keep
-    a status column."""
-    if fmt == "text":
+def tokenize_source(rows, form: str, tokenizer, data_cfg, source: Source):
+    """Canonical rows of `source` -> input_ids, labels (and position_ids for pt blocks); samples keep a status
+    column."""
+    if form == "text":
         docs = pretrain.tokenize_documents(rows, tokenizer, map_options(rows, data_cfg.num_proc, "tokenize"))
         # A stream cannot be checked without reading it.
         if isinstance(docs, datasets.Dataset) and not pretrain.has_text_tokens(docs, tokenizer):
-            raise UserError(f"{key}: the tokenizer in {tokenizer.name_or_path} produced no tokens for the documents "
-                            f"of {pattern}; set model.tokenizer to one made for this text, or check the file")
+            raise UserError(f"{source.key}: the tokenizer in {tokenizer.name_or_path} produced no tokens for the "
+                            f"documents of {source.pattern}; set model.tokenizer to one made for this text, or check "
+                            "the file")
         return pretrain.pack_documents(docs, data_cfg.max_seq_len, data_cfg.pt_remainder,
                                        map_options(rows, data_cfg.num_proc, "pack"))
-    return sft.tokenize_examples(rows, tokenizer, data_cfg, map_options(rows, data_cfg.num_proc, "tokenize"))
+    return sft.tokenize_examples(rows, tokenizer, data_cfg, map_options(rows, data_cfg.num_proc, "tokenize"),
+                                 source.pattern)
 
 
 def mix(parts: list[datasets.Dataset], weights: list[float], seed: int) -> datasets.Dataset:
@@ -136,25 +147,25 @@ def padded_efficiency(lengths: np.ndarray, batch_size: int, seed: int) -> float:
     return float(lengths.sum()) / padded
 
 
-def tokenized_sources(patterns: list[str], task: str, tokenizer, data_cfg, streaming: bool, key: str):
+def tokenized_sources(sources: list[Source], task: str, tokenizer, data_cfg, streaming: bool):
     """(one tokenized dataset per source, whether they are samples rather than packed pt blocks)."""
-    sources = [canonical_rows(p, task, data_cfg, streaming, key) for p in patterns]
-    kinds = {fmt == "text" for _, fmt in sources}
+    canonical = [canonical_rows(source, task, data_cfg, streaming) for source in sources]
+    kinds = {form == "text" for _, form in canonical}
     if len(kinds) > 1:
-        raise UserError(f"{key}: raw text and pre-tokenized sources cannot be mixed in one run; "
+        raise UserError(f"{sources[0].key}: raw text and pre-tokenized sources cannot be mixed in one run; "
                         "tokenize the text sources too, or train on them separately")
-    return [tokenize_source(rows, fmt, tokenizer, data_cfg, pattern, key)
-            for pattern, (rows, fmt) in zip(patterns, sources)], kinds == {False}
+    return [tokenize_source(rows, form, tokenizer, data_cfg, source)
+            for source, (rows, form) in zip(sources, canonical)], kinds == {False}
 
 
-def build_split(patterns: list[str], weights: list[float], task: str, tokenizer, data_cfg, seed: int, key: str):
-    parts, _ = tokenized_sources(patterns, task, tokenizer, data_cfg, False, key)
+def build_split(sources: list[Source], weights: list[float], task: str, tokenizer, data_cfg, seed: int):
+    parts, _ = tokenized_sources(sources, task, tokenizer, data_cfg, False)
     return count_statuses(mix(parts, weights, seed))
 
 
 def build_stream(task: str, data_cfg, tokenizer, seed: int) -> datasets.IterableDataset:
     """The streaming pipeline: the same transforms, applied lazily as samples are read."""
-    parts, samples = tokenized_sources(data_cfg.train_files, task, tokenizer, data_cfg, True, "data.train_files")
+    parts, samples = tokenized_sources(split_sources(data_cfg, task, "train"), task, tokenizer, data_cfg, True)
     weights = data_cfg.mix_weights
     stream = datasets.interleave_datasets(parts, probabilities=[w / sum(weights) for w in weights], seed=seed,
                                           stopping_strategy="all_exhausted") if weights and len(parts) > 1 \
@@ -174,16 +185,16 @@ def packed_split(split: datasets.Dataset | None, data_cfg) -> datasets.Dataset |
     return packing.pack_samples(split, data_cfg.max_seq_len, map_options(split, data_cfg.num_proc, "pack"))
 
 
-def build_val_files(task: str, data_cfg, tokenizer, seed: int) -> datasets.Dataset:
-    """The validation split of data.val_files, before packing."""
-    val, _ = build_split(data_cfg.val_files, [], task, tokenizer, data_cfg, seed, "data.val_files")
+def build_validation(task: str, data_cfg, tokenizer, seed: int) -> datasets.Dataset:
+    """The validation split of data.val_files and data.val_datasets, before packing."""
+    val, _ = build_split(split_sources(data_cfg, task, "val"), [], task, tokenizer, data_cfg, seed)
     return val
 
 
 def build_datasets(task: str, data_cfg, tokenizer, seed: int):
     """(train, validation or None, counts of truncated and dropped samples), built from scratch."""
-    train, statuses = build_split(data_cfg.train_files, data_cfg.mix_weights, task, tokenizer, data_cfg, seed,
-                                  "data.train_files")
+    train, statuses = build_split(split_sources(data_cfg, task, "train"), data_cfg.mix_weights, task, tokenizer,
+                                  data_cfg, seed)
     too_long, no_labels = statuses.get(sft.TOO_LONG, 0), statuses.get(sft.NO_LABELS, 0)
     if not len(train) and too_long and not no_labels:
         raise UserError(f"data: every one of the {too_long} samples is longer than data.max_seq_len="
@@ -192,8 +203,8 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int):
         raise UserError(f"data.train_files: no training sample is left after tokenization and filtering "
                         f"({no_labels} had no label token, {too_long} were too long); check the data and data.format")
     val = None
-    if data_cfg.val_files:
-        val = build_val_files(task, data_cfg, tokenizer, seed)
+    if data_cfg.has_validation_sources():
+        val = build_validation(task, data_cfg, tokenizer, seed)
     elif data_cfg.val_ratio > 0:
         split = train.train_test_split(test_size=max(1, round(len(train) * data_cfg.val_ratio)), seed=seed)
         train, val = split["train"], split["test"]
@@ -213,9 +224,9 @@ def describe(train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: i
 
 def cache_key(task: str, data_cfg, tokenizer, seed: int) -> str:
     settings = {k: v for k, v in asdict(data_cfg).items() if k not in NOT_IN_KEY}
-    built = [("data.val_files", data_cfg.val_files)] if data_cfg.streaming else \
-        [("data.train_files", data_cfg.train_files), ("data.val_files", data_cfg.val_files)]
-    sources = [_fingerprint(pattern, key) for key, patterns in built for pattern in patterns]
+    splits = ("val",) if data_cfg.streaming else ("train", "val")
+    sources = [[_fingerprint(s.pattern, s.key), asdict(s.row_format) if s.row_format else None]
+               for split in splits for s in split_sources(data_cfg, task, split)]
     tok = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else \
         json.dumps(sorted(tokenizer.get_vocab().items()))
     parts = [CACHE_VERSION, task, settings, seed, sources, type(tokenizer).__name__,
@@ -259,8 +270,18 @@ def load_or_build_stream_validation(task: str, data_cfg, tokenizer, seed: int, s
     """A streaming run's validation split: data.val_files built map-style, like any other run's, so an
     evaluation reads the whole split and every data-parallel rank its share of it."""
     folder = cached_entry(task, data_cfg, tokenizer, seed, state,
-                          lambda: (None, packed_split(build_val_files(task, data_cfg, tokenizer, seed), data_cfg), {}))
+                          lambda: (None, packed_split(build_validation(task, data_cfg, tokenizer, seed), data_cfg), {}))
     return datasets.load_from_disk(str(folder / "val"))
+
+
+class OneProcess:
+    """The `state` a build takes (ParallelState's local_rank and first_error), for one process without a process
+    group: `llmtune data`."""
+    local_rank = 0
+
+    @staticmethod
+    def first_error(error: str | None) -> str | None:
+        return error
 
 
 def cached_entry(task: str, data_cfg, tokenizer, seed: int, state, build) -> Path:

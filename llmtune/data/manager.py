@@ -226,9 +226,9 @@ def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataMan
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)
         val = load_or_build_stream_validation(config.task, data_cfg, tokenizer, train_cfg.seed, state) \
-            if data_cfg.val_files else None
+            if data_cfg.has_validation_sources() else None
         if val is not None and state.is_main:
-            log.info("data: %d validation samples from data.val_files", len(val))
+            log.info("data: %d validation samples from data.val_files / data.val_datasets", len(val))
     else:
         train, val, stats = load_or_build(config.task, data_cfg, tokenizer, train_cfg.seed,
                                           train_cfg.per_device_train_batch_size, state)

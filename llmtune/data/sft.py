@@ -1,8 +1,8 @@
-"""sft: canonical conversations -> input_ids and labels, with the over-long policy applied."""
+"""sft: canonical samples -> input_ids and labels, with the over-long policy applied."""
 
 import datasets
 
-from llmtune.data.templates import encode_conversation
+from llmtune.data.templates import LabelRules, encode_sample
 from llmtune.loss import IGNORE_INDEX
 
 KEPT, TRUNCATED, TOO_LONG, NO_LABELS = 0, 1, 2, 3
@@ -33,15 +33,17 @@ def _last_response_start(labels: list[int]) -> int:
     return start
 
 
-def tokenize_examples(rows: datasets.Dataset, tokenizer, data_cfg, map_kw: dict) -> datasets.Dataset:
-    """Canonical rows ({"messages"} or pre-tokenized {"input_ids", "labels"}) -> input_ids, labels, status."""
+def tokenize_examples(rows: datasets.Dataset, tokenizer, data_cfg, map_kw: dict, source: str) -> datasets.Dataset:
+    """Canonical rows ({"sample"} or pre-tokenized {"input_ids", "labels"}) of `source` -> input_ids, labels,
+    status."""
+    rules = LabelRules.of(data_cfg, tokenizer)
 
-    def encode(row):
-        if "messages" in row:
-            input_ids, labels = encode_conversation(tokenizer, row["messages"], data_cfg.train_on_prompt)
+    def encode(row, index):
+        if "sample" in row:
+            input_ids, labels = encode_sample(tokenizer, row["sample"], rules, f"{source}: row {index + 1}")
         else:
             input_ids, labels = row["input_ids"], row["labels"]
         status, input_ids, labels = fit_length(input_ids, labels, data_cfg.max_seq_len, data_cfg.truncation)
         return {"input_ids": input_ids, "labels": labels, "status": status}
 
-    return rows.map(encode, **map_kw).select_columns(["input_ids", "labels", "status"])
+    return rows.map(encode, with_indices=True, **map_kw).select_columns(["input_ids", "labels", "status"])

@@ -6,18 +6,28 @@ template it was trained with and `apply_chat_template` at inference asks exactly
 showed. The same prompt rendering serves training and generation.
 """
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
+
+from transformers import AutoTokenizer
 
 from llmtune.errors import UserError
 from llmtune.loss import IGNORE_INDEX
 
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
 BUILTIN_TEMPLATES = {
     # An instruction/response layout for tokenizers that ship no template (e.g. bare sentencepiece).
+    # Tools are listed after the system text; a tool call is written as JSON after the assistant's text.
     "basic": (
         "{{ bos_token }}{% for m in messages %}"
-        "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
-        "{% elif m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n### Response:\n"
-        "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}"
+        "{% if m['role'] in ('system', 'developer') %}{{ m['content'] }}\n\n"
+        "{% elif m['role'] == 'user' %}{% if tools and loop.index0 <= 1 %}### Tools:\n{{ tools | tojson }}\n\n"
+        "{% endif %}### Instruction:\n{{ m['content'] }}\n\n### Response:\n"
+        "{% elif m['role'] == 'tool' %}### Tool result:\n{{ m['content'] }}\n\n### Response:\n"
+        "{% else %}{{ m['content'] }}{% for call in m.get('tool_calls', []) %}"
+        "<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}{{ eos_token }}{% endif %}"
         "{% endfor %}"
     ),
 }
@@ -37,8 +47,19 @@ def apply_recipe_template(tokenizer, template: str | None) -> None:
                         f"a built-in one ({', '.join(BUILTIN_TEMPLATES)}) or to a .jinja file")
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def recipe_tokenizer(task: str, model_cfg, chat_template: str | None):
+    """The run's tokenizer: sft needs a chat template; a pt recipe may name one too, for the exported model to
+    carry."""
+    tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_cfg.name_or_path,
+                                              trust_remote_code=model_cfg.trust_remote_code)
+    if task == "sft" or chat_template:
+        apply_recipe_template(tokenizer, chat_template)
+    return tokenizer
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -46,30 +67,140 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return _ids(tokenizer, render(tokenizer, [{"role": "user", "content": prompt}], True))
 
 
-def encode_conversation(tokenizer, messages: list[dict], train_on_prompt: bool) -> tuple[list[int], list[int]]:
-    """(input_ids, labels): every token outside an assistant turn is -100 unless train_on_prompt.
+@dataclass(frozen=True)
+class LabelRules:
+    """What an sft sample trains on besides the assistant's output, and how messages name the template."""
+    train_on_prompt: bool = False
+    train_on_reasoning: bool = True
+    template: str = "the chat template"
 
-    The conversation is rendered up to each assistant turn and cut into segments at the turn
-    boundaries; each segment is tokenized alone, so a boundary never falls inside a token.
-    """
+    @classmethod
+    def of(cls, data_cfg, tokenizer) -> "LabelRules":
+        template = f"data.chat_template {data_cfg.chat_template!r}" if data_cfg.chat_template else \
+            f"the chat template of {tokenizer.name_or_path}"
+        return cls(data_cfg.train_on_prompt, data_cfg.train_on_reasoning, template)
+
+
+def has_generation_markers(template: str | None) -> bool:
+    return bool(template and GENERATION_TAG.search(template))
+
+
+def encode_sample(tokenizer, sample: dict, rules: LabelRules, where: str) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of a canonical sft sample (formats.py): a conversation or a text pair."""
+    if "messages" not in sample:
+        return encode_text_pair(tokenizer, sample["prompt"], sample["completion"], rules)
+    messages = [_for_template(m) for m in sample["messages"]]
+    tools = sample.get("tools")
+    # A template that marks what the assistant generates says itself which tokens are trained, for every sample
+    # alike; otherwise each assistant turn is found by rendering the conversation up to it.
+    if has_generation_markers(tokenizer.chat_template):
+        return _encode_marked(tokenizer, messages, tools, sample["prompt_turns"], rules, where)
+    return _encode_by_prefixes(tokenizer, messages, tools, sample["prompt_turns"], rules, where)
+
+
+def encode_text_pair(tokenizer, prompt: str, completion: str, rules: LabelRules) -> tuple[list[int], list[int]]:
+    """TRL's prompt-completion form with strings: the prompt's ids as a pt document begins (the tokenizer's own
+    special tokens), then the completion's and EOS, which alone are trained; no chat template."""
+    prompt_ids = tokenizer(prompt)["input_ids"] if prompt else []
+    completion_ids = _ids(tokenizer, completion) + [tokenizer.eos_token_id]
+    return prompt_ids + completion_ids, _masked(prompt_ids, rules.train_on_prompt) + completion_ids
+
+
+def _for_template(message: dict) -> dict:
+    # Templates read an assistant's reasoning under one of two names (Qwen3 and others reasoning_content,
+    # gpt-oss thinking); the message carries both, and a template reads the one it knows.
+    if "reasoning_content" in message:
+        return {**message, "thinking": message["reasoning_content"]}
+    return message
+
+
+def _encode_by_prefixes(tokenizer, messages, tools, prompt_turns: int, rules: LabelRules, where: str):
+    """The conversation rendered up to each assistant turn and cut into segments at the turn boundaries; each
+    segment is tokenized alone, so a boundary never falls inside a token. Assistant turns of a prompt (TRL's
+    prompt-completion) are prompt."""
     input_ids: list[int] = []
     labels: list[int] = []
     done = ""
     for end, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render(tokenizer, messages[:end], add_generation_prompt=True)
-        full = render(tokenizer, messages[:end + 1], add_generation_prompt=False)
+        prompt = render(tokenizer, messages[:end], True, tools)
+        full = render(tokenizer, messages[:end + 1], False, tools)
         if not (prompt.startswith(done) and full.startswith(prompt)):
-            raise UserError("data.chat_template: the template renders earlier turns differently once later turns "
-                            "are added, so assistant turns cannot be located; use a template whose renderings "
-                            "of a conversation's prefixes are prefixes of each other")
-        for text, trained in ((prompt[len(done):], train_on_prompt), (full[len(prompt):], True)):
-            ids = _ids(tokenizer, text)
-            input_ids += ids
-            labels += ids if trained else [IGNORE_INDEX] * len(ids)
+            raise UserError(f"{where}: {rules.template} renders earlier turns differently once later turns are added "
+                            f"(seen at message {end}), so the assistant's turns cannot be found by rendering the "
+                            f"conversation turn by turn; set data.chat_template to a template that marks each "
+                            f"assistant output with {{% generation %}}...{{% endgeneration %}}")
+        ids = _ids(tokenizer, prompt[len(done):])
+        input_ids += ids
+        labels += _masked(ids, rules.train_on_prompt)
+        output = full[len(prompt):]
+        reasoning = _reasoning_spans(output, [message], where, rules)
+        ids, trained = _trained_ids(tokenizer, output, reasoning if not rules.train_on_reasoning else [])
+        input_ids += ids
+        labels += trained if end >= prompt_turns else _masked(ids, rules.train_on_prompt)
         done = full
     return input_ids, labels
+
+
+def _encode_marked(tokenizer, messages, tools, prompt_turns: int, rules: LabelRules, where: str):
+    """The conversation rendered once; the tokens inside the template's generation markers are trained."""
+    encoded = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True,
+                                            tokenizer_kwargs={"return_offsets_mapping": True})
+    input_ids = list(encoded["input_ids"])
+    labels = [t if trained or rules.train_on_prompt else IGNORE_INDEX
+              for t, trained in zip(input_ids, encoded["assistant_masks"])]
+    if any("reasoning_content" in m for m in messages):
+        text = render(tokenizer, messages, False, tools)
+        # A template may leave out the reasoning of earlier turns by design; the last one must be there.
+        spans = _reasoning_spans(text, [m for m in messages if "reasoning_content" in m], where, rules, last=True)
+        if not rules.train_on_reasoning:
+            labels = [IGNORE_INDEX if _inside(offset, spans) else label
+                      for offset, label in zip(encoded["offset_mapping"], labels)]
+    if prompt_turns:
+        prompt_ids = _ids(tokenizer, render(tokenizer, messages[:prompt_turns], True, tools))
+        if input_ids[:len(prompt_ids)] != prompt_ids:
+            raise UserError(f"{where}: {rules.template} renders the prompt's turns differently once the completion is "
+                            "added, so the completion cannot be told from the prompt")
+        labels[:len(prompt_ids)] = _masked(prompt_ids, rules.train_on_prompt)
+    return input_ids, labels
+
+
+def _reasoning_spans(text: str, messages: list[dict], where: str, rules: LabelRules,
+                     last: bool = False) -> list[tuple[int, int]]:
+    """Character spans of the messages' reasoning in `text`, in order. A reasoning the template does not render
+    is refused (every one, or with `last` the last one), rather than dropped silently."""
+    spans, cursor = [], 0
+    for number, message in enumerate(messages):
+        reasoning = message.get("reasoning_content", "").strip()
+        start = text.find(reasoning, cursor) if reasoning else -1
+        if start >= 0:
+            spans.append((start, start + len(reasoning)))
+            cursor = start + len(reasoning)
+        elif reasoning and (not last or number == len(messages) - 1):
+            raise UserError(f"{where}: {rules.template} does not render the assistant's reasoning "
+                            f"(reasoning_content / thinking); set data.chat_template to a template that renders it, or "
+                            f"remove the reasoning from the data")
+    return spans
+
+
+def _trained_ids(tokenizer, text: str, untrained: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """(ids, labels) of an assistant output; tokens that overlap an untrained character span are not trained."""
+    if not untrained:
+        ids = _ids(tokenizer, text)
+        return ids, list(ids)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    return ids, [IGNORE_INDEX if _inside(offset, untrained) else t for t, offset in zip(ids, encoded["offset_mapping"])]
+
+
+def _inside(offset: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    return any(offset[0] < end and offset[1] > start for start, end in spans)
+
+
+def _masked(ids: list[int], trained: bool) -> list[int]:
+    return list(ids) if trained else [IGNORE_INDEX] * len(ids)
 
 
 def _ids(tokenizer, text: str) -> list[int]:

@@ -116,7 +116,7 @@ def test_cache_second_run_does_no_tokenization(tmp_path, tokenizer, caplog, monk
     (None, [{"prompt": "a", "response": "b"}, {"prompt": "c"}],
      r"bad.jsonl: row 2: field 'response' is missing \(data.format prompt_response\)"),
     (None, [{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}],
-     r"bad.jsonl: row 1: turn 1 has role 'robot'"),
+     r"bad.jsonl: row 1: field 'messages' turn 1 has role 'robot'"),
     (None, [{"prompt": "What is 1 + 1? " * 30, "response": "2"}] * 3,
      r"every one of the 3 samples is longer than data.max_seq_len=16"),
     (None, [{"messages": [{"role": "user", "content": "hi"}]}], r"no training sample is left"),

@@ -5,9 +5,9 @@ tokenized one by one — not from the code under test."""
 
 import pytest
 
-from llmtune.data.formats import to_canonical
+from llmtune.data.formats import RowFormat, to_canonical
 from llmtune.data.sft import KEPT, TOO_LONG, TRUNCATED, fit_length
-from llmtune.data.templates import encode_conversation, encode_prompt
+from llmtune.data.templates import LabelRules, encode_prompt, encode_sample
 
 IGNORE = -100
 
@@ -23,14 +23,15 @@ def expected(tokenizer, segments):
 
 
 def encode(tokenizer, row, fmt, train_on_prompt=False):
-    return encode_conversation(tokenizer, to_canonical(row, fmt, "test row")["messages"], train_on_prompt)
+    sample = to_canonical(row, RowFormat.of(fmt, list(row)), "test row")["sample"]
+    return encode_sample(tokenizer, sample, LabelRules(train_on_prompt=train_on_prompt), "test row")
 
 
 CASES = {
     "prompt_response": ({"prompt": "What is 2 + 3?", "response": "5"},
                         [("<s>### Instruction:\nWhat is 2 + 3?\n\n### Response:\n", False), ("5</s>", True)]),
     "alpaca": ({"instruction": "Add the numbers.", "input": "20 and 22", "output": "42", "system": "Be exact."},
-               [("<s>Be exact.\n\n### Instruction:\nAdd the numbers.\n\n20 and 22\n\n### Response:\n", False),
+               [("<s>Be exact.\n\n### Instruction:\nAdd the numbers.\n20 and 22\n\n### Response:\n", False),
                 ("42</s>", True)]),
     "sharegpt": ({"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "1 + 1?"},
                                     {"from": "gpt", "value": "2"}, {"from": "human", "value": "And 2 + 2?"},
@@ -69,8 +70,9 @@ def test_prompt_used_at_inference_is_the_trained_prefix(tokenizer):
 
 
 def test_tokenized_rows_are_used_exactly_as_given():
-    assert to_canonical({"input_ids": [5, 6, 7]}, "tokenized", "r") == {"input_ids": [5, 6, 7], "labels": [5, 6, 7]}
-    assert to_canonical({"input_ids": [5, 6], "labels": [-100, 6]}, "tokenized", "r")["labels"] == [-100, 6]
+    tokenized = RowFormat.of("tokenized")
+    assert to_canonical({"input_ids": [5, 6, 7]}, tokenized, "r") == {"input_ids": [5, 6, 7], "labels": [5, 6, 7]}
+    assert to_canonical({"input_ids": [5, 6], "labels": [-100, 6]}, tokenized, "r")["labels"] == [-100, 6]
 
 
 def test_truncation_cuts_the_prompt_from_the_left_and_keeps_the_response():

@@ -1,0 +1,120 @@
+"""The sources of a split: data.train_files / data.val_files, and the datasets named in a LLaMA-Factory
+dataset_info.json (data.dataset_info with data.datasets / data.val_datasets), read as LLaMA-Factory reads them:
+file_name beside the registry, formatting alpaca or sharegpt, the columns and tags mappings. Standard library
+only: the CLI checks every source with it before torch or datasets is imported.
+
+Where LLaMA-Factory is silent or lenient this is strict, so that nothing is trained other than what was meant:
+an entry llmtune cannot train as sft or pt (preference, KTO, multimodal, Hub-hosted) is refused with the reason,
+not skipped. Tags an entry leaves out keep LLaMA-Factory's default names (a "system" role stays a system turn);
+columns it leaves out are not read, as in LLaMA-Factory, except the ones the form needs.
+"""
+
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmtune.data.formats import FORMS, SHAREGPT_TAGS, RowFormat
+from llmtune.errors import UserError
+
+REGISTRY_FILE = "dataset_info.json"
+FORMATTINGS = {"alpaca": "alpaca", "sharegpt": "sharegpt"}
+ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "file_sha1")
+NOT_SFT = {"ranking": "preference data (ranking: true) is for reward or DPO training, not sft",
+           "chosen": "preference data (chosen/rejected columns) is not sft",
+           "rejected": "preference data (chosen/rejected columns) is not sft",
+           "kto_tag": "KTO data (kto_tag column) is not sft",
+           "images": "multimodal data (images) is not supported", "videos": "multimodal data (videos) is not supported",
+           "audios": "multimodal data (audios) is not supported"}
+ELSEWHERE = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source of a split. row_format None: the form is detected from the columns (data.format)."""
+    pattern: str
+    key: str
+    row_format: RowFormat | None = None
+
+
+def split_sources(data_cfg, task: str, split: str) -> list[Source]:
+    """The training (split "train") or validation ("val") sources, in the recipe's order: files, then datasets."""
+    files, names, key = (data_cfg.train_files, data_cfg.datasets, "data.datasets") if split == "train" else \
+        (data_cfg.val_files, data_cfg.val_datasets, "data.val_datasets")
+    sources = [Source(p, f"data.{split}_files") for p in files]
+    if names:
+        path = registry_path(data_cfg.dataset_info)
+        entries = read_registry(path)
+        sources += [registry_source(entries, name, path, key, task) for name in names]
+    return sources
+
+
+def registry_path(dataset_info: str) -> Path:
+    """data.dataset_info names the file or, as LLaMA-Factory's dataset_dir, the folder holding it."""
+    path = Path(dataset_info)
+    return path / REGISTRY_FILE if path.is_dir() else path
+
+
+def read_registry(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"data.dataset_info: {path} not found; name a LLaMA-Factory dataset_info.json or the folder "
+                        "holding it")
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"data.dataset_info: {path} is not valid JSON ({err})") from None
+    if not isinstance(entries, dict):
+        raise UserError(f"data.dataset_info: {path} must map dataset names to their descriptions")
+    return entries
+
+
+def registry_source(entries: dict, name: str, path: Path, key: str, task: str) -> Source:
+    if name not in entries:
+        close = difflib.get_close_matches(name, list(entries), n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"it has {', '.join(list(entries)[:20])}"
+        raise UserError(f"{key}: no dataset {name!r} in {path}; {hint}")
+    entry = entries[name]
+    where = f"{key}: {name!r} in {path}"
+    if not isinstance(entry, dict):
+        raise UserError(f"{where}: the description must be a JSON object")
+    columns, tags = entry.get("columns", {}), entry.get("tags", {})
+    for field_name, mapping in (("columns", columns), ("tags", tags)):
+        if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+            raise UserError(f"{where}: {field_name} must map names to strings")
+    for reason_key, reason in NOT_SFT.items():
+        if entry.get(reason_key) or columns.get(reason_key):
+            raise UserError(f"{where}: {reason}; llmtune trains sft and pt, leave it out of {key}")
+    hosted = [k for k in ELSEWHERE if k in entry]
+    if hosted and "file_name" not in entry:
+        raise UserError(f"{where}: {hosted[0]} is not read from dataset_info.json; download the files and set "
+                        f"file_name, or name a Hub dataset in data.train_files (org/name:config:split)")
+    unknown = [k for k in entry if k not in ENTRY_KEYS and k not in ELSEWHERE]
+    if unknown:
+        raise UserError(f"{where}: {', '.join(unknown)} not supported; an entry may have {', '.join(ENTRY_KEYS)}")
+    if not isinstance(entry.get("file_name"), str):
+        raise UserError(f"{where}: file_name is missing; name the data file or folder beside {path.name}")
+    file = path.parent / entry["file_name"]
+    if not file.exists():
+        raise UserError(f"{where}: file_name {entry['file_name']!r} does not exist ({file}); fix file_name or add "
+                        "the file")
+    return Source(str(file), key, _row_format(entry, columns, tags, task, where))
+
+
+def _row_format(entry: dict, columns: dict, tags: dict, task: str, where: str) -> RowFormat:
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in FORMATTINGS:
+        raise UserError(f"{where}: formatting {formatting!r} is not supported; use alpaca or sharegpt")
+    if task == "pt":
+        # LLaMA-Factory's pre-training entries name the text column as the prompt column.
+        return RowFormat.of("text", columns={"text": columns.get("prompt", "text")})
+    form = FORMATTINGS[formatting]
+    defaults, required = FORMS[form]
+    wrong = [c for c in columns if c not in defaults]
+    if wrong:
+        raise UserError(f"{where}: columns {', '.join(wrong)} not known for formatting {formatting}; use "
+                        f"{', '.join(defaults)}")
+    chosen = {**{role: defaults[role] for role in required}, **columns} if "columns" in entry else None
+    wrong_tags = [t for t in tags if t not in SHAREGPT_TAGS]
+    if wrong_tags:
+        raise UserError(f"{where}: tags {', '.join(wrong_tags)} not known; use {', '.join(SHAREGPT_TAGS)}")
+    return RowFormat.of(form, columns=chosen, tags=tags)
