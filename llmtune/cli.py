@@ -11,6 +11,7 @@ from llmtune.errors import TrainingStopped, UserError
 
 USAGE = """llmtune pt|sft RECIPE [section.key=value ...] [--section.key VALUE ...] [--nproc N]
                [--resume_from_checkpoint PATH|latest]
+       llmtune data RECIPE [--n N] [--task pt|sft] [section.key=value ...]
        llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge]
        llmtune demo"""
 
@@ -41,6 +42,24 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
     return 0
 
 
+def data_command(args: list[str]) -> int:
+    """RECIPE, --n, --task and overrides -> the first N training samples and the data statistics, on one process."""
+    from llmtune.config import parse_overrides
+    from llmtune.data.preview import preview, take_flag
+
+    recipe, rest = args[0], list(args[1:])
+    count, task = take_flag(rest, "--n", "3"), take_flag(rest, "--task", "sft")
+    overrides, nproc = parse_overrides(rest)
+    if nproc:
+        raise UserError("--nproc: llmtune data runs on one process and starts none; remove --nproc")
+    if not count.isdigit() or int(count) < 1:
+        raise UserError(f"--n: {count!r} is not a positive number of samples")
+    if task not in ("pt", "sft"):
+        raise UserError(f"--task: {task!r} is not a task; use pt or sft")
+    preview(recipe, overrides, task, int(count))
+    return 0
+
+
 def export_command(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="llmtune export", description="DCP checkpoint -> HF folder, offline, one "
                                                                         "process")
@@ -63,7 +82,7 @@ def export_command(args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtune", usage=USAGE,
                                      description="FSDP2 pre-training (pt) and supervised fine-tuning (sft) of HF causal LMs.")
-    parser.add_argument("command", choices=["pt", "sft", "export", "demo"])
+    parser.add_argument("command", choices=["pt", "sft", "data", "export", "demo"])
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
     try:
@@ -75,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             return demo_main(parsed.args)
         if not parsed.args or parsed.args[0].startswith("-"):
             raise UserError(f"{parsed.command} needs a recipe: llmtune {parsed.command} RECIPE.yaml")
+        if parsed.command == "data":
+            return data_command(parsed.args)
         return train_command(parsed.command, parsed.args[0], parsed.args[1:])
     except (UserError, TrainingStopped) as err:
         print(f"llmtune: error: {err}", file=sys.stderr)

@@ -47,14 +47,21 @@ class DataStats:
     truncated: int
     dropped_too_long: int
     dropped_no_labels: int
+    fully_labelled: int  # samples whose every token is labelled: no prompt was masked
     efficiency: float  # non-pad tokens / all tokens of the batches the model will see
     val_samples: int
 
     def summary(self) -> str:
         return (f"{self.samples} samples, {self.tokens} tokens, label tokens {self.label_tokens / max(self.tokens, 1):.1%}, "
                 f"{self.truncated} truncated, {self.dropped_too_long} dropped as too long, {self.dropped_no_labels} "
-                f"dropped with no label, efficiency {self.efficiency:.1%} (non-pad tokens), "
+                f"dropped with no label ({self._share(self.dropped_no_labels)}), {self.fully_labelled} with every "
+                f"token labelled ({self._share(self.fully_labelled)}), efficiency {self.efficiency:.1%} (non-pad tokens), "
                 f"{self.val_samples} validation samples")
+
+    def _share(self, count: int) -> str:
+        """`count` as a share of every sample read (the kept ones and the dropped ones)."""
+        read = self.samples + self.dropped_too_long + self.dropped_no_labels
+        return f"{count / max(read, 1):.1%}"
 
 
 def map_options(dataset, num_proc: int, desc: str) -> dict:
@@ -138,6 +145,16 @@ def length_stats(samples: datasets.Dataset) -> tuple[np.ndarray, int]:
     return lengths, labelled - first
 
 
+def fully_labelled(samples: datasets.Dataset) -> int:
+    """How many samples have every token labelled, counted on the Arrow column (read through the dataset's
+    indices: a filtered split's table still holds the rows it dropped)."""
+    labels = samples.select_columns(["labels"]).with_format("arrow")[:]["labels"]
+    labelled = np.bincount(np.asarray(pc.list_parent_indices(labels)),
+                           weights=np.asarray(pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX)),
+                           minlength=len(samples))
+    return int((labelled == np.asarray(pc.list_value_length(labels))).sum())
+
+
 def padded_efficiency(lengths: np.ndarray, batch_size: int, seed: int) -> float:
     """Non-pad share of batches padded to their longest row, over one seeded shuffle."""
     if not len(lengths):
@@ -202,6 +219,12 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int):
     if not len(train):
         raise UserError(f"data.train_files: no training sample is left after tokenization and filtering "
                         f"({no_labels} had no label token, {too_long} were too long); check the data and data.format")
+    every_token = fully_labelled(train) if task == "sft" else 0
+    if every_token == len(train) and task == "sft" and not data_cfg.train_on_prompt:
+        raise UserError(f"data: every token of all {len(train)} training samples is labelled, so the prompts would be "
+                        "trained as well as the answers: no prompt was found to mask (pre-tokenized rows without "
+                        "labels, or a chat template that renders no prompt); check data.format and "
+                        "data.chat_template, or set data.train_on_prompt: true if this is meant")
     val = None
     if data_cfg.has_validation_sources():
         val = build_validation(task, data_cfg, tokenizer, seed)
@@ -209,7 +232,7 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int):
         split = train.train_test_split(test_size=max(1, round(len(train) * data_cfg.val_ratio)), seed=seed)
         train, val = split["train"], split["test"]
     counts = {"truncated": statuses.get(sft.TRUNCATED, 0), "dropped_too_long": too_long,
-              "dropped_no_labels": no_labels}
+              "dropped_no_labels": no_labels, "fully_labelled": every_token}
     return packed_split(train, data_cfg), packed_split(val, data_cfg), counts
 
 

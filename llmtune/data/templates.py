@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 from llmtune.errors import UserError
@@ -93,9 +94,12 @@ def encode_sample(tokenizer, sample: dict, rules: LabelRules, where: str) -> tup
     tools = sample.get("tools")
     # A template that marks what the assistant generates says itself which tokens are trained, for every sample
     # alike; otherwise each assistant turn is found by rendering the conversation up to it.
-    if has_generation_markers(tokenizer.chat_template):
-        return _encode_marked(tokenizer, messages, tools, sample["prompt_turns"], rules, where)
-    return _encode_by_prefixes(tokenizer, messages, tools, sample["prompt_turns"], rules, where)
+    encode = _encode_marked if has_generation_markers(tokenizer.chat_template) else _encode_by_prefixes
+    try:
+        return encode(tokenizer, messages, tools, sample["prompt_turns"], rules, where)
+    except TemplateError as err:  # the template's own raise_exception, or a field it needs and the row lacks
+        raise UserError(f"{where}: {rules.template} cannot render this conversation ({err}); fix the row, or set "
+                        "data.chat_template to a template that takes it") from None
 
 
 def encode_text_pair(tokenizer, prompt: str, completion: str, rules: LabelRules) -> tuple[list[int], list[int]]:
@@ -140,6 +144,7 @@ def _encode_by_prefixes(tokenizer, messages, tools, prompt_turns: int, rules: La
         input_ids += ids
         labels += trained if end >= prompt_turns else _masked(ids, rules.train_on_prompt)
         done = full
+    _check_rendered(done, messages, tools, where, rules)
     return input_ids, labels
 
 
@@ -151,8 +156,9 @@ def _encode_marked(tokenizer, messages, tools, prompt_turns: int, rules: LabelRu
     input_ids = list(encoded["input_ids"])
     labels = [t if trained or rules.train_on_prompt else IGNORE_INDEX
               for t, trained in zip(input_ids, encoded["assistant_masks"])]
+    text = render(tokenizer, messages, False, tools)
+    _check_rendered(text, messages, tools, where, rules)
     if any("reasoning_content" in m for m in messages):
-        text = render(tokenizer, messages, False, tools)
         # A template may leave out the reasoning of earlier turns by design; the last one must be there.
         spans = _reasoning_spans(text, [m for m in messages if "reasoning_content" in m], where, rules, last=True)
         if not rules.train_on_reasoning:
@@ -165,6 +171,25 @@ def _encode_marked(tokenizer, messages, tools, prompt_turns: int, rules: LabelRu
                             "added, so the completion cannot be told from the prompt")
         labels[:len(prompt_ids)] = _masked(prompt_ids, rules.train_on_prompt)
     return input_ids, labels
+
+
+def _check_rendered(text: str, messages: list[dict], tools: list | None, where: str, rules: LabelRules) -> None:
+    """Refuse what a template leaves out rather than train without it: the tools, the tool calls and the tool
+    results up to the last assistant turn (after it nothing is rendered) must show in the rendering."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    missing = [f"the tool {name!r} of the tools column" for name in map(_tool_name, tools or []) if name not in text]
+    for message in messages[:last + 1]:
+        missing += [f"the tool call to {call['function']['name']!r}" for call in message.get("tool_calls", [])
+                    if call["function"]["name"] not in text]
+        if message["role"] == "tool" and message["content"].strip() not in text:
+            missing.append("a tool result (role tool)")
+    if missing:
+        raise UserError(f"{where}: {rules.template} does not render {missing[0]}; set data.chat_template to a "
+                        "template made for tool use")
+
+
+def _tool_name(tool: dict) -> str:
+    return str(tool.get("function", tool).get("name", ""))
 
 
 def _reasoning_spans(text: str, messages: list[dict], where: str, rules: LabelRules,

@@ -131,3 +131,19 @@ def test_an_incomplete_checkpoint_to_resume_from_stops_every_rank_with_its_name(
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"llmtune: error: {checkpoint}: incomplete checkpoint, missing .metadata, trainer_state.json" in result.stderr
     assert not (tmp_path / "out" / "hf").exists()
+
+
+def test_a_dataset_info_entry_naming_a_missing_file_and_a_tool_result_without_a_call_exit_2(tmp_path, recipe):
+    (tmp_path / "dataset_info.json").write_text('{"calls": {"file_name": "calls.json", "formatting": "sharegpt"}}')
+    result = run_cli("sft", recipe(data__train_files=[], data__dataset_info=str(tmp_path), data__datasets=["calls"]))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"llmtune: error: data.datasets: 'calls' in {tmp_path / 'dataset_info.json'}: file_name 'calls.json' does not "
+        f"exist ({tmp_path / 'calls.json'}); fix file_name or add the file"]
+    (tmp_path / "calls.json").write_text('[{"conversations": [{"from": "human", "value": "Hi"}, '
+                                         '{"from": "observation", "value": "5"}, {"from": "gpt", "value": "Ok"}]}]')
+    result = run_cli("sft", recipe(data__train_files=[], data__dataset_info=str(tmp_path), data__datasets=["calls"]))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (f"llmtune: error: {tmp_path / 'calls.json'}: row 1: message 1 is a tool result after a user turn with no "
+            "tool call before it") in result.stderr
+    assert not (tmp_path / "out" / "hf").exists()

@@ -1,0 +1,142 @@
+"""`llmtune data`: a recipe's training samples as the trainer sees them, before any training.
+
+It builds (or reads) the same tokenization cache entry as the run, on one process and with no process group, then
+prints the first samples with their trained tokens marked, the statistics the run logs and a histogram of the
+sample lengths.
+"""
+
+import logging
+import math
+import sys
+
+import numpy as np
+import pyarrow.compute as pc
+
+from llmtune.config import load_config
+from llmtune.data.build import OneProcess, load_or_build
+from llmtune.data.templates import recipe_tokenizer
+from llmtune.errors import UserError
+from llmtune.inputs import check_inputs, fetch_hub_inputs, local_inputs
+from llmtune.loss import IGNORE_INDEX
+
+GREEN, RESET = "\033[32m", "\033[0m"
+OPEN, CLOSE = "[[", "]]"
+HISTOGRAM_BINS = 10
+BAR_WIDTH = 40
+
+
+def take_flag(args: list[str], flag: str, default: str) -> str:
+    """The value of `flag VALUE` or `flag=VALUE` in args (default when absent), removed from args, so that what
+    is left holds the recipe overrides alone."""
+    for i, token in enumerate(args):
+        if token == flag:
+            if i + 1 >= len(args):
+                raise UserError(f"{flag} needs a value")
+            value = args[i + 1]
+            del args[i:i + 2]
+            return value
+        if token.startswith(f"{flag}="):
+            del args[i]
+            return token.partition("=")[2]
+    return default
+
+
+def preview(recipe: str, overrides: list[str], task: str, count: int) -> None:
+    """Print `count` training samples of the recipe with their trained tokens marked, then the data statistics."""
+    config = load_config(recipe, overrides, task, world_size=1)
+    if config.data.streaming:
+        # A stream is tokenized as training reads it: there is no built dataset, and no statistics, to show.
+        raise UserError("data.streaming: a streaming run builds no dataset ahead, so llmtune data has nothing to show; "
+                        "add data.streaming=false to preview the samples (it tokenizes the whole training set)")
+    local = local_inputs(config, fetch_hub_inputs(config))
+    check_inputs(local)
+    # The run's logging setup (worker.py), so that the cache entry's "data: built" or "data: cache hit" shows.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("llmtune").setLevel(logging.INFO)
+    tokenizer = recipe_tokenizer(task, local.model, config.data.chat_template)
+    # The arguments of build_data (manager.py): the same cache key, so the run and this command share one entry.
+    train, _, stats = load_or_build(task, local.data, tokenizer, config.train.seed,
+                                      config.train.per_device_train_batch_size, OneProcess())
+    color = sys.stdout.isatty()
+    for number, (ids, trained, continued) in enumerate(first_samples(train, count), 1):
+        note = " (continues a document of the previous row)" if continued else ""
+        print(f"sample {number}: {len(ids)} tokens, {sum(trained)} trained{note}")
+        print(render(tokenizer, ids, trained, color))
+        print()
+    # The line the run logs; it counts the validation samples too.
+    print(f"data: {stats.summary()}")
+    lengths = sample_lengths(train)
+    print(f"lengths of the {len(lengths)} training samples:")
+    print("\n".join(histogram(lengths)))
+
+
+def first_samples(train, count: int):
+    """(input_ids, trained flags, whether it continues a document cut at the previous row's end) of the first
+    `count` samples in stored order: a packed row holds several, split where position_ids restart."""
+    packed = "position_ids" in train.column_names
+    found = 0
+    for row in train:
+        starts = piece_starts(row["position_ids"]) if packed else [0]
+        for start, end in zip(starts, starts[1:] + [len(row["input_ids"])]):
+            labels = row["labels"][start:end]
+            # The loss shifts labels left, so a row's first token is never a target even when labelled (an unpacked
+            # row, or a pt document cut at a block boundary); packed samples already carry -100 there.
+            trained = [label != IGNORE_INDEX and start + i > 0 for i, label in enumerate(labels)]
+            yield row["input_ids"][start:end], trained, packed and row["position_ids"][start] != 0
+            found += 1
+            if found == count:
+                return
+
+
+def piece_starts(position_ids: list[int]) -> list[int]:
+    """Where the samples of a packed row begin: the row's start (a pt document may go on from the previous row)
+    and every restart of position_ids."""
+    return [0] + [i for i, position in enumerate(position_ids) if position == 0 and i > 0]
+
+
+def render(tokenizer, ids: list[int], trained: list[bool], color: bool) -> str:
+    """The sample's text with its trained runs marked.
+
+    Each run's text is the difference between the decoded prefixes that end and start it, not the run decoded on
+    its own: a sentencepiece tokenizer drops a leading space when decoding from a word-initial piece, and a
+    byte-level one turns a character whose bytes a run boundary splits into U+FFFD. Prefixes keep the text exactly
+    as the whole sample decodes; special tokens stay in and tokenization spaces are not cleaned up, so what is
+    shown is what the model reads.
+    """
+    bounds = [0] + [i for i in range(1, len(ids)) if trained[i] != trained[i - 1]] + [len(ids)]
+    texts = [tokenizer.decode(ids[:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+             for end in bounds]
+    pieces = []
+    for k, start in enumerate(bounds[:-1]):
+        text = texts[k + 1][len(texts[k]):]
+        pieces.append(mark(text, color) if trained[start] else text)
+    return "".join(pieces)
+
+
+def mark(text: str, color: bool) -> str:
+    """Green on a terminal; brackets elsewhere (a file, a pipe, a test), where colour codes would be noise."""
+    return f"{GREEN}{text}{RESET}" if color else f"{OPEN}{text}{CLOSE}"
+
+
+def sample_lengths(train) -> np.ndarray:
+    """Token counts of every sample, on the Arrow columns (one pass in Python over the rows would be slow on a large
+    set): rows when unpacked, pieces between position_ids restarts (and row starts) when packed."""
+    table = train.data
+    if "position_ids" not in train.column_names:
+        return np.asarray(pc.list_value_length(table.column("input_ids")))
+    positions = np.asarray(pc.list_flatten(table.column("position_ids")))
+    row_starts = np.cumsum(np.asarray(pc.list_value_length(table.column("position_ids"))))[:-1]
+    starts = np.union1d(np.flatnonzero(positions == 0), np.concatenate([[0], row_starts]))
+    return np.diff(np.append(starts, len(positions)))
+
+
+def histogram(lengths: np.ndarray) -> list[str]:
+    """About HISTOGRAM_BINS lines `  lo-hi tokens | ###  count`, of bins of equal integer width."""
+    low, high = int(lengths.min()), int(lengths.max())
+    width = math.ceil((high - low + 1) / HISTOGRAM_BINS)
+    counts = np.bincount((lengths - low) // width)
+    ranges = [f"{low + i * width}-{min(low + (i + 1) * width - 1, high)}" for i in range(len(counts))]
+    span = max(len(text) for text in ranges)
+    # A non-empty bin gets at least one mark, so that it never looks empty.
+    bars = ["#" * math.ceil(BAR_WIDTH * n / counts.max()) for n in counts]
+    return [f"  {text:>{span}} tokens | {bar:<{BAR_WIDTH}}  {n}" for text, bar, n in zip(ranges, bars, counts)]

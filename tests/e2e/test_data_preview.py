@@ -1,0 +1,143 @@
+"""`llmtune data`: the samples it prints are the training split's documents with exactly the trained tokens marked,
+it shares the training run's tokenization cache entry, and it runs on one process without a process group."""
+
+import itertools
+import logging
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from tests.helpers import REPO, run_cli
+
+HEADER = re.compile(r"^sample (\d+): (\d+) tokens, (\d+) trained.*\n", re.M)
+SPAN = re.compile(r"\[\[(.*?)\]\]", re.S)
+
+
+def write_recipe(folder, assets, sft_file) -> str:
+    recipe = folder / "recipe.yaml"
+    recipe.write_text(f"model: {{config: {assets / 'model' / 'config.json'}, tokenizer: {assets / 'tokenizer'}}}\n"
+                      f"data: {{train_files: [{sft_file}], chat_template: basic, max_seq_len: 64, "
+                      f"cache_dir: {folder / 'cache'}}}\n"
+                      f"train: {{output_dir: {folder / 'out'}}}\n")
+    return str(recipe)
+
+
+@pytest.fixture(scope="module")
+def previewed(assets, sft_file, tmp_path_factory):
+    """(recipe, the finished `llmtune data RECIPE --n 3`), which built the recipe's cache entry."""
+    recipe = write_recipe(tmp_path_factory.mktemp("preview"), assets, sft_file)
+    result = run_cli("data", recipe, "--n", "3")
+    assert result.returncode == 0, result.stderr
+    return recipe, result
+
+
+def run_inputs(recipe: str):
+    """(the recipe as the run reads it, the run's tokenizer)."""
+    from llmtune.config import load_config
+    from llmtune.data.templates import recipe_tokenizer
+    from llmtune.inputs import fetch_hub_inputs, local_inputs
+
+    config = load_config(recipe, [], "sft", world_size=1)
+    local = local_inputs(config, fetch_hub_inputs(config))
+    return local, recipe_tokenizer("sft", local.model, config.data.chat_template)
+
+
+def trainer_split(recipe: str):
+    """(the training split as load_or_build gives it to the run, the run's tokenizer)."""
+    from llmtune.data.build import OneProcess, load_or_build
+
+    local, tokenizer = run_inputs(recipe)
+    train, _, _ = load_or_build("sft", local.data, tokenizer, local.train.seed,
+                                local.train.per_device_train_batch_size, OneProcess())
+    return train, tokenizer
+
+
+def documents(train):
+    """(input_ids, labels) of each packed document, in stored order: a row split where position_ids restart."""
+    for row in train:
+        starts = [i for i, position in enumerate(row["position_ids"]) if position == 0] + [len(row["input_ids"])]
+        for start, end in zip(starts, starts[1:]):
+            yield row["input_ids"][start:end], row["labels"][start:end]
+
+
+def printed_samples(stdout: str) -> list[tuple[int, int, str]]:
+    """(tokens, trained, text) of each printed sample; a sample's text ends with a blank line."""
+    headers = list(HEADER.finditer(stdout))
+    ends = [h.start() for h in headers[1:]] + [stdout.index("\ndata: ") + 1]
+    return [(int(h[2]), int(h[3]), stdout[h.end():end].removesuffix("\n\n")) for h, end in zip(headers, ends)]
+
+
+def decoded(tokenizer, ids) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def test_marked_spans_are_the_trained_tokens(previewed):
+    recipe, result = previewed
+    train, tokenizer = trainer_split(recipe)
+    samples = printed_samples(result.stdout)
+    assert [number for number in map(int, re.findall(r"^sample (\d+):", result.stdout, re.M))] == [1, 2, 3]
+    for (tokens, trained, text), (ids, labels) in zip(samples, documents(train)):
+        assert (tokens, trained) == (len(ids), sum(label != -100 for label in labels))
+        # Unmarked, the text is the document's whole decoded text.
+        assert text.replace("[[", "").replace("]]", "") == decoded(tokenizer, ids)
+        runs, position = [], 0
+        for is_trained, group in itertools.groupby(label != -100 for label in labels):
+            end = position + len(list(group))
+            if is_trained:
+                runs.append((position, end))
+            position = end
+        spans = SPAN.findall(text)
+        assert len(spans) == len(runs) > 0, text
+        for span, (start, end) in zip(spans, runs):
+            # The run's text inside the sample; decoded on its own, a sentencepiece run loses its leading space.
+            assert span == decoded(tokenizer, ids[:end])[len(decoded(tokenizer, ids[:start])):]
+            assert span.strip() == decoded(tokenizer, ids[start:end]).strip()
+    assert result.stdout.count("\ndata: ") == 1 and " tokens | " in result.stdout
+
+
+def test_shares_the_training_cache_entry(previewed, assets, sft_file, tmp_path, caplog):
+    """Either way round: llmtune data then the run's load_or_build, and the run's build_data then llmtune data."""
+    recipe, result = previewed
+    assert "data: built" in result.stderr
+    caplog.set_level(logging.INFO, logger="llmtune.data.build")
+    trainer_split(recipe)
+    assert "data: cache hit" in caplog.text
+
+    from llmtune.data.manager import build_data
+
+    fresh = write_recipe(tmp_path, assets, sft_file)
+    local, tokenizer = run_inputs(fresh)
+    one_rank = SimpleNamespace(local_rank=0, first_error=lambda error: error, is_main=True, dp_size=1, dp_rank=0)
+    build_data(local, tokenizer, one_rank)
+    second = run_cli("data", fresh, "--n", "1")
+    assert second.returncode == 0, second.stderr
+    assert "data: cache hit" in second.stderr and "data: built" not in second.stderr
+
+
+def test_no_process_group(previewed):
+    recipe, _ = previewed
+    code = ("import sys; from llmtune.cli import main; assert main(['data', sys.argv[1], '--n', '1']) == 0; "
+            "torch = sys.modules.get('torch'); "
+            "print('parallel', 'llmtune.parallel' in sys.modules); "
+            "print('group', bool(torch) and torch.distributed.is_available() and torch.distributed.is_initialized())")
+    result = subprocess.run([sys.executable, "-c", code, recipe], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "sample 1:" in result.stdout
+    assert result.stdout.splitlines()[-2:] == ["parallel False", "group False"]
+
+
+def test_overrides_and_refused_nproc(previewed):
+    recipe, result = previewed
+    short = run_cli("data", recipe, "--n", "3", "data.max_seq_len=32")
+    assert short.returncode == 0, short.stderr
+    counts = [tokens for tokens, _, _ in printed_samples(short.stdout)]
+    assert len(counts) == 3 and max(counts) <= 32
+    assert counts != [tokens for tokens, _, _ in printed_samples(result.stdout)]
+    refused = run_cli("data", recipe, "--nproc", "2")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == ["llmtune: error: --nproc: llmtune data runs on one process and "
+                                                   "starts none; remove --nproc"]
