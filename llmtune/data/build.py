@@ -52,10 +52,11 @@ class DataStats:
     val_samples: int
 
     def summary(self) -> str:
-        return (f"{self.samples} samples, {self.tokens} tokens, label tokens {self.label_tokens / max(self.tokens, 1):.1%}, "
-                f"{self.truncated} truncated, {self.dropped_too_long} dropped as too long, {self.dropped_no_labels} "
-                f"dropped with no label ({self._share(self.dropped_no_labels)}), {self.fully_labelled} with every "
-                f"token labelled ({self._share(self.fully_labelled)}), efficiency {self.efficiency:.1%} (non-pad tokens), "
+        return (f"{self.samples} samples, {self.tokens} tokens, label tokens "
+                f"{self.label_tokens / max(self.tokens, 1):.1%}, {self.truncated} truncated, {self.dropped_too_long} "
+                f"dropped as too long, {self.dropped_no_labels} dropped with no label "
+                f"({self._share(self.dropped_no_labels)}), {self.fully_labelled} with every token labelled "
+                f"({self._share(self.fully_labelled)}), efficiency {self.efficiency:.1%} (non-pad tokens), "
                 f"{self.val_samples} validation samples")
 
     def _share(self, count: int) -> str:

@@ -93,7 +93,8 @@ def detect_format(columns: list[str], task: str, requested: str, source: str) ->
 def check_columns(row_format: RowFormat, columns: list[str], source: str, named_by: str) -> None:
     missing = [c for c in row_format.required() if c not in columns]
     if missing:
-        raise UserError(f"{source}: {named_by} needs column(s) {', '.join(missing)}; the rows have {', '.join(columns)}")
+        raise UserError(f"{source}: {named_by} needs column(s) {', '.join(missing)}; the rows have "
+                        f"{', '.join(columns)}")
 
 
 def canonical_columns(form: str) -> tuple[str, ...]:

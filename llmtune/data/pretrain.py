@@ -28,6 +28,14 @@ def has_text_tokens(docs: datasets.Dataset, tokenizer) -> bool:
     return bool(pc.any(pc.invert(pc.is_in(ids, value_set=special))).as_py())
 
 
+def restart_positions(positions: list[int]) -> list[int]:
+    """A document cut by a block boundary goes on in the next block from position 0, as a block of any other
+    trainer starts: a position past the model's learned positions (GPT-2's 1,024) would index out of range, and
+    the rest of the document is a row of its own anyway (rows do not attend to each other)."""
+    first_start = next((i for i, p in enumerate(positions) if p == 0), len(positions))
+    return list(range(first_start)) + positions[first_start:]
+
+
 def pack_documents(docs: datasets.Dataset, max_seq_len: int, remainder: str, map_kw: dict) -> datasets.Dataset:
     """Blocks of max_seq_len tokens; a window's last, shorter block is dropped or kept (the collator pads it)."""
 
@@ -39,6 +47,7 @@ def pack_documents(docs: datasets.Dataset, max_seq_len: int, remainder: str, map
                 break
             for column, values in packed.items():
                 rows[column].append(values[start:start + max_seq_len])
+            rows["position_ids"][-1] = restart_positions(rows["position_ids"][-1])
         return rows
 
     return docs.map(pack, batched=True, batch_size=PACK_WINDOW, remove_columns=["input_ids"], **map_kw)

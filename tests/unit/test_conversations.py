@@ -100,7 +100,8 @@ def test_tool_calls_with_null_or_empty_content_and_a_tools_column_reach_the_temp
                                                                                       content):
     row = {"messages": [{"role": "developer", "content": "Use the tools."},
                         {"role": "user", "content": "What is 2 plus 3?"},
-                        {"role": "assistant", "content": content, "tool_calls": [{"type": "function", "function": CALL}]},
+                        {"role": "assistant", "content": content,
+                         "tool_calls": [{"type": "function", "function": CALL}]},
                         {"role": "tool", "content": "5"},
                         {"role": "assistant", "content": "It is 5."}],
            "tools": [ADD]}
@@ -118,7 +119,8 @@ def test_reasoning_is_rendered_and_trained_by_default_and_left_out_of_the_loss_w
                                     ("\n</think>\n\nIt is 5.<|im_end|>\n", True)])
     assert encoded(tmp_path, chat_tokenizer, [row]) == on
     assert encoded(tmp_path, chat_tokenizer, [row], train_on_reasoning=False) == off
-    thinking = {"messages": [row["messages"][0], {"role": "assistant", "content": "It is 5.", "thinking": "I add them."}]}
+    thinking = {"messages": [row["messages"][0],
+                             {"role": "assistant", "content": "It is 5.", "thinking": "I add them."}]}
     assert encoded(tmp_path, chat_tokenizer, [thinking]) == on, "gpt-oss's name for the reasoning is read too"
 
 
