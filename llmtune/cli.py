@@ -42,10 +42,25 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
     return 0
 
 
+def take_flag(args: list[str], flag: str, default: str) -> str:
+    """The value of `flag VALUE` or `flag=VALUE` in args (default when absent), removed from args, so that what
+    is left holds the recipe overrides alone."""
+    for i, token in enumerate(args):
+        if token == flag:
+            if i + 1 >= len(args):
+                raise UserError(f"{flag} needs a value")
+            value = args[i + 1]
+            del args[i:i + 2]
+            return value
+        if token.startswith(f"{flag}="):
+            del args[i]
+            return token.partition("=")[2]
+    return default
+
+
 def data_command(args: list[str]) -> int:
     """RECIPE, --n, --task and overrides -> the first N training samples and the data statistics, on one process."""
     from llmtune.config import parse_overrides
-    from llmtune.data.preview import preview, take_flag
 
     recipe, rest = args[0], list(args[1:])
     count, task = take_flag(rest, "--n", "3"), take_flag(rest, "--task", "sft")
@@ -56,6 +71,9 @@ def data_command(args: list[str]) -> int:
         raise UserError(f"--n: {count!r} is not a positive number of samples")
     if task not in ("pt", "sft"):
         raise UserError(f"--task: {task!r} is not a task; use pt or sft")
+    # Imported after the checks above: datasets and transformers take seconds to import.
+    from llmtune.data.preview import preview
+
     preview(recipe, overrides, task, int(count))
     return 0
 

@@ -7,6 +7,7 @@ sample lengths.
 
 import logging
 import math
+import os
 import sys
 
 import numpy as np
@@ -25,22 +26,6 @@ HISTOGRAM_BINS = 10
 BAR_WIDTH = 40
 
 
-def take_flag(args: list[str], flag: str, default: str) -> str:
-    """The value of `flag VALUE` or `flag=VALUE` in args (default when absent), removed from args, so that what
-    is left holds the recipe overrides alone."""
-    for i, token in enumerate(args):
-        if token == flag:
-            if i + 1 >= len(args):
-                raise UserError(f"{flag} needs a value")
-            value = args[i + 1]
-            del args[i:i + 2]
-            return value
-        if token.startswith(f"{flag}="):
-            del args[i]
-            return token.partition("=")[2]
-    return default
-
-
 def preview(recipe: str, overrides: list[str], task: str, count: int) -> None:
     """Print `count` training samples of the recipe with their trained tokens marked, then the data statistics."""
     config = load_config(recipe, overrides, task, world_size=1)
@@ -56,7 +41,7 @@ def preview(recipe: str, overrides: list[str], task: str, count: int) -> None:
     tokenizer = recipe_tokenizer(task, local.model, config.data.chat_template)
     # The arguments of build_data (manager.py): the same cache key, so the run and this command share one entry.
     train, _, stats = load_or_build(task, local.data, tokenizer, config.train.seed,
-                                      config.train.per_device_train_batch_size, OneProcess())
+                                    config.train.per_device_train_batch_size, OneProcess())
     color = sys.stdout.isatty()
     for number, (ids, trained, continued) in enumerate(first_samples(train, count), 1):
         note = " (continues a document of the previous row)" if continued else ""
@@ -82,7 +67,9 @@ def first_samples(train, count: int):
             # The loss shifts labels left, so a row's first token is never a target even when labelled (an unpacked
             # row, or a pt document cut at a block boundary); packed samples already carry -100 there.
             trained = [label != IGNORE_INDEX and start + i > 0 for i, label in enumerate(labels)]
-            yield row["input_ids"][start:end], trained, packed and row["position_ids"][start] != 0
+            # A packed sample's first token carries no label (packing.concatenate); a piece whose first token has
+            # one is the rest of a pt document cut at the previous row's end.
+            yield row["input_ids"][start:end], trained, packed and labels[0] != IGNORE_INDEX
             found += 1
             if found == count:
                 return
@@ -97,20 +84,19 @@ def piece_starts(position_ids: list[int]) -> list[int]:
 def render(tokenizer, ids: list[int], trained: list[bool], color: bool) -> str:
     """The sample's text with its trained runs marked.
 
-    Each run's text is the difference between the decoded prefixes that end and start it, not the run decoded on
-    its own: a sentencepiece tokenizer drops a leading space when decoding from a word-initial piece, and a
-    byte-level one turns a character whose bytes a run boundary splits into U+FFFD. Prefixes keep the text exactly
-    as the whole sample decodes; special tokens stay in and tokenization spaces are not cleaned up, so what is
-    shown is what the model reads.
+    Each run is a slice of the whole sample's decoded text, cut where the decoded prefix before the run stops
+    agreeing with it; a run is not decoded on its own: a sentencepiece tokenizer drops a leading space when
+    decoding from a word-initial piece, and a byte-level one turns a character whose bytes a run boundary splits
+    into U+FFFD (here that character goes whole to the later run). So the unmarked text is exactly the sample's;
+    special tokens stay in and tokenization spaces are not cleaned up: what is shown is what the model reads.
     """
     bounds = [0] + [i for i in range(1, len(ids)) if trained[i] != trained[i - 1]] + [len(ids)]
-    texts = [tokenizer.decode(ids[:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-             for end in bounds]
-    pieces = []
-    for k, start in enumerate(bounds[:-1]):
-        text = texts[k + 1][len(texts[k]):]
-        pieces.append(mark(text, color) if trained[start] else text)
-    return "".join(pieces)
+    prefixes = [tokenizer.decode(ids[:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                for end in bounds]
+    whole = prefixes[-1]
+    cuts = [len(os.path.commonprefix([prefix, whole])) for prefix in prefixes]
+    return "".join(mark(whole[cut:next_cut], color) if trained[start] else whole[cut:next_cut]
+                   for start, cut, next_cut in zip(bounds, cuts, cuts[1:]))
 
 
 def mark(text: str, color: bool) -> str:

@@ -6,6 +6,7 @@ import logging
 import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -78,7 +79,7 @@ def test_marked_spans_are_the_trained_tokens(previewed):
     recipe, result = previewed
     train, tokenizer = trainer_split(recipe)
     samples = printed_samples(result.stdout)
-    assert [number for number in map(int, re.findall(r"^sample (\d+):", result.stdout, re.M))] == [1, 2, 3]
+    assert list(map(int, re.findall(r"^sample (\d+):", result.stdout, re.M))) == [1, 2, 3]
     for (tokens, trained, text), (ids, labels) in zip(samples, documents(train)):
         assert (tokens, trained) == (len(ids), sum(label != -100 for label in labels))
         # Unmarked, the text is the document's whole decoded text.
@@ -105,6 +106,8 @@ def test_shares_the_training_cache_entry(previewed, assets, sft_file, tmp_path, 
     caplog.set_level(logging.INFO, logger="llmtune.data.build")
     trainer_split(recipe)
     assert "data: cache hit" in caplog.text
+    # One entry, whichever of the two came first (the other tests read this recipe's data too).
+    assert len(list((Path(recipe).parent / "cache").iterdir())) == 1
 
     from llmtune.data.manager import build_data
 
