@@ -102,3 +102,14 @@ def save_tiny_model(path: Path, model_cls, tokenizer, seed: int = 0, **config) -
     model_cls(model_cls.config_class(**{**defaults, **config})).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def segment_ids(tokenizer, segments) -> tuple[list[int], list[int]]:
+    """(text, trained) segments in order -> (input_ids, labels), each segment tokenized alone: the expected ids of
+    the golden tests, built from literal text rather than from the code under test."""
+    ids, labels = [], []
+    for text, trained in segments:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if trained else [-100] * len(piece)
+    return ids, labels

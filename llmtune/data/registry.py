@@ -18,7 +18,7 @@ from llmtune.data.formats import FORMS, SHAREGPT_TAGS, RowFormat
 from llmtune.errors import UserError
 
 REGISTRY_FILE = "dataset_info.json"
-FORMATTINGS = {"alpaca": "alpaca", "sharegpt": "sharegpt"}
+FORMATTINGS = ("alpaca", "sharegpt")
 ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "file_sha1")
 NOT_SFT = {"ranking": "preference data (ranking: true) is for reward or DPO training, not sft",
            "chosen": "preference data (chosen/rejected columns) is not sft",
@@ -107,8 +107,8 @@ def _row_format(entry: dict, columns: dict, tags: dict, task: str, where: str) -
     if task == "pt":
         # LLaMA-Factory's pre-training entries name the text column as the prompt column.
         return RowFormat.of("text", columns={"text": columns.get("prompt", "text")})
-    form = FORMATTINGS[formatting]
-    defaults, required = FORMS[form]
+    # LLaMA-Factory's two formattings are llmtune's forms of the same names.
+    defaults, required = FORMS[formatting]
     wrong = [c for c in columns if c not in defaults]
     if wrong:
         raise UserError(f"{where}: columns {', '.join(wrong)} not known for formatting {formatting}; use "
@@ -117,4 +117,4 @@ def _row_format(entry: dict, columns: dict, tags: dict, task: str, where: str) -
     wrong_tags = [t for t in tags if t not in SHAREGPT_TAGS]
     if wrong_tags:
         raise UserError(f"{where}: tags {', '.join(wrong_tags)} not known; use {', '.join(SHAREGPT_TAGS)}")
-    return RowFormat.of(form, columns=chosen, tags=tags)
+    return RowFormat.of(formatting, columns=chosen, tags=tags)

@@ -15,6 +15,7 @@ from llmtune.config import DataConfig
 from llmtune.data.build import build_datasets
 from llmtune.errors import UserError
 from llmtune.loss import IGNORE_INDEX
+from tests.helpers import segment_ids as expected
 
 # A ChatML template in the style of Qwen2.5's: tools in the system block, tool calls after the content, tool
 # results as their own turn, reasoning in <think> before the answer.
@@ -61,16 +62,6 @@ def chat_tokenizer(tmp_path_factory):
     PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                             chat_template=CHATML).save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
-
-
-def expected(tokenizer, segments):
-    """(text, trained) segments -> (input_ids, labels)."""
-    ids, labels = [], []
-    for text, trained in segments:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += piece
-        labels += piece if trained else [IGNORE_INDEX] * len(piece)
-    return ids, labels
 
 
 def encoded(tmp_path, tokenizer, rows, **data):

@@ -8,18 +8,9 @@ import pytest
 from llmtune.data.formats import RowFormat, to_canonical
 from llmtune.data.sft import KEPT, TOO_LONG, TRUNCATED, fit_length
 from llmtune.data.templates import LabelRules, encode_prompt, encode_sample
+from tests.helpers import segment_ids
 
 IGNORE = -100
-
-
-def expected(tokenizer, segments):
-    """segments: (text, trained) in order -> (input_ids, labels)."""
-    ids, labels = [], []
-    for text, trained in segments:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += piece
-        labels += piece if trained else [IGNORE] * len(piece)
-    return ids, labels
 
 
 def encode(tokenizer, row, fmt, train_on_prompt=False):
@@ -50,7 +41,7 @@ CASES = {
 def test_golden_ids_and_labels(tokenizer, fmt):
     row, segments = CASES[fmt]
     ids, labels = encode(tokenizer, row, fmt)
-    want_ids, want_labels = expected(tokenizer, segments)
+    want_ids, want_labels = segment_ids(tokenizer, segments)
     assert ids == want_ids
     assert labels == want_labels
     assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
