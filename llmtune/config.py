@@ -22,6 +22,9 @@ DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_comple
 TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
+ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# transformers' pattern for a Hub kernel (transformers.integrations.hub_kernels.is_kernel): org/name[@rev][:fn].
+HUB_KERNEL = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")
 PEFT_METHODS = ("none", "lora", "dora")
 # peft's other initialisations (pissa, olora, loftq, corda, eva, ...) read or rewrite the base weights or need data
 # at init, which the sharded model built on the meta device does not give them.
@@ -57,9 +60,11 @@ class ModelConfig:
     revision: str | None = _field(None, "Branch, tag or commit of the Hub ids in name_or_path and tokenizer; "
                                         "default main.")
     trust_remote_code: bool = _field(False, "Allow model/tokenizer code shipped inside the folder to run.")
-    attn_implementation: str = _field("auto", "Attention backend: auto (sdpa where the model class supports it, else "
-                                              "eager) or a transformers backend name (sdpa, eager, ...); a backend "
-                                              "the model cannot run is refused before the run starts.")
+    attn_implementation: str = _field("auto", "Attention backend: auto (on CUDA with bf16: flash_attention_3 on "
+                                              "Hopper, else flash_attention_2, where installed; otherwise sdpa, or "
+                                              "eager for a class without it), sdpa, eager, flash_attention_2, "
+                                              "flash_attention_3, flex_attention or a Hub kernel "
+                                              "(kernels-community/flash-attn2); checked before the run starts.")
 
     def problems(self) -> list[str]:
         if bool(self.name_or_path) == bool(self.config):
@@ -67,6 +72,9 @@ class ModelConfig:
                     "(a config for training from scratch)"]
         if self.config and not self.tokenizer:
             return ["model.tokenizer: training from model.config needs a tokenizer folder; set model.tokenizer"]
+        if self.attn_implementation not in ATTENTION_BACKENDS and not HUB_KERNEL.match(self.attn_implementation):
+            return [f"model.attn_implementation: {self.attn_implementation!r} is not an attention backend; use one of "
+                    f"{', '.join(ATTENTION_BACKENDS)} or a Hub kernel (org/name, e.g. kernels-community/flash-attn2)"]
         return []
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from llmtune.attention import backend_problems, resolve_backend
 from llmtune.errors import UserError
 from llmtune.features.base import Features
 from llmtune.loss import LossOptions, cross_entropy_sum
@@ -63,12 +64,6 @@ def load_model_config(model_cfg):
                                       trust_remote_code=model_cfg.trust_remote_code)
 
 
-def attention_backend(model_cfg) -> str | None:
-    """transformers' name for the recipe's attention backend; None (auto) lets transformers pick: sdpa where the
-    model class has it, else eager."""
-    return None if model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
-
-
 def meta_model(model_config, model_cfg, **kwargs) -> PreTrainedModel:
     """The model of `model_config` with its parameters on the meta device (no memory): for checks of its shapes and
     names before anything is built."""
@@ -76,10 +71,11 @@ def meta_model(model_config, model_cfg, **kwargs) -> PreTrainedModel:
         return AutoModelForCausalLM.from_config(model_config, trust_remote_code=model_cfg.trust_remote_code, **kwargs)
 
 
-def check_model(model_cfg, model_config) -> None:
+def check_model(model_cfg, train_cfg, model_config) -> None:
     """The model is built once on the meta device (no memory), before any process starts, so that what would
     otherwise stop every rank with a traceback stops the CLI with one line: a config with no causal LM class, a
-    backend the recipe names that the class cannot run (as transformers judges it), a class with no decoder
+    backend the recipe names that this machine or the class cannot run (a CUDA-only backend on CPU, a missing
+    package; what transformers judges for the class), a class with no decoder
     layer to shard; and, for a pretrained folder, weights it lacks or stores in a layout llmtune cannot convert
     rank by rank (their headers are read, not their data), or quantized weights."""
     quantization = getattr(model_config, "quantization_config", None)
@@ -88,7 +84,11 @@ def check_model(model_cfg, model_config) -> None:
         raise UserError(f"model.name_or_path: {model_cfg.name_or_path} holds quantized weights ({method}); llmtune "
                         "trains from bf16 or fp32 weights: use a dequantized copy of the checkpoint (e.g. loaded with "
                         "from_pretrained and saved with save_pretrained)")
-    backend = attention_backend(model_cfg)
+    cuda = torch.cuda.is_available()
+    problems = backend_problems(model_cfg.attn_implementation, cuda, train_cfg.bf16)
+    if problems:
+        raise UserError("\n".join(problems))
+    backend = resolve_backend(model_cfg.attn_implementation, model_config, cuda, train_cfg.bf16)
     try:
         hf_model = meta_model(model_config, model_cfg, attn_implementation=backend)
     except (ValueError, ImportError) as err:
@@ -121,8 +121,8 @@ def decoder_layers(hf_model: PreTrainedModel) -> list[nn.Module]:
 def build_model(model_config, model_cfg, train_cfg, state, features: Features) -> CausalLMForTraining:
     """`model_config`: the HF config (load_model_config); the features change the model before it is sharded."""
     config = copy.deepcopy(model_config)  # the model keeps and changes its config (its attention implementation)
-    kwargs = dict(attn_implementation=attention_backend(model_cfg), trust_remote_code=model_cfg.trust_remote_code,
-                  dtype=torch.float32)
+    backend = resolve_backend(model_cfg.attn_implementation, config, state.device.type == "cuda", train_cfg.bf16)
+    kwargs = dict(attn_implementation=backend, trust_remote_code=model_cfg.trust_remote_code, dtype=torch.float32)
     pretrained = model_cfg.name_or_path is not None
     if pretrained:
         # Parameters on the meta device; buffers (e.g. RoPE frequencies) computed for real, they are small.

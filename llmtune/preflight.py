@@ -15,4 +15,4 @@ def check_run(local, world_size: int) -> None:
 
     model_config = load_model_config(local.model)
     check_features(local, model_config, world_size)
-    check_model(local.model, model_config)
+    check_model(local.model, local.train, model_config)

@@ -3,11 +3,12 @@
 from llmtune.errors import UserError
 from llmtune.features.adapters import Adapters
 from llmtune.features.base import Features
+from llmtune.features.documents import PackedDocuments
 from llmtune.features.freezing import Freezing
 from llmtune.features.router_loss import RouterLoss
 from llmtune.features.ulysses import ContextParallel
 
-FEATURES = (ContextParallel, Adapters, Freezing, RouterLoss)
+FEATURES = (ContextParallel, PackedDocuments, Adapters, Freezing, RouterLoss)
 
 
 def check_features(config, model_config, world_size: int) -> None:

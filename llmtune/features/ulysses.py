@@ -4,38 +4,35 @@ A feature (features/base.py) acting at three points:
 - check: the model's heads can be spread over the cp ranks; no attention sinks.
 - build: installs, through transformers' attention interface, a function that wraps the backend the
   model would use: all-to-all from [sequence shard, all heads] to [full sequence, heads/cp], the
-  backend's attention over the full sequence with causal, document and sliding-window masking built
-  here, all-to-all back.
+  backend's attention over the full sequence, all-to-all back. sdpa and eager attend document span by
+  span with the masks built here (attention.attend); a varlen backend (flash attention) is given the full
+  sequence's document boundaries (cu_seq_lens, attention.varlen_kwargs) and no mask.
 - transform: `SequenceShard` cuts every micro-batch: labels were shifted before (each slice keeps the
   label of its last token), the sequence is padded to a multiple of cp with label -100, and every
   rank keeps a contiguous slice of input_ids, labels and GLOBAL position_ids (RoPE sees true
-  positions; packed documents keep their restarts), plus the whole sequence's position_ids, which
-  the model passes through to every layer's attention.
+  positions; packed documents keep their restarts), plus the whole sequence's document positions
+  (attention.document_positions), which the model passes through to every layer's attention.
 
 The mesh (dp_shard x cp, cp peers reading the same batch) is the layout's, in ParallelState; counting
 each labelled token once over dp x cp is the trainer's, whatever the feature.
 
 Because the function's name is not in transformers' mask registry, the model hands it no mask;
-the mask is built from the full position_ids instead. Right padding needs none: a real token never
-attends to the pads after it, and the pads carry no label. Long packed sequences are attended
-document span by document span, so that no mask grows with the square of the sequence.
+the documents are read from the full sequence's document positions instead.
 """
 
-import sys
 import types
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from llmtune import attention
+from llmtune.attention import attend, backend_function, document_positions, is_varlen, varlen_kwargs
 from llmtune.features.base import Feature
 from llmtune.loss import IGNORE_INDEX
 
 ATTENTION = "llmtune_ulysses"
-# Longest stretch of the full sequence that one attention call (and one mask) covers; see `attend`.
-DOCUMENT_WINDOW = 2048
 
 
 def layout_problems(model_config, cp: int) -> list[str]:
@@ -65,14 +62,24 @@ class ContextParallel(Feature):
 
     @staticmethod
     def check(config, model_config, world_size: int) -> list[str]:
-        return layout_problems(model_config, config.parallel.cp_size)
+        problems = layout_problems(model_config, config.parallel.cp_size)
+        if config.model.attn_implementation == "flex_attention":
+            # Its block mask is built by transformers for the rows the model sees, here 1/cp of each.
+            problems.append("parallel.cp_size: flex_attention does not run with context parallelism; use sdpa or "
+                            "flash_attention_2")
+        return problems
 
     def build(self, hf_model, state) -> None:
-        hf_model.set_attn_implementation(register_attention(state, hf_model.config._attn_implementation))
+        backend = hf_model.config._attn_implementation
+        self.varlen = is_varlen(backend)
+        hf_model.set_attn_implementation(register_attention(state, backend))
         self.shard = SequenceShard(state.cp_size, state.cp_rank)
 
     def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.shard(inputs)
+        inputs = self.shard(inputs)
+        if self.varlen:
+            inputs.update(varlen_kwargs(inputs["document_positions"]))
+        return inputs
 
 
 class SequenceShard:
@@ -92,16 +99,18 @@ class SequenceShard:
         positions = inputs.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+        documents = document_positions(inputs)
         padded = -(-length // self.size) * self.size
         extra = padded - length
         if extra:
             input_ids = F.pad(input_ids, (0, extra), value=self.PAD_ID)
             labels = F.pad(labels, (0, extra), value=IGNORE_INDEX)
-            tail = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
-            positions = torch.cat([positions, tail], dim=1)
+            # The pads go on counting the last document's positions: they join it, after all of its tokens.
+            positions, documents = (torch.cat([t, t[:, -1:] + torch.arange(1, extra + 1, device=t.device)], dim=1)
+                                    for t in (positions, documents))
         part = slice(self.rank * padded // self.size, (self.rank + 1) * padded // self.size)
         return {"input_ids": input_ids[:, part].contiguous(), "shift_labels": labels[:, part].contiguous(),
-                "position_ids": positions[:, part].contiguous(), "full_position_ids": positions.contiguous()}
+                "position_ids": positions[:, part].contiguous(), "document_positions": documents.contiguous()}
 
 
 class _AllToAll(torch.autograd.Function):
@@ -122,78 +131,12 @@ def _exchange(tensor: torch.Tensor, state, scatter_dim: int, gather_dim: int) ->
     return torch.cat(state.cp_all_to_all(send).unbind(0), dim=gather_dim)
 
 
-def _document_starts(positions: torch.Tensor) -> torch.Tensor:
-    """For each token of [b, s] position_ids: True where a document starts (the positions restart)."""
-    return torch.diff(positions, dim=1, prepend=positions[:, :1] - 1) != 1
-
-
-def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtype: torch.dtype):
-    """Causal, same-document and sliding-window mask over a stretch of the full sequence; None when the
-    backend's own causal attention is all it takes (sdpa, one document, no window reached). Eager attention
-    has no causal mode of its own: it always gets one, additive."""
-    documents = _document_starts(positions).cumsum(dim=1)
-    length = positions.shape[1]
-    single = bool((documents[:, -1] == documents[:, 0]).all())
-    if single and not eager and not (sliding_window and length > sliding_window):
-        return None
-    index = torch.arange(length, device=positions.device)
-    allowed = (index[None, :, None] >= index[None, None, :]) & (documents[:, :, None] == documents[:, None, :])
-    if sliding_window:
-        allowed &= (index[None, :, None] - index[None, None, :]) < sliding_window
-    allowed = allowed[:, None]
-    if eager:
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
-                                                                                          torch.finfo(dtype).min)
-    return allowed
-
-
-def document_windows(positions: torch.Tensor, window: int) -> list[tuple[int, int]]:
-    """[start, end) spans of one row's [s] position_ids holding whole documents, consecutive ones grouped up to
-    `window` tokens; a longer document has a span of its own."""
-    starts = [0, *_document_starts(positions[None])[0].nonzero().flatten().tolist()]
-    spans = []
-    for start, end in zip(starts, starts[1:] + [len(positions)]):
-        if spans and end - spans[-1][0] <= window:
-            spans[-1] = (spans[-1][0], end)
-        else:
-            spans.append((start, end))
-    return spans
-
-
-def attend(attention, module, query, key, value, positions, sliding_window: int | None, eager: bool, window: int,
-           **kwargs) -> torch.Tensor:
-    """`attention` over the full sequence (query [b, h, S, d], key/value [b, kv, S, d], positions [b, S]),
-    causal, within each document and the sliding window -> [b, S, h, d].
-
-    Up to `window` tokens, one call with one mask. Longer sequences are cut between documents into spans
-    of at most `window` tokens (or one longer document), each attended alone: tokens never attend across
-    documents, so the result is the same, and a mask never exceeds `window` squared — over the whole
-    sequence it would grow with S squared on every cp rank and outweigh the activations cp divides.
-    """
-    if positions.shape[1] <= window:
-        return attention(module, query, key, value, _mask(positions, sliding_window, eager, query.dtype), **kwargs)[0]
-    rows = []
-    for row in range(query.shape[0]):
-        pieces = [attention(module, *(t[row:row + 1, :, start:end] for t in (query, key, value)),
-                            _mask(positions[row:row + 1, start:end], sliding_window, eager, query.dtype), **kwargs)[0]
-                  for start, end in document_windows(positions[row], window)]
-        rows.append(torch.cat(pieces, dim=1))
-    return torch.cat(rows)
-
-
-def backend_function(module, backend: str):
-    """The attention function the model would call for `backend`: transformers' registered one, or for eager
-    the model's own (each modeling file defines it; it is not in the registry)."""
-    if backend == "eager":
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[backend]
-
-
 def ulysses_attention(module, query, key, value, attention_mask, *, state, backend: str, dropout: float = 0.0,
-                      scaling: float | None = None, sliding_window: int | None = None, full_position_ids=None,
+                      scaling: float | None = None, sliding_window: int | None = None, document_positions=None,
                       **kwargs):
-    """query [b, H, s/cp, d], key/value [b, KV, s/cp, d], full_position_ids [b, S] (from SequenceShard, passed
-    through the model's forward) -> output [b, s/cp, H, d]."""
+    """query [b, H, s/cp, d], key/value [b, KV, s/cp, d], document_positions [b, S] (from SequenceShard, passed
+    through the model's forward) -> output [b, s/cp, H, d]. A varlen backend finds the documents in kwargs
+    instead (cu_seq_lens of the full sequence, from ContextParallel.transform)."""
     cp = state.cp_size
     kv_heads = key.shape[1]
     if kv_heads < cp:
@@ -205,10 +148,17 @@ def ulysses_attention(module, query, key, value, attention_mask, *, state, backe
     # Rank r holds query heads [r*H/cp, (r+1)*H/cp) and the key/value heads of exactly those groups. The
     # backend groups them as it does on one rank (sdpa without a mask attends grouped heads natively), so
     # backward keeps key/value at their own size, not repeated per query head.
+    # A varlen backend reads its name from the config, which names this wrapper now: it is given its own.
+    config = types.SimpleNamespace(_attn_implementation=backend) if is_varlen(backend) else module.config
     local = types.SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], is_causal=True,
-                                  training=module.training, config=module.config)
-    out = attend(backend_function(module, backend), local, query, key, value, full_position_ids, sliding_window,
-                 backend == "eager", DOCUMENT_WINDOW, dropout=dropout, scaling=scaling, **kwargs)
+                                  training=module.training, config=config)
+    function = backend_function(module, backend)
+    if is_varlen(backend):
+        out = function(local, query, key, value, None, dropout=dropout, scaling=scaling,
+                       sliding_window=sliding_window, **kwargs)[0]
+    else:
+        out = attend(function, local, query, key, value, document_positions, sliding_window, backend == "eager",
+                     attention.DOCUMENT_WINDOW, dropout=dropout, scaling=scaling, **kwargs)
     # out is [b, S, H/cp, d]: scatter the sequence back, gather the heads.
     return _AllToAll.apply(out, state, 1, 2), None
 

@@ -15,7 +15,7 @@ import torch
 
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.config import load_config
-from llmtune.features import ulysses
+from llmtune import attention
 from llmtune.parallel import ParallelState
 from llmtune.worker import build_trainer
 
@@ -56,9 +56,9 @@ def run_case(recipe: str, overrides: list[str], world_size: int, keep_process_gr
 
 if __name__ == "__main__":
     cases = json.loads(Path(sys.argv[1]).read_text())
-    default_window = ulysses.DOCUMENT_WINDOW
+    default_window = attention.DOCUMENT_WINDOW
     for number, case in enumerate(cases, start=1):
         # A window shorter than the test's sequences makes the attention go document span by span.
-        ulysses.DOCUMENT_WINDOW = case.get("document_window") or default_window
+        attention.DOCUMENT_WINDOW = case.get("document_window") or default_window
         run_case(case["recipe"], case["overrides"], 2, keep_process_group=number < len(cases),
                  task=case.get("task", "sft"), probe=case.get("probe"))

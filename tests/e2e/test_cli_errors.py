@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from tests.helpers import REPO, run_cli
@@ -47,6 +48,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, changes, overrides, 
     result = run_cli("sft", recipe(**changes), *overrides, "--nproc", "2")
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"llmtune: error: {expected}"), result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of CUDA-only backends need a machine without CUDA")
+@pytest.mark.parametrize("backend, expected", [
+    ("flash", "model.attn_implementation: 'flash' is not an attention backend; use one of auto, sdpa, eager, "
+              "flash_attention_2, flash_attention_3, flex_attention or a Hub kernel"),
+    ("flash_attention_2", "model.attn_implementation: flash_attention_2 needs a CUDA device and this machine has "
+                          "none; use auto (sdpa here) or sdpa"),
+    ("kernels-community/flash-attn2", "model.attn_implementation: kernels-community/flash-attn2 needs a CUDA device"),
+    ("flex_attention", "model.attn_implementation: flex_attention cannot train on CPU"),
+])
+def test_an_attention_backend_this_machine_cannot_train_with_is_refused_up_front(tmp_path, recipe, backend, expected):
+    result = run_cli("sft", recipe(model__attn_implementation=backend), "--nproc", "2")
+    assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"llmtune: error: {expected}"), result.stderr
     assert not (tmp_path / "out").exists()

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from llmtune.features.ulysses import attend, backend_function, document_windows
+from llmtune.attention import attend, backend_function, document_windows
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 # Two rows of packed documents; the second ends with a pad "document" (positions restart, as collate makes it).
@@ -67,3 +67,41 @@ def test_spans_hold_whole_documents_up_to_the_window():
     assert document_windows(pos[0], 32) == [(0, 30), (30, 60), (60, 64)]
     assert document_windows(pos[1], 24) == [(0, 40), (40, 64)]
     assert document_windows(pos[1], 100) == [(0, 64)]
+
+
+def test_auto_picks_flash_attention_only_where_it_can_train(monkeypatch):
+    import transformers.utils as hf_utils
+    from transformers import Qwen2Config
+
+    from llmtune.attention import resolve_backend
+
+    config = LlamaConfig()
+    assert resolve_backend("auto", config, cuda=False, bf16=True) is None  # transformers' pick: sdpa
+    monkeypatch.setattr(hf_utils, "is_flash_attn_2_available", lambda: True)
+    monkeypatch.setattr(hf_utils, "is_flash_attn_3_available", lambda: False)
+    assert resolve_backend("auto", config, cuda=True, bf16=True) == "flash_attention_2"
+    assert resolve_backend("auto", Qwen2Config(), cuda=True, bf16=True) == "flash_attention_2"
+    assert resolve_backend("auto", config, cuda=True, bf16=False) is None  # flash attention has no fp32
+    assert resolve_backend("eager", config, cuda=True, bf16=True) == "eager"
+    monkeypatch.setattr(hf_utils, "is_flash_attn_2_available", lambda: False)
+    assert resolve_backend("auto", config, cuda=True, bf16=True) is None
+
+
+def test_backend_problems_name_what_is_missing(monkeypatch):
+    import transformers.utils as hf_utils
+
+    from llmtune.attention import backend_problems
+
+    assert backend_problems("sdpa", cuda=False, bf16=False) == []
+    assert backend_problems("flex_attention", cuda=True, bf16=True) == []
+    monkeypatch.setattr(hf_utils, "is_flash_attn_2_available", lambda: False)
+    monkeypatch.setattr(hf_utils, "is_kernels_available", lambda: False)
+    assert backend_problems("flash_attention_2", cuda=True, bf16=False) == [
+        "model.attn_implementation: flash_attention_2 computes in bf16 or fp16 only; set train.bf16: true, or use sdpa",
+        "model.attn_implementation: flash_attention_2 needs a package this environment lacks: pip install flash-attn, "
+        "or kernels (transformers then loads the kernel from the Hub)"]
+    assert backend_problems("kernels-community/flash-attn3", cuda=True, bf16=True) == [
+        "model.attn_implementation: kernels-community/flash-attn3 needs a package this environment lacks: "
+        "pip install kernels"]
+    monkeypatch.setattr(hf_utils, "is_kernels_available", lambda: True)
+    assert backend_problems("flash_attention_2", cuda=True, bf16=True) == []

@@ -1,0 +1,42 @@
+"""Packed documents kept apart by the attention without a mask of the whole row, on one rank per sequence
+(llmtune/attention.py; under context parallelism, features/ulysses.py does the same around its all-to-all).
+
+A feature on when cp_size is 1, acting at two points:
+- build: with sdpa or eager, installs `attention.document_attention` around the backend, so that transformers
+  builds no [S, S] mask and the attention goes document span by span. flex attention builds a block-sparse
+  mask of its own and needs nothing.
+- transform: adds to every micro-batch what the attention reads: the document positions for
+  document_attention, or for a varlen backend (flash attention, Hub kernels) the documents' boundaries as
+  cu_seq_lens.
+"""
+
+from functools import partial
+
+import torch
+from transformers import AttentionInterface
+
+from llmtune.attention import DOCUMENTS, document_attention, document_positions, is_varlen, varlen_kwargs
+from llmtune.features.base import Feature
+
+
+class PackedDocuments(Feature):
+    name = "packed_documents"
+
+    @staticmethod
+    def enabled(config) -> bool:
+        return config.parallel.cp_size == 1
+
+    def build(self, hf_model, state) -> None:
+        backend = hf_model.config._attn_implementation
+        self.varlen = is_varlen(backend)
+        self.spans = backend in ("sdpa", "eager")
+        if self.spans:
+            AttentionInterface.register(DOCUMENTS, partial(document_attention, backend=backend))
+            hf_model.set_attn_implementation(DOCUMENTS)
+
+    def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.spans:
+            return {**inputs, "document_positions": document_positions(inputs)}
+        if self.varlen:
+            return {**inputs, **varlen_kwargs(document_positions(inputs))}
+        return inputs

@@ -1,0 +1,161 @@
+"""Packed rows on one rank (features/documents.py): with sdpa and eager (document span by document span) and with a
+varlen backend (handed cu_seq_lens), a tiny Llama's logits and gradients equal those of every document run alone;
+no mask larger than the window is ever built; with document masks off the rows attend causally as a whole, as
+transformers' own path does."""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
+
+from llmtune import attention
+from llmtune.attention import varlen_kwargs
+from llmtune.features import documents, ulysses
+from llmtune.features.documents import PackedDocuments
+
+# Two rows of packed documents; the second ends with a pad "document" (positions restart, as collate makes it).
+DOCUMENTS = [[5, 23, 2, 30, 4], [40, 1, 10, 9, 4]]
+LENGTH = 64
+VARLEN = "llmtune_test_varlen"
+
+
+def positions() -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCUMENTS])
+
+
+def tiny_llama(backend: str):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=backend)
+
+
+def input_ids() -> torch.Tensor:
+    return torch.randint(0, 97, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+
+
+def logits_and_grads(model, inputs, weights):
+    model.zero_grad()
+    logits = model(**inputs, use_cache=False).logits
+    (logits * weights).sum().backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def documents_alone(model, ids, weights):
+    """The reference: every document of every row run through the model on its own, positions from 0."""
+    model.zero_grad()
+    rows = []
+    for row, lengths in enumerate(DOCUMENTS):
+        start, pieces = 0, []
+        for n in lengths:
+            pieces.append(model(input_ids=ids[row:row + 1, start:start + n], use_cache=False).logits)
+            start += n
+        rows.append(torch.cat(pieces, dim=1))
+    logits = torch.cat(rows)
+    (logits * weights).sum().backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def varlen_reference_backend(module, query, key, value, attention_mask, *, scaling=None, cu_seq_lens_q=None,
+                             cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
+    """A CPU stand-in for flash attention's varlen kernel: the rows laid end to end, each cu_seq_lens segment
+    attended alone (causal); without boundaries, each row causally as a whole, as flash attention does."""
+    assert attention_mask is None
+    batch, heads, length, dim = query.shape
+    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim).transpose(0, 1) for t in (query, key, value)]
+    if cu_seq_lens_q is None:
+        bounds = list(range(0, batch * length + 1, length))
+    else:
+        assert cu_seq_lens_q.dtype == torch.int32 and torch.equal(cu_seq_lens_q, cu_seq_lens_k)
+        bounds = cu_seq_lens_q.tolist()
+        assert max_length_q == max_length_k == max(b - a for a, b in zip(bounds, bounds[1:]))
+    pieces = [F.scaled_dot_product_attention(*(t[:, a:b] for t in flat), is_causal=True, scale=scaling,
+                                             enable_gqa=True) for a, b in zip(bounds, bounds[1:])]
+    return torch.cat(pieces, dim=1).transpose(0, 1).reshape(batch, length, heads, dim), None
+
+
+@pytest.mark.parametrize("backend,window", [("sdpa", 16), ("sdpa", 2048), ("eager", 16), ("eager", 2048),
+                                            (VARLEN, 0)])
+def test_packed_rows_equal_every_document_alone(backend, window, monkeypatch):
+    monkeypatch.setattr(attention, "DOCUMENT_WINDOW", window)
+    model = tiny_llama("sdpa" if backend == VARLEN else backend)
+    if backend == VARLEN:
+        AttentionInterface.register(VARLEN, varlen_reference_backend)
+        model.set_attn_implementation(VARLEN)
+        monkeypatch.setattr(documents, "is_varlen", lambda name: name == VARLEN)
+    feature = PackedDocuments(None)
+    feature.build(model, None)
+    ids = input_ids()
+    inputs = feature.transform({"input_ids": ids, "position_ids": positions()})
+    weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2))
+    logits, grads = logits_and_grads(model, inputs, weights)
+    expected_logits, expected_grads = documents_alone(model, ids, weights)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager", VARLEN])
+def test_the_ulysses_wrapper_hands_the_backend_the_full_sequences_documents(backend, monkeypatch):
+    """Context parallelism's attention on a single cp rank (its all-to-all the identity): what it gives the inner
+    backend (document positions for sdpa/eager, cu_seq_lens for a varlen one) keeps the documents apart."""
+    monkeypatch.setattr(attention, "DOCUMENT_WINDOW", 16)
+    model = tiny_llama("sdpa" if backend == VARLEN else backend)
+    if backend == VARLEN:
+        AttentionInterface.register(VARLEN, varlen_reference_backend)
+        model.set_attn_implementation(VARLEN)
+        monkeypatch.setattr(ulysses, "is_varlen", lambda name: name == VARLEN)
+    feature = ulysses.ContextParallel(None)
+    feature.build(model, types.SimpleNamespace(cp_size=1, cp_rank=0, cp_all_to_all=lambda send: send))
+    ids = input_ids()
+    inputs = feature.transform({"input_ids": ids, "shift_labels": ids, "position_ids": positions()})
+    inputs.pop("shift_labels")
+    weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2))
+    logits, grads = logits_and_grads(model, inputs, weights)
+    model.set_attn_implementation("sdpa")
+    expected_logits, expected_grads = documents_alone(model, ids, weights)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_no_mask_beyond_the_window_is_built(monkeypatch):
+    monkeypatch.setattr(attention, "DOCUMENT_WINDOW", 16)
+    masks = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        masks.append(None if attn_mask is None else attn_mask.shape)
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    model = tiny_llama("sdpa")
+    feature = PackedDocuments(None)
+    feature.build(model, None)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model(**feature.transform({"input_ids": input_ids(), "position_ids": positions()}), use_cache=False)
+    # Per layer, row 0: spans (0,5) (5,28) (28,30) (30,60) (60,64); row 1: (0,40) (40,51) (51,64).
+    assert len(masks) == 2 * 8
+    assert all(shape is None or shape[-1] <= 16 for shape in masks)
+
+
+def test_document_mask_off_attends_across_the_row_as_transformers_does():
+    ids = input_ids()
+    inputs = {"input_ids": ids, "position_ids": positions(), "attention_mask": torch.ones_like(ids)}
+    reference = tiny_llama("sdpa")
+    expected = reference(**inputs, use_cache=False).logits
+    model = tiny_llama("sdpa")
+    feature = PackedDocuments(None)
+    feature.build(model, None)
+    torch.testing.assert_close(model(**feature.transform(inputs), use_cache=False).logits, expected)
+
+
+def test_varlen_boundaries_lay_the_rows_end_to_end():
+    kwargs = varlen_kwargs(positions())
+    expected = [0, 5, 28, 30, 60, 64, 104, 105, 115, 124, 128]
+    assert kwargs["cu_seq_lens_q"].tolist() == expected and kwargs["cu_seq_lens_k"].tolist() == expected
+    assert kwargs["cu_seq_lens_q"].dtype == torch.int32
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == 40
+    # A row that is one document (no restart) is one segment, even when its positions do not start at 0.
+    assert varlen_kwargs(torch.arange(3, 11).expand(2, 8))["cu_seq_lens_q"].tolist() == [0, 8, 16]
