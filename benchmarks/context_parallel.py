@@ -2,7 +2,7 @@
 cp=1 (one process) against cp=2 (two processes), on a small Llama; and the longest sequence each
 fits under a memory cap.
 
-    python benchmarks/context_parallel.py [--lengths 2048 4096 8192 16384] [--cap-gib 1.0] [--doc-len 0]
+    python benchmarks/context_parallel.py [--lengths 2048 4096 8192 16384] [--cap-gib 1.0] [--doc-len 0] [--cp 1 2]
 
 Each (length, cp) case runs in fresh processes: one step to warm up (it also creates the optimizer
 state), one timed step, one measured step. Memory is counted in tensors, as CUDA's
@@ -15,9 +15,10 @@ Peak RSS is not used: glibc keeps freed memory for reuse and its mmap threshold 
 process happened to free before, which added about 0.2 GiB to either case and made cp=2/cp=1
 read 0.65 when the tensors said 0.54.
 
---doc-len N packs documents of N tokens into each sequence (position_ids restart at each): the
-attention then needs a document mask, whose size grows with the square of the full sequence on
-every cp rank.
+--doc-len N packs documents of N tokens into each sequence (position_ids restart at each): attention must
+keep them apart. A mask over the whole sequence would grow with its square; llmtune attends span by span on
+every layout (llmtune/attention.py), so memory should grow linearly: for each length twice another, the
+last lines give each cp's peak over twice its peak at half the length (1.0 is linear).
 """
 
 import argparse
@@ -37,7 +38,7 @@ def step_case(model_dir: str, length: int, doc_len: int, out: str) -> None:
     import torch
 
     from llmtune.config import (CheckpointConfig, Config, DataConfig, ModelConfig, MonitorConfig, ParallelConfig,
-                                TrainConfig)
+                                PeftConfig, TrainConfig)
     from llmtune.features.registry import enabled_features
     from llmtune.loss import shift_labels
     from llmtune.model import build_model, load_model_config
@@ -46,8 +47,8 @@ def step_case(model_dir: str, length: int, doc_len: int, out: str) -> None:
     cp = int(os.environ["WORLD_SIZE"])
     state = ParallelState.initialize(cp)
     config = Config(task="pt", model=ModelConfig(config=model_dir, tokenizer=model_dir), data=DataConfig(),
-                    train=TrainConfig(), parallel=ParallelConfig(cp_size=cp), checkpoint=CheckpointConfig(),
-                    monitor=MonitorConfig())
+                    train=TrainConfig(), peft=PeftConfig(), parallel=ParallelConfig(cp_size=cp),
+                    checkpoint=CheckpointConfig(), monitor=MonitorConfig())
     features = enabled_features(config)
     model = build_model(load_model_config(config.model), config.model, config.train, state, features)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -105,6 +106,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--cap-gib", type=float, default=1.0)
     parser.add_argument("--doc-len", type=int, default=0, help="pack documents of this many tokens (0: one)")
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], choices=[1, 2], help="cp sizes to run")
     parser.add_argument("--case", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
@@ -119,21 +121,29 @@ def main() -> None:
         documents = f"documents of {args.doc_len} tokens" if args.doc_len else "one document"
         print(f"Llama hidden 256, 4 layers, 8 heads (4 kv), fp32, sdpa, batch 1, {documents}; GiB per rank; "
               f"cap {args.cap_gib} GiB")
-        print(f"{'tokens':>7} | {'cp=1 act':>8} {'peak':>6} {'s':>6} | {'cp=2 act':>8} {'peak':>6} {'s':>6} | "
-              f"{'cp2/cp1 act':>11} {'peak':>6}")
-        fits = {1: 0, 2: 0}
+        print(f"{'tokens':>7} | " + " | ".join(f"{f'cp={cp} act':>8} {'peak':>6} {'s':>6}" for cp in args.cp)
+              + f" | {'cp2/cp1 act':>11} {'peak':>6}")
+        fits, peaks = {cp: 0 for cp in args.cp}, {cp: {} for cp in args.cp}
         for length in args.lengths:
-            results = {cp: run(model_dir, length, cp, args.doc_len, Path(tmp)) for cp in (1, 2)}
+            results = {cp: run(model_dir, length, cp, args.doc_len, Path(tmp)) for cp in args.cp}
             for cp, result in results.items():
-                if "failed" not in result and result["peak_gib"] <= args.cap_gib:
-                    fits[cp] = length
+                if "failed" not in result:
+                    peaks[cp][length] = result["peak_gib"]
+                    if result["peak_gib"] <= args.cap_gib:
+                        fits[cp] = length
             cells = [f"{'failed':>22}" if "failed" in r else
                      f"{r['activations_gib']:8.3f} {r['peak_gib']:6.3f} {r['seconds']:6.1f}" for r in results.values()]
-            one, two = results[1], results[2]
+            one, two = results.get(1, {"failed": ""}), results.get(2, {"failed": ""})
             ratios = f"{'':>18}" if "failed" in one or "failed" in two else \
                 f"{two['activations_gib'] / one['activations_gib']:11.3f} {two['peak_gib'] / one['peak_gib']:6.3f}"
-            print(f"{length:>7} | {cells[0]} | {cells[1]} | {ratios}")
-        print(f"longest sequence whose peak fits {args.cap_gib} GiB per rank: cp=1 {fits[1]}, cp=2 {fits[2]} tokens")
+            print(f"{length:>7} | {' | '.join(cells)} | {ratios}")
+        for cp, by_length in peaks.items():
+            for length, peak in by_length.items():
+                if length // 2 in by_length and length % 2 == 0:
+                    print(f"cp={cp}: peak at {length} tokens / (2 x peak at {length // 2}) = "
+                          f"{peak / (2 * by_length[length // 2]):.2f}")
+        print(f"longest sequence whose peak fits {args.cap_gib} GiB per rank: "
+              + ", ".join(f"cp={cp} {length}" for cp, length in fits.items()) + " tokens")
 
 
 if __name__ == "__main__":

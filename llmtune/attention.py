@@ -181,7 +181,6 @@ def document_attention(module, query, key, value, attention_mask, *, backend: st
     every micro-batch (a call without them, e.g. a probe of the bare model, attends causally over the row)."""
     if document_positions is None:
         document_positions = torch.arange(query.shape[2], device=query.device).expand(query.shape[0], -1)
-    kwargs.pop("position_ids", None)
     out = attend(backend_function(module, backend), module, query, key, value, document_positions, sliding_window,
                  backend == "eager", DOCUMENT_WINDOW, dropout=dropout, scaling=scaling, **kwargs)
     return out, None

@@ -15,9 +15,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-# Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name().
-PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0,
-               "L4": 121.0, "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
+# Dense (no sparsity) bf16 peak TFLOP/s of one device, from the vendors' datasheets (NVIDIA's list "with sparsity",
+# halved here; AMD's dense figure), by a substring of torch.cuda.get_device_name(): "NVIDIA H100 80GB HBM3" (SXM),
+# "NVIDIA H100 PCIe", "AMD Instinct MI300X". The longest key found in the name wins (peak_tflops), so "H100 PCIe"
+# beats "H100" and "L40S" beats "L4" whatever the order here. V100 has no bf16: its fp16 figure.
+PEAK_TFLOPS = {
+    "B200": 2250.0, "GB200": 2500.0,
+    "H200": 989.0, "H200 NVL": 835.0, "GH200": 989.0,
+    "H100": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0,
+    "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0, "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0,
+    "MI300X": 1307.4, "MI300A": 980.6, "MI325X": 1307.4,
+}
 
 
 @dataclass
@@ -66,7 +74,8 @@ def peak_tflops(configured: float | None) -> float | None:
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+    key = max((key for key in PEAK_TFLOPS if key in name), key=len, default=None)
+    return PEAK_TFLOPS.get(key)
 
 
 def memory_gib() -> tuple[float, float]:
