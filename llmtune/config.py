@@ -180,6 +180,9 @@ class TrainConfig:
     bf16: bool = _field(False, "bf16 compute with fp32 master weights and fp32 gradient reduction.")
     chunk_loss_size: int = _field(1024, "Tokens per chunk of the LM loss, computed from the hidden states without "
                                         "the full [tokens, vocab] logits; 0 computes the full logits.")
+    fused_kernels: bool = _field(False, "Liger's fused kernels on CUDA: fused linear cross-entropy for the loss and "
+                                        "the model's RMSNorm, SwiGLU and RoPE; needs liger-kernel (pip install "
+                                        "liger-kernel) and a CUDA device; CPU runs keep the reference path.")
     z_loss: float = _field(0.0, "Coefficient of the z-loss (logsumexp(logits)^2 per labelled token); 0 = off.")
     label_smoothing: float = _field(0.0, "Label smoothing of the cross-entropy, as in torch's cross_entropy.")
     router_aux_loss_coef: float | None = _field(None, "Mixture-of-experts models: coefficient of the router's "

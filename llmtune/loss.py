@@ -3,6 +3,9 @@
 Two paths give the same losses and gradients: the full [tokens, vocab] logits (chunk_size 0, the
 reference, as HF models compute them), and the default chunked path below, which never holds them.
 
+A third path, on CUDA with train.fused_kernels, is Liger's fused linear cross-entropy: the same sum
+in Triton kernels (_fused_cross_entropy_sum); the two paths above stay the reference.
+
 Chunked path: cross-entropy from the final hidden states and the lm_head weight, one [chunk, vocab]
 block at a time.
 
@@ -37,18 +40,20 @@ class LossOptions:
     """chunk_size 0 computes the full [tokens, vocab] logits (the reference, as HF models do);
     > 0 computes them that many tokens at a time. logit_softcap is the model config's
     final_logit_softcapping (Gemma); z_loss adds z_loss * logsumexp(logits)**2 per token;
-    label_smoothing is F.cross_entropy's. The recipe's values are checked in config.py."""
+    label_smoothing is F.cross_entropy's; fused computes the loss with Liger's CUDA kernels, whatever
+    chunk_size says. The recipe's values are checked in config.py."""
 
     chunk_size: int = 0
     logit_softcap: float | None = None
     z_loss: float = 0.0
     label_smoothing: float = 0.0
+    fused: bool = False
 
     @classmethod
     def of_run(cls, train_cfg, model_config) -> "LossOptions":
         """The recipe's loss settings, with the soft-capping the model's own config asks for."""
         return cls(chunk_size=train_cfg.chunk_loss_size, z_loss=train_cfg.z_loss,
-                   label_smoothing=train_cfg.label_smoothing,
+                   label_smoothing=train_cfg.label_smoothing, fused=train_cfg.fused_kernels,
                    logit_softcap=getattr(model_config, "final_logit_softcapping", None))
 
 
@@ -66,6 +71,8 @@ def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """fp32 sum of the per-token losses over the labels != IGNORE_INDEX; hidden [..., H], labels [...]."""
     hidden = hidden.reshape(-1, hidden.size(-1))
     shifted_labels = shifted_labels.reshape(-1)
+    if options.fused:
+        return _fused_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
     if options.chunk_size:
         return _chunked_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
     return _full_logits_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
@@ -80,6 +87,33 @@ def _full_logits_cross_entropy_sum(hidden, weight, bias, labels, options: LossOp
     if options.z_loss:
         loss = loss + options.z_loss * torch.logsumexp(logits[labels != IGNORE_INDEX], dim=-1).square().sum()
     return loss
+
+
+def _fused_cross_entropy_sum(hidden, weight, bias, labels, options: LossOptions) -> torch.Tensor:
+    """Liger's fused linear cross-entropy (CUDA only; features/fused_kernels.py checks for it up front).
+
+    Its per-token loss is that of _cross_entropy_and_grad with every option, so no combination is
+    refused (liger_kernel.ops.cross_entropy.liger_cross_entropy_kernel): the logits are tanh-capped as
+    here, the smoothed loss is lse - (1 - eps) * s[label] - eps * mean(s) as F.cross_entropy's, and
+    z_loss * lse**2 of the capped logits is added into the returned loss. Ignored tokens add 0 and no
+    gradient, and the "sum" reduction divides by nothing, so a micro-batch without a labelled token
+    gives 0, as here. Unlike the chunked path, the ignored tokens' matmuls still run.
+    """
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    # Liger computes the weight's and bias's gradients only when hidden needs one: with every layer
+    # below lm_head frozen, hidden is made to need one, which is then dropped. Without grad mode
+    # (evaluation) hidden needs none and Liger computes the loss alone.
+    head_needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (weight, bias))
+    if head_needs_grad and not hidden.requires_grad:
+        hidden = hidden.detach().requires_grad_()
+    loss = LigerFusedLinearCrossEntropyLoss(
+        ignore_index=IGNORE_INDEX, lse_square_scale=options.z_loss, label_smoothing=options.label_smoothing,
+        reduction="sum", softcap=options.logit_softcap,
+        # fp32 accumulators of the weight's and bias's gradients, as in the chunked path: by default Liger
+        # sums the chunks' contributions in the weight's dtype, where bf16 rounds the small ones away.
+        accum_dtype=torch.float32)
+    return loss(weight, hidden, labels, bias)
 
 
 def _chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -5,10 +5,11 @@ from llmtune.features.adapters import Adapters
 from llmtune.features.base import Features
 from llmtune.features.documents import PackedDocuments
 from llmtune.features.freezing import Freezing
+from llmtune.features.fused_kernels import FusedKernels
 from llmtune.features.router_loss import RouterLoss
 from llmtune.features.ulysses import ContextParallel
 
-FEATURES = (ContextParallel, PackedDocuments, Adapters, Freezing, RouterLoss)
+FEATURES = (ContextParallel, PackedDocuments, FusedKernels, Adapters, Freezing, RouterLoss)
 
 
 def check_features(config, model_config, world_size: int) -> None:
