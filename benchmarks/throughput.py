@@ -1,153 +1,410 @@
-"""Throughput of `llmtune pt` against a plain hand-written FSDP2 loop, same model and data, same run.
+"""CPU training speed of llmtune against a plain hand-written FSDP2 loop and the HF Trainer, on the same model,
+tokens, optimizer and steps.
 
-    python benchmarks/throughput.py [--steps 30] [--warmup 5] [--seq 512] [--batch 8]
+    python benchmarks/throughput.py [--steps 30] [--warmup 5] [--repeats 2] [--seq 512] [--batch 8] [--nproc 1]
+    python benchmarks/throughput.py --sft [--samples 2000] [--sft-seq 2048] [--batch 8] [--steps 30] ...
+    python benchmarks/throughput.py --interleaved [--nproc 1|2] [--steps 30] [--warmup 5] [--seq 512] [--batch 8]
 
-A tiny Llama (the demo's config) pre-trained from scratch on the demo corpus, sequence 512, on 1
-and 2 processes, measured two ways:
+The model is a Llama of 19.5M parameters trained from scratch (4 layers, hidden 256, MLP 688, 4 heads of 64, vocab
+32,000, untied lm_head); the demo's tokenizer (llmtune.demo.assets) gives the token ids. AdamW at lr 1e-3 without
+weight decay, clipping at 1.0, everywhere: fused in llmtune and the HF Trainer (the default of both), foreach in the
+plain loop.
 
-- Interleaved (what the goal is judged on): in the same torchrun processes, llmtune's training
-  loop (built by worker.build_trainer from a recipe, as `llmtune pt` builds it; one
-  Trainer.advance is one whole step: data, token counting, forward/backward, clipping, optimizer,
-  monitor) and the plain loop take turns, one step each, alternating which goes first. This
-  machine's speed drifts by about 10% within seconds (a fixed matmul loop, same process), more
-  than the difference being measured; steps taken in turn see the same drift, runs one after the
-  other do not. Printed: the plain loop's median step time over llmtune's.
-- End to end: `llmtune pt` as a user runs it and the plain loop in a torchrun of its own, one after
-  the other: tokens/s and rank 0's peak RSS of each (their ratio carries the drift).
+- pt (default): the demo's pre-training corpus in blocks of --seq tokens, --batch blocks per step, for llmtune fp32
+  (its defaults: packed documents kept apart, chunked loss), llmtune bf16 (train.bf16: FSDP2 mixed precision),
+  llmtune fp32 + train.compile, the plain FSDP2 loop (plain_fsdp_loop.py: full logits, attention across
+  documents, foreach AdamW) and the HF Trainer in fp32 and in its bf16 (hf_trainer_baseline.py). llmtune reads the
+  corpus through its own pt pipeline, the others through plain_fsdp_loop.blocks: the same documents, the same
+  tokens per step. Prints each contender's tokens/s and the ratios the goals are judged on: llmtune fp32 / HF fp32,
+  llmtune bf16 / HF bf16, llmtune compile / llmtune fp32, llmtune fp32 / plain loop. With --nproc 2, llmtune and
+  the plain loop run on 2 processes and the HF Trainer (one process on CPU) is left out.
+- --sft: --samples pre-tokenized samples (data.format tokenized; the same ids for every contender) of
+  instruction-like lengths: log-normal with mu = ln 200 (median 200 tokens) and sigma 0.9, rounded and clipped to
+  [24, 1024]; a prompt of 20-60% of each sample carries label -100. One process. llmtune's defaults (packing into
+  rows of --sft-seq tokens, document masks on), llmtune's packing without document masks, and the HF Trainer's
+  defaults (random order, each batch of --batch samples padded to its longest). llmtune's rows per step are
+  chosen for about the real tokens of the HF Trainer's step: --batch x (packed rows / samples), the rows counted
+  by packing the lengths as llmtune does, at least 1. Speed is non-pad tokens per second. Prints the three and
+  the ratios masked / unmasked packing and llmtune defaults / HF Trainer.
+- --interleaved: the measurement an earlier issue judged on. llmtune's loop and the plain loop in the same
+  processes, one step each in turn, alternating which goes first, for llmtune's defaults and for the same work
+  as the plain loop (no document masks, full logits). Steps taken in turn see the same drift of the machine,
+  which separate processes do not; prints each loop's tokens/s and llmtune / plain loop.
 
-A speed is the tokens of one step over the median step time.
+Method. This machine's speed drifts by about 10% within seconds (a fixed matmul loop, same process). Every
+contender runs in fresh processes of its own, all contenders once per repeat, the order rotated by one at each
+repeat (--repeats times); a contender's tokens/s is the median over its repeats. One StepClock times every step
+the same way, the first --warmup steps left out: the wall time of one whole turn of the loop, data included
+(llmtune: one Trainer.advance; plain loop: one call; HF Trainer: from one on_step_end to the next, see
+hf_trainer_baseline.py). In one run, tokens/s is the step's tokens over the median step time where every
+step has the same tokens (pt), else the tokens of the timed steps over their time (sft). Also printed: each
+repeat's tokens/s, the median real tokens per step and rank 0's peak RSS (of the whole process: under
+--interleaved both loops share it).
 """
 
 import argparse
 import json
+import math
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+LEARNING_RATE = 1e-3  # plain_fsdp_loop.py's
+# 19.5M parameters, 16.4M of them in the embeddings and the untied lm_head (a small model with a large vocabulary).
+MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=4, tie_word_embeddings=False)
+# Sample lengths of --sft: log-normal (mu, sigma; median e^mu = 200 tokens), clipped to [shortest, longest].
+SFT_LENGTHS = dict(mu=math.log(200), sigma=0.9, shortest=24, longest=1024)
+PROMPT_SHARE = (0.2, 0.6)  # range of each sft sample's share that is prompt (label -100)
+RESULT = "throughput result: "  # marks the worker's line among what the libraries print
 
-# The plain loop attends across documents and computes the full logits; llmtune by default keeps
-# attention inside each document and chunks the loss. "same work" turns both off.
-VARIANTS = {"same work": {"document_mask": False, "chunk_loss_size": 0},
-            "defaults": {"document_mask": True, "chunk_loss_size": 1024}}
+
+@dataclass(frozen=True)
+class Contender:
+    """parts: what runs in the contender's processes, "llmtune", "plain" or "hf"; several parts take turns, step by
+    step. settings: what it changes from the common setup, recipe sections for llmtune, TrainingArguments for
+    the HF Trainer."""
+    parts: tuple[str, ...]
+    settings: dict = field(default_factory=dict)
 
 
-def write_recipe(assets: Path, out: Path, args, variant: dict, steps: int) -> Path:
-    """`out`/recipe.yaml of a `llmtune pt` run of `variant` whose output_dir is `out`."""
-    out.mkdir(parents=True)
-    recipe = out / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": {"config": str(assets / "model"), "tokenizer": str(assets / "tokenizer")},
-        "data": {"train_files": [str(assets / "data" / "pt.jsonl")], "max_seq_len": args.seq,
-                 "cache_dir": str(out.parent / "cache"), "document_mask": variant["document_mask"]},
-        "train": {"output_dir": str(out), "max_steps": steps, "per_device_train_batch_size": args.batch,
-                  "logging_steps": 1, "learning_rate": 1e-3, "chunk_loss_size": variant["chunk_loss_size"]},
+PT = {"llmtune fp32": Contender(("llmtune",)),
+      "llmtune bf16": Contender(("llmtune",), {"train": {"bf16": True}}),
+      "llmtune compile": Contender(("llmtune",), {"train": {"compile": True}}),
+      "plain loop": Contender(("plain",)),
+      "HF Trainer fp32": Contender(("hf",)),
+      "HF Trainer bf16": Contender(("hf",), {"bf16": True})}
+SFT = {"llmtune defaults": Contender(("llmtune",)),
+       "llmtune unmasked": Contender(("llmtune",), {"data": {"document_mask": False}}),
+       "HF Trainer": Contender(("hf",))}
+# The plain loop attends across documents and computes the full logits; "same work" has llmtune do that too.
+INTERLEAVED = {"same work": Contender(("plain", "llmtune"), {"data": {"document_mask": False},
+                                                             "train": {"chunk_loss_size": 0}}),
+               "defaults": Contender(("plain", "llmtune"))}
+CONTENDERS = {**PT, **SFT, **INTERLEAVED}
+# (numerator, denominator, goal) of the ratios printed under each table.
+RATIOS = {
+    "pt": [("llmtune fp32", "HF Trainer fp32", ">= 1.3"), ("llmtune bf16", "HF Trainer bf16", ">= 2"),
+           ("llmtune compile", "llmtune fp32", "> 1, or a reason"), ("llmtune fp32", "plain loop", "")],
+    "sft": [("llmtune defaults", "llmtune unmasked", ">= 0.98"), ("llmtune defaults", "HF Trainer", ">= 3.5")],
+    "interleaved": [(f"{name}: llmtune", f"{name}: plain", "") for name in INTERLEAVED],
+}
+
+
+@dataclass
+class Workload:
+    """What every contender of a benchmark trains on; written by the parent, read by each worker process."""
+    task: str  # pt | sft
+    model: str  # folder of the model's config.json
+    tokenizer: str
+    data: str  # pt: documents {"text"}; sft: samples {"input_ids", "labels"} (JSON lines)
+    seq: int  # pt: tokens per block of the plain loop and the HF Trainer (llmtune's: llmtune_data's max_seq_len)
+    batch: int  # rows per step of the plain loop and the HF Trainer
+    llmtune_batch: int  # rows per step of llmtune
+    llmtune_data: dict  # the recipe's data section
+    steps: int
+    warmup: int
+    learning_rate: float = LEARNING_RATE
+
+    def write(self, root: Path) -> None:
+        (root / "workload.json").write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def read(cls, root: Path) -> "Workload":
+        return cls(**json.loads((root / "workload.json").read_text()))
+
+
+class StepClock:
+    """The one way a step is timed: wall time from start() or the previous lap to lap(tokens), with the real
+    tokens of the step; the first `warmup` steps are left out of result()."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.times, self.tokens, self.started = warmup, [], [], 0.0
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+
+    def lap(self, tokens: int) -> None:
+        now = time.perf_counter()
+        self.times.append(now - self.started)
+        self.tokens.append(tokens)
+        self.started = now
+
+    def result(self) -> dict:
+        return {"step_times_s": self.times[self.warmup:], "step_tokens": self.tokens[self.warmup:]}
+
+
+def speed(result: dict) -> float:
+    """Tokens/s of one run's timed steps."""
+    tokens, times = result["step_tokens"], result["step_times_s"]
+    if len(set(tokens)) == 1:
+        # The median step, which a rare slow one (another process waking up) does not move.
+        return tokens[0] / statistics.median(times)
+    return sum(tokens) / sum(times)
+
+
+# --- in a worker process: build one contender and time its steps
+
+
+def time_steps(runners: dict, workload: Workload) -> dict:
+    """{name: StepClock result} of each runner (one step per call, returning the step's real tokens) over warmup +
+    steps rounds; several runners take turns within a round, alternating which goes first."""
+    clocks = {name: StepClock(workload.warmup) for name in runners}
+    for turn in range(workload.warmup + workload.steps):
+        for name in sorted(runners, reverse=turn % 2 == 1):
+            clocks[name].start()
+            clocks[name].lap(runners[name]())
+    return {name: clock.result() for name, clock in clocks.items()}
+
+
+def llmtune_recipe(workload: Workload, settings: dict, out: Path) -> Path:
+    total = workload.warmup + workload.steps
+    recipe = {
+        "model": {"config": workload.model, "tokenizer": workload.tokenizer},
+        "data": dict(workload.llmtune_data),
+        # One record, at the last step: the steps are timed here.
+        "train": {"output_dir": str(out), "max_steps": total, "logging_steps": total,
+                  "per_device_train_batch_size": workload.llmtune_batch, "learning_rate": workload.learning_rate},
         "checkpoint": {"export_hf": False},
         "monitor": {"console": False},
-    }))
-    return recipe
+    }
+    for section, values in settings.items():
+        recipe[section].update(values)
+    path = out / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
 
 
-def speed(step_times: list[float], tokens_per_step: int) -> float:
-    return tokens_per_step / statistics.median(step_times)
-
-
-def interleaved_worker(assets: Path, recipe: Path, args) -> None:
-    """Under torchrun: llmtune's loop built from `recipe` and the plain loop take turns, one step each."""
-    from plain_fsdp_loop import PlainLoop
-
+def llmtune_step(workload: Workload, settings: dict, state, out: Path):
+    """llmtune's loop as `llmtune pt|sft` builds it (worker.build_trainer): each call is one Trainer.advance (data,
+    token counting, forward/backward, clipping, optimizer, monitor) and returns the step's non-pad tokens on all
+    ranks, which the trainer has counted already: its train_step is wrapped to catch them."""
     from llmtune.config import load_config
-    from llmtune.parallel import ParallelState
+    from llmtune.trainer import Trainer
     from llmtune.worker import build_trainer
 
-    state = ParallelState.initialize()
-    plain = PlainLoop(str(assets / "model"), str(assets / "tokenizer"), str(assets / "data" / "pt.jsonl"), args.seq,
-                      args.batch, state.fsdp_mesh)
-    trainer, _ = build_trainer(load_config(str(recipe), [], "pt", state.world_size), state)
+    config = load_config(str(llmtune_recipe(workload, settings, out)), [], workload.task, state.world_size)
+    trainer, _ = build_trainer(config, state)
     trainer.model.train()
-    steps = trainer.data.steps(trainer.total_steps)
-    runners = {"plain": plain, "llmtune": lambda: trainer.advance(steps)}
-    times = {name: [] for name in runners}
-    for step in range(args.warmup + args.steps):
-        for name in sorted(runners, reverse=step % 2 == 1):
-            started = time.perf_counter()
-            runners[name]()
-            if step >= args.warmup:
-                times[name].append(time.perf_counter() - started)
-    if state.is_main:
-        print(json.dumps({"step_times_s": times, "tokens_per_step": plain.tokens_per_step}))
+    steps, tokens = trainer.data.steps(trainer.total_steps), []
+
+    def train_step(micro_batches):
+        stats = Trainer.train_step(trainer, micro_batches)
+        tokens.append(stats.input_tokens)
+        return stats
+
+    def step() -> int:
+        trainer.advance(steps)
+        return tokens.pop()
+
+    trainer.train_step = train_step
+    return step
+
+
+def plain_step(workload: Workload, state):
+    from plain_fsdp_loop import PlainLoop
+
+    plain = PlainLoop(workload.model, workload.tokenizer, workload.data, workload.seq, workload.batch,
+                      state.fsdp_mesh)
+
+    def step() -> int:
+        plain()
+        return plain.tokens_per_step
+
+    return step
+
+
+def run_contender(name: str, workload: Workload, out: Path) -> tuple[dict, bool]:
+    """({runner: StepClock result}, whether this process reports them)."""
+    contender = CONTENDERS[name]
+    if contender.parts == ("hf",):
+        from hf_trainer_baseline import train_hf
+
+        clock = StepClock(workload.warmup)
+        train_hf(workload, contender.settings, clock, str(out))
+        return {name: clock.result()}, True
+    from llmtune.parallel import ParallelState
+
+    state = ParallelState.initialize()
+    build = {"llmtune": lambda: llmtune_step(workload, contender.settings, state, out),
+             "plain": lambda: plain_step(workload, state)}
+    names = {part: name if len(contender.parts) == 1 else f"{name}: {part}" for part in contender.parts}
+    results = time_steps({names[part]: build[part]() for part in contender.parts}, workload)
     state.close()
+    return results, state.is_main
 
 
-def torchrun(nproc: int, *command: str) -> str:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", *command], cwd=REPO, check=True, capture_output=True,
-                          text=True).stdout.strip().splitlines()[-1]
+def worker(name: str, root: Path) -> None:
+    results, reports = run_contender(name, Workload.read(root), Path(tempfile.mkdtemp(dir=root, prefix="run-")))
+    if reports:
+        peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(RESULT + json.dumps({"runners": results, "peak_rss_gib": peak_rss_gib}), flush=True)
 
 
-def interleaved(assets: Path, out: Path, nproc: int, args, variant: dict) -> float:
-    """llmtune's tokens/s over the plain loop's, taking turns in the same processes."""
-    recipe = write_recipe(assets, out, args, variant, args.warmup + args.steps)
-    run = json.loads(torchrun(nproc, __file__, "--worker", str(assets), str(recipe), *common_args(args)))
-    return statistics.median(run["step_times_s"]["plain"]) / statistics.median(run["step_times_s"]["llmtune"])
+# --- in the parent: the workload, the runs, the table
 
 
-def common_args(args) -> list[str]:
-    return [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--seq={args.seq}", f"--batch={args.batch}"]
+def write_model(folder: Path, max_positions: int) -> int:
+    """The benchmark's Llama config in `folder`; returns its parameter count."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmtune.demo.assets import BOS_ID, EOS_ID, PAD_ID
+
+    config = LlamaConfig(**MODEL, max_position_embeddings=max_positions, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                         pad_token_id=PAD_ID)
+    config.save_pretrained(str(folder))
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
 
 
-def end_to_end(assets: Path, out: Path, nproc: int, args) -> dict:
-    """{run: (tokens/s, rank 0's peak RSS in GiB)} of separate runs, one after the other."""
-    plain = json.loads(torchrun(nproc, str(REPO / "benchmarks" / "plain_fsdp_loop.py"), str(assets / "model"),
-                                str(assets / "tokenizer"), str(assets / "data" / "pt.jsonl"), str(args.seq),
-                                str(args.batch), str(args.warmup + args.steps), str(args.warmup)))
-    results = {"plain": (speed(plain["step_times_s"], plain["tokens_per_step"]), plain["peak_rss_gib"])}
-    for name, variant in VARIANTS.items():
-        recipe = write_recipe(assets, out / name.replace(" ", "_"), args, variant, args.warmup + args.steps)
-        subprocess.run([sys.executable, "-m", "llmtune", "pt", str(recipe), "--nproc", str(nproc)], cwd=REPO,
-                       check=True, capture_output=True)
-        records = [json.loads(line) for line in (recipe.parent / "metrics.jsonl").read_text().splitlines()]
-        # logging_steps 1: each record's tokens/s covers the whole wall time of its step.
-        timed = records[args.warmup:]
-        results[name] = (speed([r["input_tokens"] / r["tokens_per_s"] for r in timed], timed[0]["input_tokens"]),
-                         records[-1]["mem_gib"])
-    return results
+def write_sft_samples(path: Path, count: int, seed: int = 0):
+    """`count` samples of random token ids with SFT_LENGTHS' lengths, each a prompt (label -100) and a response;
+    returns their lengths."""
+    import numpy as np
+
+    from llmtune.demo.assets import EOS_ID, VOCAB_SIZE
+    from llmtune.loss import IGNORE_INDEX
+
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.rint(rng.lognormal(SFT_LENGTHS["mu"], SFT_LENGTHS["sigma"], count)),
+                      SFT_LENGTHS["shortest"], SFT_LENGTHS["longest"]).astype(int)
+    with open(path, "w") as f:
+        for length in lengths:
+            ids = rng.integers(EOS_ID + 1, VOCAB_SIZE, length).tolist()  # no special token
+            prompt = max(1, round(length * rng.uniform(*PROMPT_SHARE)))
+            f.write(json.dumps({"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]}) + "\n")
+    return lengths
+
+
+def packed_rows(lengths, row_len: int) -> int:
+    """Rows that llmtune packs samples of these lengths into (first-fit-decreasing within its windows)."""
+    from llmtune.data.packing import PACK_WINDOW, first_fit_decreasing
+
+    return sum(len(first_fit_decreasing(lengths[start:start + PACK_WINDOW].tolist(), row_len))
+               for start in range(0, len(lengths), PACK_WINDOW))
+
+
+def prepare(root: Path, args) -> Workload:
+    """Write the assets, the model config and (sft) the samples under root; print what will be measured."""
+    from llmtune.demo.assets import write_demo_assets
+
+    write_demo_assets(root / "assets")
+    params = write_model(root / "model", max(args.seq, args.sft_seq))
+    common = dict(model=str(root / "model"), tokenizer=str(root / "assets" / "tokenizer"), seq=args.seq,
+                  batch=args.batch, steps=args.steps, warmup=args.warmup)
+    print(f"Llama {params / 1e6:.1f}M parameters ({MODEL['num_hidden_layers']} layers, hidden "
+          f"{MODEL['hidden_size']}, vocab {MODEL['vocab_size']}); {args.steps} steps timed after {args.warmup}, "
+          f"{args.repeats} repeat(s), fresh processes per contender and repeat")
+    if not args.sft:
+        data = str(root / "assets" / "data" / "pt.jsonl")
+        print(f"pt: demo corpus in blocks of {args.seq}, {args.batch} blocks per step, {args.nproc} process(es)")
+        return Workload(task="pt", data=data, llmtune_batch=args.batch,
+                        llmtune_data={"train_files": [data], "max_seq_len": args.seq,
+                                      "cache_dir": str(root / "cache")}, **common)
+    data = root / "sft.jsonl"
+    lengths = write_sft_samples(data, args.samples)
+    rows = max(1, round(args.batch * packed_rows(lengths, args.sft_seq) / len(lengths)))
+    print(f"sft: {len(lengths)} samples, lengths median {statistics.median(lengths):.0f}, mean {lengths.mean():.0f}, "
+          f"{lengths.min()}-{lengths.max()}; HF Trainer {args.batch} samples per step (about "
+          f"{args.batch * lengths.mean():.0f} real tokens), llmtune {rows} packed row(s) of {args.sft_seq} per step")
+    # sft wants a chat template even where the rows are tokenized already; basic is never rendered here.
+    return Workload(task="sft", data=str(data), llmtune_batch=rows,
+                    llmtune_data={"train_files": [str(data)], "format": "tokenized", "chat_template": "basic",
+                                  "max_seq_len": args.sft_seq, "cache_dir": str(root / "cache")}, **common)
+
+
+def launch(root: Path, name: str, nproc: int) -> dict:
+    """Contender `name` in fresh processes (torchrun's for more than one): its runners' results and peak RSS."""
+    script = [__file__, "--worker", name, str(root)]
+    command = [sys.executable, *script] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{name} failed (exit {done.returncode}):\n{done.stderr[-6000:]}")
+    line = next(line for line in reversed(done.stdout.splitlines()) if line.startswith(RESULT))
+    return json.loads(line.removeprefix(RESULT))
+
+
+def measure(root: Path, names: list[str], nproc: int, repeats: int) -> dict[str, list[dict]]:
+    """{runner: its result in each repeat}; each repeat runs every contender once, in an order rotated by one."""
+    runs = defaultdict(list)
+    for repeat in range(repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            out = launch(root, name, nproc)
+            for runner, result in out["runners"].items():
+                runs[runner].append({**result, "peak_rss_gib": out["peak_rss_gib"]})
+    return runs
+
+
+def print_table(runs: dict[str, list[dict]], ratios: list[tuple[str, str, str]]) -> None:
+    """One row per runner (tokens/s: median over repeats), then the ratios of the medians."""
+    medians = {runner: statistics.median(speed(r) for r in results) for runner, results in runs.items()}
+    width = max(map(len, runs)) + 2
+    print(f"\n{'':{width}}{'tokens/s':>10}  {'tokens/step':>11}  {'peak RSS':>8}  each repeat")
+    for runner, results in runs.items():
+        tokens = statistics.median(t for r in results for t in r["step_tokens"])
+        rss = max(r["peak_rss_gib"] for r in results)
+        print(f"{runner:{width}}{medians[runner]:>10,.0f}  {tokens:>11,.0f}  {rss:>4.2f} GiB  "
+              + " ".join(f"{speed(r):,.0f}" for r in results))
+    for numerator, denominator, goal in ratios:
+        if numerator in medians and denominator in medians:
+            print(f"{numerator} / {denominator}: {medians[numerator] / medians[denominator]:.3f}x"
+                  + (f" (goal {goal})" if goal else ""))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--sft", action="store_true", help="Measure sft on skewed sample lengths (one process).")
+    mode.add_argument("--interleaved", action="store_true",
+                      help="Measure llmtune's loop and the plain loop taking turns in the same processes.")
+    parser.add_argument("--steps", type=int, default=30, help="Timed optimizer steps per run.")
+    parser.add_argument("--warmup", type=int, default=5, help="Steps run before the timed ones (compilation too).")
+    parser.add_argument("--repeats", type=int, default=2, help="Runs of every contender, each in fresh processes.")
+    parser.add_argument("--seq", type=int, default=512, help="pt: tokens per block.")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="Rows per step and process (pt: blocks; sft: the HF Trainer's samples).")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="pt and --interleaved: processes of llmtune and the plain loop (the HF Trainer runs "
+                             "only with 1).")
+    parser.add_argument("--samples", type=int, default=2000, help="sft: samples written.")
+    parser.add_argument("--sft-seq", type=int, default=2048, help="sft: llmtune's tokens per packed row.")
+    parser.add_argument("--worker", nargs=2, metavar=("CONTENDER", "ROOT"), help=argparse.SUPPRESS)  # in a worker
+    args = parser.parse_args()
+    if args.sft and args.nproc != 1:
+        parser.error("--sft measures one process; leave out --nproc")
+    return args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args()
     if args.worker:
-        interleaved_worker(Path(args.worker[0]), Path(args.worker[1]), args)
+        worker(args.worker[0], Path(args.worker[1]))
         return
-    from llmtune.demo.assets import write_demo_assets
-
+    mode = "sft" if args.sft else "interleaved" if args.interleaved else "pt"
+    contenders = {"pt": PT, "sft": SFT, "interleaved": INTERLEAVED}[mode]
+    # On CPU the HF Trainer trains in one process.
+    names = [name for name, c in contenders.items() if args.nproc == 1 or "hf" not in c.parts]
     with tempfile.TemporaryDirectory() as tmp:
-        assets = Path(tmp) / "assets"
-        write_demo_assets(assets)
-        print(f"tiny Llama (demo config), seq {args.seq}, micro-batch {args.batch} per process, {args.steps} steps "
-              f"timed after {args.warmup}; tokens/s = tokens of a step / median step time")
-        for nproc in (1, 2):
-            print(f"\n{nproc} process(es)")
-            ratios = {name: interleaved(assets, Path(tmp) / f"interleaved{nproc}_{name.replace(' ', '_')}", nproc, args,
-                                        variant) for name, variant in VARIANTS.items()}
-            print("  interleaved with the plain loop: " + ", ".join(
-                f"llmtune {name} {ratio:.3f}x" for name, ratio in ratios.items()))
-            runs = end_to_end(assets, Path(tmp) / f"end_to_end{nproc}", nproc, args)
-            print("  end to end (one after the other): " + ", ".join(
-                f"{name} {value:,.0f} tokens/s" + ("" if name == "plain" else f" ({value / runs['plain'][0]:.3f}x)")
-                + f", peak RSS {rss:.2f} GiB" for name, (value, rss) in runs.items()))
+        root = Path(tmp)
+        prepare(root, args).write(root)
+        print_table(measure(root, names, args.nproc, args.repeats), RATIOS[mode])
 
 
 if __name__ == "__main__":
+    # Python puts this folder first on sys.path, where benchmarks/peft.py would stand in for the peft package (which
+    # transformers imports); last, it still holds plain_fsdp_loop and hf_trainer_baseline.
+    HERE = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
     main()

@@ -152,29 +152,50 @@ def _loss_and_grads(hidden, weight, bias, labels, options, needs):
              torch.zeros_like(weight, dtype=torch.float32) if need_weight else None,
              torch.zeros_like(bias, dtype=torch.float32) if need_bias else None)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for chunk in (labels != IGNORE_INDEX).nonzero().squeeze(1).split(options.chunk_size):
-        loss += _add_chunk(hidden, weight, bias, labels, chunk, options, grads)
+    chunks = (labels != IGNORE_INDEX).nonzero().squeeze(1).split(options.chunk_size)
+    blocks = _Blocks(max((len(chunk) for chunk in chunks), default=0), weight)
+    for chunk in chunks:
+        loss += _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks)
     grad_hidden, grad_weight, grad_bias = grads
     return (loss, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype))
 
 
-def _add_chunk(hidden, weight, bias, labels, chunk, options, grads) -> torch.Tensor:
-    """Loss of the tokens at row indices `chunk`; their gradients are added to `grads` (None: not needed).
+class _Blocks:
+    """The [chunk, vocab] blocks of one loss call, allocated once and reused by every chunk: a freshly allocated
+    block of this size is memory the kernel must fault in and zero, which on CPU cost more than the softmax over
+    it. The logits go to `fp32`; with bf16 weights the matmuls read and write `low`, in the weights' dtype."""
 
-    A function of its own so that this chunk's [n, V] buffer is freed before the next is allocated.
-    """
+    def __init__(self, rows: int, weight: torch.Tensor):
+        self.fp32 = weight.new_empty((rows, weight.shape[0]), dtype=torch.float32)
+        self.low = None if weight.dtype == torch.float32 else weight.new_empty((rows, weight.shape[0]))
+
+    def logits(self, chunk_hidden, weight, bias) -> torch.Tensor:
+        """fp32 logits of the chunk, from a matmul in the inputs' dtype (as the plain path's)."""
+        rows = len(chunk_hidden)
+        out = (self.fp32 if self.low is None else self.low)[:rows]
+        if bias is None:
+            torch.mm(chunk_hidden, weight.T, out=out)
+        else:
+            torch.addmm(bias, chunk_hidden, weight.T, out=out)
+        return out if self.low is None else self.fp32[:rows].copy_(out)
+
+    def in_weight_dtype(self, grad_logits: torch.Tensor) -> torch.Tensor:
+        return grad_logits if self.low is None else self.low[:len(grad_logits)].copy_(grad_logits)
+
+
+def _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks: _Blocks) -> torch.Tensor:
+    """Loss of the tokens at row indices `chunk`; their gradients are added to `grads` (None: not needed)."""
     grad_hidden, grad_weight, grad_bias = grads
     chunk_hidden = hidden.index_select(0, chunk)
-    # The matmul runs in the inputs' dtype, as in the plain path; the softmax in fp32.
-    logits = F.linear(chunk_hidden, weight, bias).float()
+    logits = blocks.logits(chunk_hidden, weight, bias)
     loss, grad_logits = _cross_entropy_and_grad(logits, labels.index_select(0, chunk), options,
                                                 need_grad=any(g is not None for g in grads))
     if grad_logits is None:
         return loss
     if grad_bias is not None:
         grad_bias += grad_logits.sum(0)
-    grad_logits = grad_logits.to(hidden.dtype)
+    grad_logits = blocks.in_weight_dtype(grad_logits)
     if grad_hidden is not None:
         grad_hidden.index_copy_(0, chunk, grad_logits @ weight)
     if grad_weight is not None:

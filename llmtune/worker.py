@@ -9,6 +9,7 @@ from transformers import enable_full_determinism, set_seed
 
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
+from llmtune.cpu_memory import keep_freed_memory
 from llmtune.data.manager import build_data
 from llmtune.data.templates import recipe_tokenizer
 from llmtune.features.registry import enabled_features
@@ -44,6 +45,8 @@ def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, ob
     """(trainer, tokenizer) for this rank, resumed when the recipe says so; rank 0 writes the resolved config.
     local: the recipe with its Hub ids fetched (local_inputs), which the run reads; default: config itself."""
     local = local or config
+    if state.device.type == "cpu":
+        keep_freed_memory()
     output_dir = Path(config.train.output_dir)
     if state.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -159,3 +159,29 @@ def test_varlen_boundaries_lay_the_rows_end_to_end():
     assert kwargs["max_length_q"] == kwargs["max_length_k"] == 40
     # A row that is one document (no restart) is one segment, even when its positions do not start at 0.
     assert varlen_kwargs(torch.arange(3, 11).expand(2, 8))["cu_seq_lens_q"].tolist() == [0, 8, 16]
+
+
+def flash_attention_missing() -> bool:
+    from transformers.utils import is_flash_attn_2_available
+
+    return not (torch.cuda.is_available() and is_flash_attn_2_available())
+
+
+@pytest.mark.skipif(flash_attention_missing(), reason="flash attention's varlen kernels need a CUDA device and "
+                                                      "flash-attn")
+def test_flash_attention_on_packed_rows_equals_every_document_alone_on_cuda():
+    """The real varlen kernel, in bf16: what PackedDocuments hands it keeps the documents of two rows apart."""
+    model = tiny_llama("flash_attention_2").to("cuda", torch.bfloat16)
+    feature = PackedDocuments(None)
+    feature.build(model, None)
+    ids = input_ids().cuda()
+    inputs = feature.transform({"input_ids": ids, "position_ids": positions().cuda()})
+    weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2)).cuda()
+    logits, grads = logits_and_grads(model, inputs, weights)
+    model.set_attn_implementation("sdpa")
+    expected_logits, expected_grads = documents_alone(model, ids, weights)
+    # bf16 kernels that round differently: within a few bf16 ulps of the logits' scale.
+    torch.testing.assert_close(logits, expected_logits, rtol=2e-2, atol=2e-2)
+    for name, grad in grads.items():
+        scale = expected_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, expected_grads[name], rtol=5e-2, atol=5e-2 * scale, msg=name)
