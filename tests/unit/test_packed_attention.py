@@ -140,6 +140,30 @@ def test_no_mask_beyond_the_window_is_built(monkeypatch):
     assert all(shape is None or shape[-1] <= 16 for shape in masks)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_rows_are_attended_in_fp32_on_cpu(dtype, monkeypatch):
+    """The backend sees fp32 query, key and value and the output comes back in the inputs' dtype: equal, up to its
+    rounding, to fp32 attention of the same (rounded) inputs."""
+    monkeypatch.setattr(attention, "DOCUMENT_WINDOW", 16)
+    seen = []
+    sdpa = attention.backend_function(None, "sdpa")
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(query.dtype)
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(2, 4, LENGTH, 8, generator=generator).to(dtype).requires_grad_()
+                         for _ in range(3))
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=1, training=False)
+    out = attention.attend(spy, module, query, key, value, positions(), None, False, 16)
+    assert out.dtype == dtype and set(seen) == {torch.float32}
+    reference = attention.attend(sdpa, module, query.float(), key.float(), value.float(), positions(), None, False, 16)
+    torch.testing.assert_close(out, reference.to(dtype), rtol=0, atol=0)
+    out.float().sum().backward()
+    assert query.grad.dtype == dtype
+
+
 def test_document_mask_off_attends_across_the_row_as_transformers_does():
     ids = input_ids()
     inputs = {"input_ids": ids, "position_ids": positions(), "attention_mask": torch.ones_like(ids)}
