@@ -5,6 +5,7 @@ that names Hub ids is fetched and checked in the worker once the process group e
 node fetches while the others wait."""
 
 import argparse
+import shlex
 import sys
 
 from llmtune.errors import TrainingStopped, UserError
@@ -12,7 +13,7 @@ from llmtune.errors import TrainingStopped, UserError
 USAGE = """llmtune pt|sft RECIPE [section.key=value ...] [--section.key VALUE ...] [--nproc N]
                [--resume_from_checkpoint PATH|latest]
        llmtune data RECIPE [--n N] [--task pt|sft] [section.key=value ...]
-       llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge]
+       llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge] [--verify]
        llmtune demo"""
 
 
@@ -27,19 +28,42 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
         raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
     world_size = nproc or launch.world_size_from_env()
     config = load_config(recipe, overrides, task, world_size)
+    resume = resume_command(task, recipe, overrides)
     if launch.launched_by_torchrun() and hub_inputs(config):
-        from llmtune.worker import run
-
-        run(config)
-        return 0
+        return run_worker(config, None, resume)
     local = local_inputs(config, fetch_hub_inputs(config))
     check_run(local, world_size)
     if nproc and nproc > 1:
         return launch.launch_local(nproc, [task, recipe, *overrides])
+    return run_worker(config, local, resume)
+
+
+def run_worker(config, local, resume: str) -> int:
+    """Train in this process (worker.run); a run stopped by a signal says on rank 0 how to resume, and exits 75."""
+    from llmtune import launch
+    from llmtune.errors import Preempted
     from llmtune.worker import run
 
-    run(config, local)
+    try:
+        run(config, local, resume)
+    except Preempted as err:
+        if launch.rank_from_env() == 0:
+            print(f"llmtune: {err}; resume with: {resume}", file=sys.stderr)
+        return err.exit_code
     return 0
+
+
+def resume_command(task: str, recipe: str, overrides: list[str]) -> str:
+    """The command line that continues this run from its newest good checkpoint."""
+    from llmtune import launch
+
+    kept = [o for o in overrides if not o.startswith("checkpoint.resume_from_checkpoint=")]
+    words = [task, recipe, *kept, "checkpoint.resume_from_checkpoint=auto"]
+    if launch.local_nproc():
+        return shlex.join(["llmtune", *words, "--nproc", launch.local_nproc()])
+    if launch.launched_by_torchrun():
+        return "torchrun <the same options> -m llmtune " + shlex.join(words)
+    return shlex.join(["llmtune", *words])
 
 
 def take_flag(args: list[str], flag: str, default: str) -> str:
@@ -87,12 +111,15 @@ def export_command(args: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     parser.add_argument("--merge", action="store_true", help="a run that trained adapters: write the HF folder with "
                                                             "them merged, not the adapter folder")
+    parser.add_argument("--verify", action="store_true", help="check every checkpoint file against the checksum "
+                                                             "written with it (reads the checkpoint once more)")
     parsed = parser.parse_args(args)
     from pathlib import Path
 
     from llmtune.checkpoint.hf_export import export_checkpoint
 
-    export_checkpoint(Path(parsed.checkpoint), Path(parsed.out_dir), parsed.dtype, parsed.overwrite, parsed.merge)
+    export_checkpoint(Path(parsed.checkpoint), Path(parsed.out_dir), parsed.dtype, parsed.overwrite, parsed.merge,
+                      parsed.verify)
     print(f"exported {parsed.checkpoint} to {parsed.out_dir}")
     return 0
 
@@ -115,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         if parsed.command == "data":
             return data_command(parsed.args)
         return train_command(parsed.command, parsed.args[0], parsed.args[1:])
-    except (UserError, TrainingStopped) as err:
+    except UserError as err:
         print(f"llmtune: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except TrainingStopped as err:
+        # Every rank stops with the same message (the reasons are agreed over ranks): rank 0 says it.
+        from llmtune.launch import rank_from_env
+
+        if rank_from_env() == 0:
+            print(f"llmtune: error: {err}", file=sys.stderr)
         return err.exit_code

@@ -8,6 +8,7 @@ reported together, before anything expensive (torch import, process group) happe
 import dataclasses
 import difflib
 import re
+import signal
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+CATCHABLE_SIGNALS = {sig.name for sig in signal.Signals} - {"SIGKILL", "SIGSTOP"}
+# Values of checkpoint.resume_from_checkpoint that mean the newest good checkpoint of output_dir (else a fresh start).
+RESUME_NEWEST = ("auto", "latest")
 # transformers' pattern for a Hub kernel (transformers.integrations.hub_kernels.is_kernel): org/name[@rev][:fn].
 HUB_KERNEL = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")
 PEFT_METHODS = ("none", "lora", "dora")
@@ -196,6 +200,9 @@ class TrainConfig:
     per_device_eval_batch_size: int = _field(8, "Rows per validation micro-batch on each data-parallel rank.")
     deterministic: bool = _field(False, "Deterministic algorithms, set as transformers' enable_full_determinism sets "
                                         "them (cuBLAS workspace, cuDNN); slower on GPU.")
+    save_on_signals: list[str] = _field(["SIGTERM", "SIGINT", "SIGUSR1"], "On any of these signals, on any rank, "
+                                        "every rank saves a checkpoint after the current optimizer step and the run "
+                                        "exits 75; [] leaves the signals' default actions.")
     trainable_modules: list[str] = _field([], "Regular expressions (re.search on parameter names): only the "
                                               "parameters they match are trained, the rest frozen; empty = all.")
     frozen_modules: list[str] = _field([], "Regular expressions (re.search on parameter names): the parameters they "
@@ -224,6 +231,8 @@ class TrainConfig:
             out.append("train: set train.max_steps > 0 or train.num_train_epochs > 0")
         if self.learning_rate < 0 or self.max_grad_norm < 0 or self.weight_decay < 0:
             out.append("train: learning_rate, max_grad_norm and weight_decay must not be negative")
+        out += [f"train.save_on_signals: {name!r} is not a signal a process can catch; use names such as "
+                "SIGTERM, SIGINT, SIGUSR1" for name in self.save_on_signals if name not in CATCHABLE_SIGNALS]
         for key in ("trainable_modules", "frozen_modules"):
             out += [f"train.{key}: {pattern!r} is not a regular expression ({err})"
                     for pattern, err in _regex_errors(getattr(self, key))]
@@ -278,11 +287,16 @@ class PeftConfig:
 class ParallelConfig:
     cp_size: int = _field(1, "Context-parallel ranks per sequence, each holding 1/cp_size of its tokens; 1 = off.")
     cp_type: str = _field("ulysses", "Context parallelism: ulysses (all-to-all attention over heads).")
+    timeout_minutes: float = _field(30.0, "How long a collective waits for the slowest rank before the run fails "
+                                          "(a hung rank). Waits for one rank's Hub download or tokenization have "
+                                          "their own limit of 24 hours.")
 
     def problems(self) -> list[str]:
         out = []
         if self.cp_size < 1:
             out.append(f"parallel.cp_size: {self.cp_size} must be at least 1")
+        if self.timeout_minutes <= 0:
+            out.append(f"parallel.timeout_minutes: {self.timeout_minutes} must be above 0")
         if self.cp_type != "ulysses":
             out.append(_choice_problem("parallel.cp_type", self.cp_type, ("ulysses",)))
         return out
@@ -297,8 +311,11 @@ class CheckpointConfig:
     save_only_model: bool = _field(False, "Save the model only, no optimizer state (smaller; a resume starts the "
                                           "optimizer fresh).")
     async_save: bool = _field(False, "Write checkpoints in the background while training goes on.")
-    resume_from_checkpoint: str | None = _field(None, "A checkpoint folder, or latest (the newest in output_dir; "
-                                                      "starts fresh when there is none).")
+    resume_from_checkpoint: str | None = _field(None, "A checkpoint folder, or auto (the newest in output_dir that "
+                                                      "passes its checks; starts fresh when there is none; latest "
+                                                      "is the same).")
+    verify_checksums: bool = _field(False, "On resume, also check every checkpoint file's checksum (reads the whole "
+                                           "checkpoint once more); sizes are always checked.")
     export_hf: bool = _field(True, "At the end, write output_dir/hf: a folder AutoModelForCausalLM loads.")
     export_merged: bool = _field(False, "peft runs: also write output_dir/hf, the adapters merged into the "
                                         "weights (output_dir/adapter is always written).")

@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from llmtune.config import RESUME_NEWEST
 from llmtune.data.files import check_has_rows, is_saved_dataset, resolve_data_files
 from llmtune.data.registry import Source, split_sources
 from llmtune.errors import UserError
@@ -126,6 +127,6 @@ def check_inputs(config) -> None:
     if template and template.endswith(".jinja") and not Path(template).is_file():
         raise UserError(f"data.chat_template: template file {template} not found")
     resume = config.checkpoint.resume_from_checkpoint
-    if resume and resume != "latest" and not Path(resume).is_dir():
+    if resume and resume not in RESUME_NEWEST and not Path(resume).is_dir():
         raise UserError(f"checkpoint.resume_from_checkpoint: {resume} is not a checkpoint folder; name a "
-                        "global_step_N folder, or latest")
+                        "global_step_N folder, or auto")

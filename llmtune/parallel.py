@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from llmtune.errors import UserError
 from llmtune.launch import launched_by_torchrun
 
+LONG_WAIT = timedelta(hours=24)
+
 
 @dataclass
 class ParallelState:
@@ -28,29 +30,42 @@ class ParallelState:
     cp_size: int
     mesh: DeviceMesh  # ("dp_shard", "cp")
     fsdp_mesh: DeviceMesh  # 1-D over every rank
+    # For the waits on one rank's long work (a Hub download, tokenizing a corpus): a gloo group whose timeout outlasts
+    # any of them, since the training group's (parallel.timeout_minutes) is fixed when it is made. A rank that fails
+    # shares its error at once and one that dies closes its connections, so this timeout only ends a stalled wait.
+    wait_group: object
 
     @classmethod
-    def initialize(cls, cp_size: int = 1) -> "ParallelState":
+    def initialize(cls, cp_size: int = 1, timeout_minutes: float = 30.0) -> "ParallelState":
         """Join the job's process group (torchrun's env:// when launched by it, else a world of one), or reuse
-        the one this process already joined, and lay the meshes over it."""
+        the one this process already joined, and lay the meshes over it. timeout_minutes: how long a collective of
+        training waits for the slowest rank before the run fails."""
         use_cuda = torch.cuda.is_available()
         backend = "nccl" if use_cuda else "gloo"
+        timeout = timedelta(minutes=timeout_minutes)
         if dist.is_initialized():
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
         elif launched_by_torchrun():
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
-            dist.init_process_group(backend)
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+            # torchrun's workers share the store of its rendezvous, which outlives a restart (--max-restarts):
+            # without a prefix of their own, the restarted workers would read the addresses the crashed ones
+            # published and fail to connect to them.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"llmtune/attempt_{attempt}", store), rank=rank,
+                                    world_size=world_size, timeout=timeout)
         else:
             # A one-process run needs no rendezvous: an in-memory store avoids claiming a port.
             local_rank = 0
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         if use_cuda:
             torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         world_size = dist.get_world_size()
         mesh = init_device_mesh(device.type, (world_size // cp_size, cp_size), mesh_dim_names=("dp_shard", "cp"))
         fsdp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard_cp",))
-        return cls(dist.get_rank(), world_size, local_rank, device, cp_size, mesh, fsdp_mesh)
+        wait_group = dist.new_group(backend="gloo", timeout=LONG_WAIT)
+        return cls(dist.get_rank(), world_size, local_rank, device, cp_size, mesh, fsdp_mesh, wait_group)
 
     @property
     def dp_size(self) -> int:
@@ -83,6 +98,12 @@ class ParallelState:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         return bool(agreed.item())
 
+    def highest(self, value: int) -> int:
+        """The largest of every rank's `value`, on every rank."""
+        highest = torch.tensor([value], device=self.device)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+        return int(highest.item())
+
     def broadcast_object(self, obj, group=None):
         """Rank 0's `obj` (picklable), on every rank."""
         holder = [obj]
@@ -95,11 +116,16 @@ class ParallelState:
         dist.all_to_all_single(received, send, group=self.mesh.get_group("cp"))
         return received
 
-    def background_group(self, timeout: timedelta | None = None):
+    def background_group(self):
         """A gloo group of every rank beside the training one, for collectives that run in a background thread
-        while training goes on (asynchronous checkpoint saves), or that wait longer than the training group's
-        timeout allows. Every rank must call it, in the same order."""
-        return dist.new_group(backend="gloo", timeout=timeout)
+        while training goes on (asynchronous checkpoint saves). Every rank must call it, in the same order."""
+        return dist.new_group(backend="gloo")
+
+    def gather_object(self, obj) -> list | None:
+        """Every rank's `obj` (picklable) in rank order, on rank 0; None on the others."""
+        gathered = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, gathered, dst=0)
+        return gathered
 
     def barrier(self) -> None:
         dist.barrier()

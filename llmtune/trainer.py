@@ -7,9 +7,10 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
-from llmtune.errors import TrainingStopped
+from llmtune.errors import Preempted, TrainingStopped
 from llmtune.loss import IGNORE_INDEX
 from llmtune.monitor import StepRecord
+from llmtune.stop_signals import StopSignals
 
 
 class Trainer:
@@ -37,9 +38,20 @@ class Trainer:
         self.monitor.begin(self.step)
         self.model.train()
         steps = self.data.steps(self.total_steps - self.step)
-        while self.step < self.total_steps:
-            self.advance(steps)
+        with StopSignals(self.cfg.save_on_signals) as stop:
+            while self.step < self.total_steps:
+                self.advance(steps)
+                if signal_name := stop.agreed(self.state):
+                    self.stop_for(signal_name)
         self.checkpoints.finish_pending()
+
+    def stop_for(self, reason: str) -> None:
+        """Save here (unless this step was just saved) and stop every rank with Preempted."""
+        if self.checkpoints.saved_step != self.step:
+            self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
+        self.checkpoints.finish_pending()
+        raise Preempted(f"stopped by {reason} after step {self.step} of {self.total_steps}; saved "
+                        f"{self.checkpoints.root / f'global_step_{self.step}'}")
 
     def advance(self, steps) -> None:
         """One turn of the loop: the next optimizer step from `steps` (DataManager.steps), then its evaluation,

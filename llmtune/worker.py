@@ -1,7 +1,7 @@
 """What each process runs: wire the parts from the config, top to bottom, train, export."""
 
 import logging
-from datetime import timedelta
+import time
 from pathlib import Path
 
 import torch
@@ -12,6 +12,7 @@ from llmtune.checkpoint.manager import CheckpointManager
 from llmtune.cpu_memory import keep_freed_memory
 from llmtune.data.manager import build_data
 from llmtune.data.templates import recipe_tokenizer
+from llmtune.errors import Preempted, TrainingStopped
 from llmtune.features.registry import enabled_features
 from llmtune.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
 from llmtune.model import base_record, build_model, check_vocab, load_model_config
@@ -19,21 +20,18 @@ from llmtune.monitor import TrainMonitor, flops_per_token
 from llmtune.optim import build_optimizer, build_scheduler
 from llmtune.parallel import ParallelState
 from llmtune.preflight import check_run
+from llmtune.summary import run_summary
 from llmtune.trainer import Trainer
 
-
-# The waits for a Hub download outlast any download: a rank that fails shares its error at once and one that
-# dies closes its connections, so the limit only ends a download that has stalled.
-HUB_WAIT = timedelta(hours=24)
+log = logging.getLogger("llmtune")
 
 
 def fetch_in_turn(config, state: ParallelState):
     """The recipe with its Hub ids fetched (local_inputs), checked, under torchrun, where every process runs the
     CLI: rank 0 pins each revision to a commit, so that every node reads the same one; local rank 0 of each node
-    fetches those commits while the other ranks wait; then every rank reads them from its node's cache. The
-    waits run on a gloo group whose timeout outlasts a long download (the training group's is 10 to 30 minutes,
-    and a group's timeout is fixed when it is made)."""
-    group = state.background_group(HUB_WAIT)
+    fetches those commits while the other ranks wait (on state.wait_group, which outlasts a long download); then
+    every rank reads them from its node's cache."""
+    group = state.wait_group
     commits = state.run_first(state.rank == 0, lambda: pin_hub_inputs(config), group)
     state.run_first(state.local_rank == 0, lambda: fetch_hub_inputs(config, commits), group)
     local = local_inputs(config, fetch_hub_inputs(config, commits, local_files_only=True))
@@ -80,16 +78,28 @@ def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, ob
     return trainer, tokenizer
 
 
-def run(config, local=None) -> None:
-    """local: the recipe with its Hub ids fetched and checked, or None to fetch them here (fetch_in_turn)."""
+def run(config, local=None, resume: str = "the same command with checkpoint.resume_from_checkpoint=auto") -> None:
+    """local: the recipe with its Hub ids fetched and checked, or None to fetch them here (fetch_in_turn). resume: the
+    command that continues this run, for the summary that ends it."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("llmtune").setLevel(logging.INFO)
-    state = ParallelState.initialize(config.parallel.cp_size)
+    state = ParallelState.initialize(config.parallel.cp_size, config.parallel.timeout_minutes)
+    started, trainer, outcome = time.perf_counter(), None, "failed"
     try:
         trainer, tokenizer = build_trainer(config, state, local or fetch_in_turn(config, state))
         trainer.train()
         if config.checkpoint.export_hf:
             export_trained(trainer.model.hf_model, tokenizer, Path(config.train.output_dir), config.checkpoint, state,
                            trainer.features)
+        outcome = "finished"
+    except Preempted:
+        outcome = "stopped by a signal"
+        raise
+    except TrainingStopped:
+        outcome = "stopped (the reason follows)"
+        raise
     finally:
+        if trainer is not None and state.is_main:
+            log.info("%s", run_summary(Path(config.train.output_dir), trainer.total_steps,
+                                       time.perf_counter() - started, outcome, resume))
         state.close()

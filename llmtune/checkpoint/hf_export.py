@@ -150,11 +150,12 @@ def checkpoint_model(checkpoint: Path, run, trainer_state: dict, adapters: Adapt
     return model
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, overwrite: bool, merge: bool) -> None:
+def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, overwrite: bool, merge: bool,
+                      verify: bool = False) -> None:
     """Offline, one process: a DCP checkpoint (any world size) -> the same HF folder as the end of training; for a
     run that trained adapters, their adapter folder, or (merge) the HF folder with them merged.
-    dtype_name None: the run's checkpoint.export_dtype."""
-    check_complete(checkpoint)
+    dtype_name None: the run's checkpoint.export_dtype. verify: check every file's checksum first."""
+    check_complete(checkpoint, verify)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"{out_dir}: exists and is not empty; choose another folder or pass --overwrite")
     saved = json.loads((checkpoint / "trainer_state.json").read_text())

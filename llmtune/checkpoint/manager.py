@@ -22,11 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from llmtune.checkpoint.manifest import files_written_by, write_manifest
 from llmtune.checkpoint.validate import check_base, check_complete, check_model_matches
-from llmtune.errors import UserError
+from llmtune.config import RESUME_NEWEST
+from llmtune.errors import TrainingStopped, UserError
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -40,18 +43,29 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve_resume(value: str | None, output_dir: Path) -> Path | None:
-    """The checkpoint to resume from: a path, or `latest` (None, said in the log, when there is none yet)."""
+def resolve_resume(value: str | None, output_dir: Path, checksums: bool) -> Path | None:
+    """The checkpoint to resume from, checked (validate.check_complete): a path, or `auto` / `latest`: the newest
+    complete checkpoint in output_dir that passes its checks, each one that fails said in the log (None, also said,
+    when there is none yet)."""
     if not value:
         return None
-    if value != "latest":
+    if value not in RESUME_NEWEST:
+        check_complete(Path(value), checksums)
         return Path(value)
-    pointer = output_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        log.warning("checkpoint: resume_from_checkpoint=latest, but %s has no checkpoint yet; starting fresh",
-                    output_dir / "checkpoints")
-        return None
-    return output_dir / "checkpoints" / pointer.read_text().strip()
+    candidates = complete_checkpoints(output_dir / "checkpoints")
+    for candidate in reversed(candidates):
+        try:
+            check_complete(candidate, checksums)
+            return candidate
+        except UserError as err:
+            log.warning("checkpoint: skipping %s, which fails its check: %s", candidate.name, err)
+    if candidates:
+        # Starting fresh here would train over a run whose checkpoints a person may still repair.
+        raise UserError(f"checkpoint.resume_from_checkpoint={value}: every checkpoint in {output_dir / 'checkpoints'} "
+                        "fails its check (see above); name one to resume from, or move the folder away to start fresh")
+    log.warning("checkpoint: resume_from_checkpoint=%s, but %s has no checkpoint yet; starting fresh", value,
+                output_dir / "checkpoints")
+    return None
 
 
 def rng_state() -> dict:
@@ -76,6 +90,14 @@ def trained_state(model, model_state: dict) -> dict:
     return {name: value for name, value in model_state.items() if name not in frozen}
 
 
+def _cause(err: BaseException) -> str:
+    """One line on why a write failed; DCP's own exception carries each failed rank's."""
+    if isinstance(err, CheckpointException):
+        rank, (err, _) = next(iter(err.failures.items()))
+        return f"rank {rank}: {type(err).__name__}: {err}"
+    return f"{type(err).__name__}: {err}"
+
+
 class CheckpointManager:
     """Every run has one: it saves when the recipe's schedule says so (never, when it names none) and
     restores what the recipe's resume_from_checkpoint names."""
@@ -96,6 +118,7 @@ class CheckpointManager:
         # Asynchronous saves run their collectives on a group of their own, beside training's.
         self.group = state.background_group() if checkpoint_cfg.async_save else None
         self.stall_seconds: list[float] = []
+        self.saved_step: int | None = None  # the step of the last save begun
 
     def due(self, step: int, epoch_done: bool, epoch: int, final: bool) -> bool:
         """final: the run ends after this step (its last step, or a stop), which saves whenever saving is on."""
@@ -106,33 +129,59 @@ class CheckpointManager:
     def save(self, step: int, model, optimizer, trainer_state: dict) -> None:
         started = time.perf_counter()
         self.finish_pending()
+        self.saved_step = step
         final = self.root / f"global_step_{step}"
         partial = self.root / f".global_step_{step}.partial"
-        if self.state.is_main:
-            shutil.rmtree(partial, ignore_errors=True)
-            (partial / "extra_state").mkdir(parents=True)
-        self.state.barrier()
         if self.cfg.save_only_model:
             content = {"model": trained_state(model, get_model_state_dict(model))}
         else:
             model_state, optim_state = get_state_dict(model, optimizer)
             content = {"model": trained_state(model, model_state), "optim": optim_state}
+        self._written(partial, lambda: self._make_folder(partial))
+        self._written(partial, lambda: self._write_states(partial, trainer_state))
+        if self.cfg.async_save:
+            self.pending = (dcp.async_save(content, checkpoint_id=str(partial), process_group=self.group), partial, final)
+        else:
+            self._written(partial, lambda: dcp.save(content, checkpoint_id=str(partial)))
+            self._publish(partial, final)
+        self.stall_seconds.append(time.perf_counter() - started)
+
+    def _make_folder(self, partial: Path) -> None:
+        if self.state.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+            (partial / "extra_state").mkdir(parents=True)
+
+    def _write_states(self, partial: Path, trainer_state: dict) -> None:
+        """Everything but the DCP shards: each rank's RNG state; on rank 0 the trainer state, the recipe, and what an
+        offline export needs to rebuild the HF folder from this checkpoint alone."""
         torch.save(rng_state(), partial / "extra_state" / f"rank_{self.state.rank}.pt")
         if self.state.is_main:
             (partial / "trainer_state.json").write_text(json.dumps(
                 {**trainer_state, "world_size": self.state.world_size, "task": self.config.task,
                  "save_only_model": self.cfg.save_only_model, "base": self.base}, indent=1))
             self.config.write(partial / "config.yaml")
-            # What an offline export needs to rebuild the HF folder from this checkpoint alone.
             self.hf_model.config.save_pretrained(partial / "hf_config")
             self.hf_model.generation_config.save_pretrained(partial / "hf_config")
             self.tokenizer.save_pretrained(partial / "hf_config")
-        if self.cfg.async_save:
-            self.pending = (dcp.async_save(content, checkpoint_id=str(partial), process_group=self.group), partial, final)
-        else:
-            dcp.save(content, checkpoint_id=str(partial))
-            self._publish(partial, final)
-        self.stall_seconds.append(time.perf_counter() - started)
+
+    def _written(self, partial: Path, write) -> None:
+        """write() on every rank, then every rank learns whether it failed anywhere (a full disk, a folder that
+        cannot be written); that is also the barrier after it. On a failure every rank stops, the partial folder
+        removed and the previous checkpoint, untouched, still the one to resume from."""
+        error = None
+        try:
+            write()
+        except (OSError, CheckpointException) as err:
+            error = _cause(err)
+        error = self.state.first_error(error)
+        if error:
+            if self.state.is_main:
+                shutil.rmtree(partial, ignore_errors=True)
+            kept = complete_checkpoints(self.root)
+            raise TrainingStopped(
+                f"checkpoint: could not write {partial} ({error}); it was removed and "
+                f"{kept[-1] if kept else 'no earlier checkpoint'} is the one to resume from; free space or fix the "
+                "folder, then run again with checkpoint.resume_from_checkpoint=auto")
 
     def finish_pending(self) -> None:
         """Wait for an asynchronous save, then publish it."""
@@ -140,22 +189,28 @@ class CheckpointManager:
             return
         future, partial, final = self.pending
         self.pending = None
-        future.result()
+        self._written(partial, future.result)
         self._publish(partial, final)
 
     def _publish(self, partial: Path, final: Path) -> None:
-        """Every rank has written: rename, point `latest` at it, then drop what retention allows."""
-        self.state.barrier()
+        """Every rank has written: the manifest of what each wrote, then rename, point `latest` at it, and drop what
+        retention allows."""
+        written = files_written_by(partial, self.state.rank)
+        self._written(partial, lambda: self._swap_in(partial, final, self.state.gather_object(written)))
         if self.state.is_main:
-            shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
-            pointer = self.root / "latest"
-            tmp = self.root / ".latest.tmp"
-            tmp.write_text(final.name)
-            os.replace(tmp, pointer)
             self._retain(final)
             log.info("checkpoint: saved %s", final)
         self.state.barrier()
+
+    def _swap_in(self, partial: Path, final: Path, per_rank: list | None) -> None:
+        if not self.state.is_main:
+            return
+        write_manifest(partial, per_rank)
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        tmp = self.root / ".latest.tmp"
+        tmp.write_text(final.name)
+        os.replace(tmp, self.root / "latest")
 
     def _retain(self, newest: Path) -> None:
         limit = self.cfg.save_total_limit
@@ -173,9 +228,8 @@ class CheckpointManager:
         chosen = error = None
         if self.state.is_main:
             try:
-                chosen = resolve_resume(self.cfg.resume_from_checkpoint, self.output_dir)
+                chosen = resolve_resume(self.cfg.resume_from_checkpoint, self.output_dir, self.cfg.verify_checksums)
                 if chosen:
-                    check_complete(chosen)
                     check_base(chosen, self.base)
             except UserError as err:
                 error = str(err)

@@ -6,13 +6,15 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from llmtune.checkpoint.manifest import manifest_problems
 from llmtune.errors import UserError
 
 REQUIRED = (".metadata", "trainer_state.json", "config.yaml")
 
 
-def check_complete(path: Path) -> None:
-    """Every file the checkpoint needs is there and as long as its metadata says."""
+def check_complete(path: Path, checksums: bool = False) -> None:
+    """Every file the checkpoint needs is there and as long as its metadata and manifest say; with `checksums`, each
+    file's bytes are those written."""
     if not path.is_dir():
         raise UserError(f"{path}: no such checkpoint folder")
     if path.name.startswith("."):
@@ -30,6 +32,9 @@ def check_complete(path: Path) -> None:
             raise UserError(f"{path}: shard {name} is missing; the checkpoint cannot be loaded")
         if shard.stat().st_size < end:
             raise UserError(f"{path}: shard {name} is truncated ({shard.stat().st_size} of {end} bytes)")
+    problems = manifest_problems(path, checksums)
+    if problems:
+        raise UserError(f"{path}: damaged checkpoint: {'; '.join(problems[:4])}; use another checkpoint")
 
 
 def check_base(path: Path, base: dict) -> None:

@@ -303,8 +303,10 @@ class OneProcess:
     group: `llmtune data`."""
     local_rank = 0
 
+    wait_group = None
+
     @staticmethod
-    def first_error(error: str | None) -> str | None:
+    def first_error(error: str | None, group=None) -> str | None:
         return error
 
 
@@ -314,7 +316,8 @@ def cached_entry(task: str, data_cfg, tokenizer, seed: int, state, build) -> Pat
 
     state.first_error is the barrier after the build, and it makes every rank stop with the
     builder's message on bad data (a rank left waiting would otherwise die of the closed
-    connection instead).
+    connection instead). It waits on state.wait_group, not the training group: tokenizing a large
+    corpus may take longer than parallel.timeout_minutes.
     """
     folder = cache_root(data_cfg) / cache_key(task, data_cfg, tokenizer, seed)
     built, error = False, None
@@ -326,7 +329,7 @@ def cached_entry(task: str, data_cfg, tokenizer, seed: int, state, build) -> Pat
             built = True
         except UserError as err:
             error = str(err)
-    error = state.first_error(error)
+    error = state.first_error(error, state.wait_group)
     if error:
         raise UserError(error)
     if not built:

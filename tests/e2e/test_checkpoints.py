@@ -10,6 +10,7 @@ import yaml
 from safetensors.torch import load_file
 
 from llmtune.checkpoint.hf_export import export_checkpoint
+from llmtune.checkpoint.manager import resolve_resume
 from llmtune.checkpoint.validate import check_complete
 from llmtune.cli import main as cli_main
 from llmtune.config import load_config
@@ -89,6 +90,58 @@ def test_a_damaged_checkpoint_is_named_and_refused(saved, tmp_path, damage, mess
         check_complete(target)
     with pytest.raises(UserError, match=message):
         export_checkpoint(target, tmp_path / "export", "bf16", overwrite=False, merge=False)
+
+
+def flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_checksum(saved):
+    files = json.loads((saved / "manifest.json").read_text())["files"]
+    on_disk = {p.relative_to(saved).as_posix(): p for p in saved.rglob("*")
+               if p.is_file() and p.name != "manifest.json"}
+    assert files.keys() == on_disk.keys()
+    assert {"extra_state/rank_0.pt", ".metadata", "__0_0.distcp", "hf_config/config.json"} <= files.keys()
+    assert all(files[name]["size"] == path.stat().st_size for name, path in on_disk.items())
+    check_complete(saved, checksums=True)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: (p / "extra_state" / "rank_0.pt").unlink(), "extra_state/rank_0.pt is missing"),
+    (lambda p: (p / "hf_config" / "config.json").write_text("{}"), "hf_config/config.json has 2 bytes, not the"),
+])
+def test_the_manifest_catches_what_the_shard_metadata_cannot(saved, tmp_path, damage, message):
+    target = corrupt_copy(saved, tmp_path, damage)
+    with pytest.raises(UserError, match=f"damaged checkpoint: {message}"):
+        check_complete(target)
+
+
+def test_a_flipped_byte_is_caught_by_the_checksums_only(saved, tmp_path):
+    target = corrupt_copy(saved, tmp_path, lambda p: flip_a_byte(p / "__0_0.distcp"))
+    check_complete(target)  # sizes alone cannot see it
+    with pytest.raises(UserError, match="__0_0.distcp does not match its checksum"):
+        check_complete(target, checksums=True)
+    assert cli_main(["export", str(target), str(tmp_path / "export"), "--verify"]) == 2
+    assert not (tmp_path / "export").exists()
+
+
+def test_auto_takes_the_newest_checkpoint_that_passes_and_refuses_when_none_does(saved, tmp_path, caplog):
+    root = tmp_path / "checkpoints"
+    for step in (3, 4, 5):
+        shutil.copytree(saved, root / f"global_step_{step}")
+    flip_a_byte(root / "global_step_5" / "__0_0.distcp")
+    (root / "global_step_4" / ".metadata").unlink()
+    assert resolve_resume("auto", tmp_path, checksums=False) == root / "global_step_5"
+    assert resolve_resume("auto", tmp_path, checksums=True) == root / "global_step_3"
+    assert "skipping global_step_5, which fails its check" in caplog.text
+    assert "skipping global_step_4" in caplog.text
+    shutil.rmtree(root / "global_step_3")
+    with pytest.raises(UserError, match="every checkpoint in .* fails its check"):
+        resolve_resume("latest", tmp_path, checksums=True)
+    with pytest.raises(UserError, match="does not match its checksum"):
+        resolve_resume(str(root / "global_step_5"), tmp_path, checksums=True)
 
 
 def test_an_unfinished_save_is_never_loaded(saved, tmp_path):

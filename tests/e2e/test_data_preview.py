@@ -113,7 +113,8 @@ def test_shares_the_training_cache_entry(previewed, assets, sft_file, tmp_path, 
 
     fresh = write_recipe(tmp_path, assets, sft_file)
     local, tokenizer = run_inputs(fresh)
-    one_rank = SimpleNamespace(local_rank=0, first_error=lambda error: error, is_main=True, dp_size=1, dp_rank=0)
+    one_rank = SimpleNamespace(local_rank=0, first_error=lambda error, group: error, wait_group=None, is_main=True,
+                               dp_size=1, dp_rank=0)
     build_data(local, tokenizer, one_rank)
     second = run_cli("data", fresh, "--n", "1")
     assert second.returncode == 0, second.stderr

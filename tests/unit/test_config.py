@@ -86,6 +86,18 @@ def test_choices_and_required_fields(tmp_path):
     assert "train.output_dir: not set" in message
 
 
+def test_stop_signals_and_the_collective_timeout_are_checked(tmp_path):
+    recipe = write_recipe(tmp_path, train={"save_on_signals": ["SIGTERM", "SIGKILL", "SIGTREM"]},
+                          parallel={"timeout_minutes": 0})
+    with pytest.raises(UserError) as err:
+        load_config(recipe, [], "sft", 1)
+    message = str(err.value)
+    assert "train.save_on_signals: 'SIGKILL' is not a signal a process can catch" in message
+    assert "train.save_on_signals: 'SIGTREM' is not a signal" in message
+    assert "'SIGTERM'" not in message
+    assert "parallel.timeout_minutes: 0.0 must be above 0" in message
+
+
 def test_resolved_config_round_trips(tmp_path):
     config = load_config(write_recipe(tmp_path), ["train.learning_rate=1e-4"], "pt", 1)
     config.write(tmp_path / "config.yaml")

@@ -1,0 +1,41 @@
+"""Signals that stop a run cleanly (train.save_on_signals): a scheduler's preemption (SIGTERM), Ctrl-C (SIGINT), a
+warning before a time limit (SIGUSR1). The handler only notes the signal; the trainer asks every rank after each
+optimizer step whether any rank got one, so all ranks stop at the same step, save there and exit together. Later
+signals find the note already taken and change nothing, so a second signal during the save cannot cut it short."""
+
+import logging
+import signal
+
+log = logging.getLogger(__name__)
+
+
+class StopSignals:
+    """Installed for the training loop (`with StopSignals(names) as stop:`); the handlers it replaced come back
+    after it."""
+
+    def __init__(self, names: list[str]):
+        self.signals = [signal.Signals[name] for name in names]
+        self.received: str | None = None
+        self.previous = {}
+
+    def __enter__(self) -> "StopSignals":
+        for sig in self.signals:
+            self.previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _note(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is None:
+            self.received = name
+            log.warning("%s received: saving a checkpoint at the end of this optimizer step, then stopping", name)
+        else:
+            log.warning("%s received: already stopping after %s; the save goes on", name, self.received)
+
+    def agreed(self, state) -> str | None:
+        """On every rank: the name of a stop signal some rank got (the highest-numbered), or None (one collective)."""
+        number = state.highest(signal.Signals[self.received].value if self.received else 0)
+        return signal.Signals(number).name if number else None
