@@ -2,7 +2,9 @@
 Llama with hidden 32 from model.config, the demo's sft data, 4 steps, a checkpoint at the end, the HF export),
 one after another; prints how many exited non-zero, with each one's exit code and the end of its stderr.
 
-    python benchmarks/stress_exit.py [--runs 50] [--steps 4]
+    python benchmarks/stress_exit.py [--runs 50] [--steps 4] [OVERRIDE ...]
+
+OVERRIDE: recipe overrides for every run (section.key=value), e.g. parallel.cp_size=2 checkpoint.async_save=true.
 
 The goal is 0: an earlier version aborted at exit about once in 20 runs ("terminate called without an active
 exception", exit -6) after its export.
@@ -28,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("overrides", nargs="*")
     parsed = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
@@ -46,7 +49,7 @@ def main() -> None:
         for number in range(1, parsed.runs + 1):
             started = time.perf_counter()
             # faulthandler: a process that aborts prints the Python stack of every thread, if it still has one
-            result = subprocess.run([str(REPO / "bin" / "llmtune"), "sft", str(recipe), "--nproc", "2"], cwd=REPO,
+            result = subprocess.run([str(REPO / "bin" / "llmtune"), "sft", str(recipe), *parsed.overrides, "--nproc", "2"], cwd=REPO,
                                     capture_output=True, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
             seconds.append(time.perf_counter() - started)
             if result.returncode != 0:

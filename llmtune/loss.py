@@ -226,14 +226,14 @@ def _cross_entropy_and_grad(logits: torch.Tensor, labels: torch.Tensor, options:
     per_token = -(1 - eps) * logits.gather(1, labels[:, None]).squeeze(1)
     if eps:
         per_token -= eps * logits.mean(dim=-1)
-    row_max, top = logits.max(dim=-1)
+    row_max = logits.amax(dim=-1)
     # Softmax in place, in one fused kernel that finishes each row while it is in cache: five separate passes over
     # the [n, V] block (max, subtract, exp, sum, divide) took twice as long on CPU, and torch.logsumexp allocates a
     # second block. Writing through out= into the input is safe because the kernel reads a row before writing it;
-    # tests/unit/test_chunk_loss.py holds this against F.cross_entropy. The top logit's probability is exactly
-    # 1 / sum(exp(s - row_max)) and at least 1 / V, so it gives the log-normalizer without underflow.
+    # tests/unit/test_chunk_loss.py holds this against F.cross_entropy. The largest probability, the top logit's,
+    # is exactly 1 / sum(exp(s - row_max)) and at least 1 / V, so it gives the log-normalizer without underflow.
     probs = torch.softmax(logits, dim=-1, out=logits)
-    lse = row_max - probs.gather(1, top[:, None]).squeeze(1).log()
+    lse = row_max - probs.amax(dim=-1).log()
     per_token += lse
     if z_loss:
         per_token += z_loss * lse.square()

@@ -3,12 +3,12 @@
   a second signal during the save changing nothing; the resumed run continues the exact curve;
 - a crash on one rank under `torchrun --max-restarts 1` with checkpoint.resume_from_checkpoint=auto: the restarted
   workers resume and end with the same weights;
-- a flipped byte in the newest checkpoint: auto with checksums skips it, says so and resumes from the previous one;
-  in the same launch, tokenizing takes longer than the training group's time-out (parallel.timeout_minutes) and
-  the waiting rank does not time out;
+- a flipped byte, a truncated shard and a missing file in the three newest checkpoints: auto with checksums skips
+  each, says so and resumes from the newest good one; in the same launch, tokenizing takes longer than the
+  training group's time-out (parallel.timeout_minutes) and the waiting rank does not time out;
 - a full disk during a save: exit 1 with one line naming the folder, the partial folder gone, the previous
   checkpoint intact and still the one to resume from.
-The checks that need no processes (truncated and missing files, every checkpoint damaged) are in
+The checks that need no processes (the manifest's contents, every checkpoint damaged, export --verify) are in
 tests/e2e/test_checkpoints.py."""
 
 import os
@@ -103,12 +103,17 @@ def runs(tiny_model, sft_file, tmp_path_factory):
                                        "--max-restarts", "1")
     out["restarted"] = restarted
 
+    # The three newest checkpoints damaged, each in a file rank 1 wrote: a flipped byte, a truncated shard, a
+    # missing RNG state.
     flipped = tmp_path_factory.mktemp("flipped") / "run"
     shutil.copytree(straight, flipped)
-    shard = sorted((flipped / "checkpoints" / "global_step_8").glob("*.distcp"))[0]
-    data = bytearray(shard.read_bytes())
+    checkpoints = flipped / "checkpoints"
+    data = bytearray((checkpoints / "global_step_8" / "__1_0.distcp").read_bytes())
     data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
+    (checkpoints / "global_step_8" / "__1_0.distcp").write_bytes(bytes(data))
+    with open(checkpoints / "global_step_6" / "__1_0.distcp", "r+b") as shard:
+        shard.truncate(shard.seek(0, os.SEEK_END) - 1)
+    (checkpoints / "global_step_4" / "extra_state" / "rank_1.pt").unlink()
     (flipped / "hf").rename(flipped / "hf_before")
     # A fresh data cache, built by local rank 0 in 20 s while rank 1 waits, with collectives that time out after 15 s.
     out["flipped_result"] = torchrun(
@@ -163,13 +168,17 @@ def test_a_crashed_rank_restarted_by_torchrun_resumes_on_the_same_curve(runs):
     assert_same_run(runs["restarted"], runs["straight"])
 
 
-def test_auto_skips_a_checkpoint_whose_checksum_fails_and_resumes_from_the_previous_one(runs):
+def test_auto_skips_damaged_checkpoints_and_resumes_from_the_newest_good_one(runs):
     """Also: tokenizing took longer than the training group's time-out, and the waiting rank did not time out."""
     result = runs["flipped_result"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data: built" in result.stderr
-    assert "skipping global_step_8" in result.stderr and "checksum" in result.stderr
-    assert "resumed from" in result.stderr and "global_step_6" in result.stderr
+    skipped = [line for line in result.stderr.splitlines() if "checkpoint: skipping" in line]
+    assert len(skipped) == 3, result.stderr[-3000:]
+    assert "global_step_8" in skipped[0] and "__1_0.distcp does not match its checksum" in skipped[0]
+    assert "global_step_6" in skipped[1] and "shard __1_0.distcp is truncated" in skipped[1]
+    assert "global_step_4" in skipped[2] and "extra_state/rank_1.pt is missing" in skipped[2]
+    assert "resumed from" in result.stderr and "global_step_2 at step 2" in result.stderr
     assert_same_run(runs["flipped"], runs["straight"])
 
 
