@@ -49,8 +49,9 @@ def main() -> None:
         for number in range(1, parsed.runs + 1):
             started = time.perf_counter()
             # faulthandler: a process that aborts prints the Python stack of every thread, if it still has one
-            result = subprocess.run([str(REPO / "bin" / "llmtune"), "sft", str(recipe), *parsed.overrides, "--nproc", "2"], cwd=REPO,
-                                    capture_output=True, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+            command = [str(REPO / "bin" / "llmtune"), "sft", str(recipe), *parsed.overrides, "--nproc", "2"]
+            result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                                    env={**os.environ, "PYTHONFAULTHANDLER": "1"})
             seconds.append(time.perf_counter() - started)
             if result.returncode != 0:
                 failures.append((number, result.returncode, result.stderr[-1500:]))

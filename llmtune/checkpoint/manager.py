@@ -140,7 +140,8 @@ class CheckpointManager:
         self._written(partial, lambda: self._make_folder(partial))
         self._written(partial, lambda: self._write_states(partial, trainer_state))
         if self.cfg.async_save:
-            self.pending = (dcp.async_save(content, checkpoint_id=str(partial), process_group=self.group), partial, final)
+            future = dcp.async_save(content, checkpoint_id=str(partial), process_group=self.group)
+            self.pending = (future, partial, final)
         else:
             self._written(partial, lambda: dcp.save(content, checkpoint_id=str(partial)))
             self._publish(partial, final)
