@@ -11,7 +11,7 @@ import sys
 from llmtune.errors import TrainingStopped, UserError
 
 USAGE = """llmtune pt|sft RECIPE [section.key=value ...] [--section.key VALUE ...] [--nproc N]
-               [--resume_from_checkpoint PATH|latest]
+               [--resume_from_checkpoint PATH|auto]
        llmtune data RECIPE [--n N] [--task pt|sft] [section.key=value ...]
        llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge] [--verify]
        llmtune demo"""
