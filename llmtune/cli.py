@@ -8,7 +8,7 @@ import argparse
 import shlex
 import sys
 
-from llmtune.errors import TrainingStopped, UserError
+from llmtune.errors import Preempted, TrainingStopped, UserError
 
 USAGE = """llmtune pt|sft RECIPE [section.key=value ...] [--section.key VALUE ...] [--nproc N]
                [--resume_from_checkpoint PATH|auto]
@@ -30,26 +30,17 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
     config = load_config(recipe, overrides, task, world_size)
     resume = resume_command(task, recipe, overrides)
     if launch.launched_by_torchrun() and hub_inputs(config):
-        return run_worker(config, None, resume)
+        from llmtune.worker import run
+
+        run(config, None, resume)
+        return 0
     local = local_inputs(config, fetch_hub_inputs(config))
     check_run(local, world_size)
     if nproc and nproc > 1:
         return launch.launch_local(nproc, [task, recipe, *overrides])
-    return run_worker(config, local, resume)
-
-
-def run_worker(config, local, resume: str) -> int:
-    """Train in this process (worker.run); a run stopped by a signal says on rank 0 how to resume, and exits 75."""
-    from llmtune import launch
-    from llmtune.errors import Preempted
     from llmtune.worker import run
 
-    try:
-        run(config, local, resume)
-    except Preempted as err:
-        if launch.rank_from_env() == 0:
-            print(f"llmtune: {err}; resume with: {resume}", file=sys.stderr)
-        return err.exit_code
+    run(config, local, resume)
     return 0
 
 
@@ -145,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"llmtune: error: {err}", file=sys.stderr)
         return err.exit_code
-    except TrainingStopped as err:
+    except (TrainingStopped, Preempted) as err:
         # Every rank stops with the same message (the reasons are agreed over ranks): rank 0 says it.
         from llmtune.launch import rank_from_env
 
         if rank_from_env() == 0:
-            print(f"llmtune: error: {err}", file=sys.stderr)
+            print(f"llmtune: {'error: ' if isinstance(err, TrainingStopped) else ''}{err}", file=sys.stderr)
         return err.exit_code

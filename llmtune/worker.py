@@ -80,7 +80,7 @@ def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, ob
 
 def run(config, local=None, resume: str = "the same command with checkpoint.resume_from_checkpoint=auto") -> None:
     """local: the recipe with its Hub ids fetched and checked, or None to fetch them here (fetch_in_turn). resume: the
-    command that continues this run, for the summary that ends it."""
+    command that continues this run, for the summary that ends it and the message of a stop by a signal."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("llmtune").setLevel(logging.INFO)
     state = ParallelState.initialize(config.parallel.cp_size, config.parallel.timeout_minutes)
@@ -92,9 +92,9 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
             export_trained(trainer.model.hf_model, tokenizer, Path(config.train.output_dir), config.checkpoint, state,
                            trainer.features)
         outcome = "finished"
-    except Preempted:
+    except Preempted as err:
         outcome = "stopped by a signal"
-        raise
+        raise Preempted(f"{err}; resume with: {resume}") from None
     except TrainingStopped:
         outcome = "stopped (the reason follows)"
         raise

