@@ -1,5 +1,3 @@
-import sys
+from llmtune.cli import entry_point
 
-from llmtune.cli import main
-
-sys.exit(main())
+entry_point()

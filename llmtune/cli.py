@@ -143,3 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank_from_env() == 0:
             print(f"llmtune: {'error: ' if isinstance(err, TrainingStopped) else ''}{err}", file=sys.stderr)
         return err.exit_code
+
+
+def entry_point() -> None:
+    """The `llmtune` command and `python -m llmtune`: main(), then the process ends as process_exit says."""
+    from llmtune.process_exit import run_and_exit
+
+    run_and_exit(main)

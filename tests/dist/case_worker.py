@@ -17,6 +17,7 @@ from llmtune.checkpoint.hf_export import export_trained
 from llmtune.config import load_config
 from llmtune import attention
 from llmtune.parallel import ParallelState
+from llmtune.process_exit import run_and_exit
 from llmtune.worker import build_trainer
 
 
@@ -54,11 +55,15 @@ def run_case(recipe: str, overrides: list[str], world_size: int, keep_process_gr
             state.close()
 
 
-if __name__ == "__main__":
-    cases = json.loads(Path(sys.argv[1]).read_text())
+def main(spec: str) -> None:
+    cases = json.loads(Path(spec).read_text())
     default_window = attention.DOCUMENT_WINDOW
     for number, case in enumerate(cases, start=1):
         # A window shorter than the test's sequences makes the attention go document span by span.
         attention.DOCUMENT_WINDOW = case.get("document_window") or default_window
         run_case(case["recipe"], case["overrides"], 2, keep_process_group=number < len(cases),
                  task=case.get("task", "sft"), probe=case.get("probe"))
+
+
+if __name__ == "__main__":
+    run_and_exit(lambda: main(sys.argv[1]))

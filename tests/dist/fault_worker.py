@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from llmtune import cli
 from llmtune.data import build
+from llmtune.process_exit import run_and_exit
 from llmtune.trainer import Trainer
 
 
@@ -60,4 +61,4 @@ if __name__ == "__main__":
     for fault in sys.argv[1].split(","):
         name, _, value = fault.partition("@")
         FAULTS[name](value)
-    sys.exit(cli.main(sys.argv[2:]))
+    run_and_exit(lambda: cli.main(sys.argv[2:]))

@@ -12,6 +12,7 @@ from llmtune import inputs
 from llmtune.config import load_config
 from llmtune.errors import UserError
 from llmtune.parallel import ParallelState
+from llmtune.process_exit import run_and_exit
 from llmtune.worker import fetch_in_turn
 
 # A download takes a while: long enough that a rank not waiting for it would be seen starting before it ends.
@@ -50,4 +51,4 @@ def main(good_recipe: str, missing_recipe: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    run_and_exit(lambda: main(sys.argv[1], sys.argv[2], Path(sys.argv[3])))

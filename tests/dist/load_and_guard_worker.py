@@ -19,6 +19,7 @@ from llmtune.errors import TrainingStopped
 from llmtune.features.base import Features
 from llmtune.model import build_model, load_model_config
 from llmtune.parallel import ParallelState
+from llmtune.process_exit import run_and_exit
 from llmtune.worker import build_trainer
 
 NAN_STEPS = {2, 4, 5, 6}  # step 2 alone, then three in a row: max_skipped_steps=3 stops the run at step 6
@@ -81,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

@@ -18,6 +18,7 @@ from llmtune.features.base import Features
 from llmtune.model import build_model, load_model_config
 from llmtune.model_state import saved_tensors, whole
 from llmtune.parallel import ParallelState
+from llmtune.process_exit import run_and_exit
 
 
 def counting_reads(tally: list[int]):
@@ -55,4 +56,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

@@ -1,0 +1,45 @@
+"""process_exit.run_and_exit ends a process as the interpreter would, short of its finalization: main()'s exit code
+(an exception: its traceback and 1), the threads that are not daemons joined and the exit handlers run first."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+PROGRAM = """
+import atexit, sys, threading, time
+from llmtune.process_exit import run_and_exit
+
+def main():
+    atexit.register(lambda: print("exit handler ran", flush=True))
+    threading.Thread(target=lambda: (time.sleep(0.5), print("thread finished", flush=True))).start()
+    {body}
+
+run_and_exit(main)
+"""
+
+
+def run(body: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PROGRAM.format(body=body)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("body, code", [("return 3", 3), ("return None", 0), ("sys.exit(4)", 4)])
+def test_the_exit_code_is_mains_after_the_threads_and_the_exit_handlers(body, code):
+    result = run(body)
+    assert result.returncode == code, result.stderr
+    assert result.stdout.splitlines() == ["thread finished", "exit handler ran"]
+
+
+def test_an_uncaught_exception_prints_its_traceback_and_exits_1():
+    result = run("raise ValueError('broken recipe')")
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "ValueError: broken recipe" in result.stderr
+    assert result.stdout.splitlines() == ["thread finished", "exit handler ran"]
+
+
+def test_a_message_given_to_sys_exit_is_printed_and_exits_1():
+    result = run("sys.exit('stopped: disk full')")
+    assert (result.returncode, result.stderr.strip()) == (1, "stopped: disk full")
