@@ -8,13 +8,17 @@ import argparse
 import shlex
 import sys
 
+from llmtune import __version__
 from llmtune.errors import Preempted, TrainingStopped, UserError
 
-USAGE = """llmtune pt|sft RECIPE [section.key=value ...] [--section.key VALUE ...] [--nproc N]
+USAGE = """llmtune pt|sft RECIPE [--key VALUE ...] [section.key=VALUE ...] [--nproc N]
                [--resume_from_checkpoint PATH|auto]
        llmtune data RECIPE [--n N] [--task pt|sft] [section.key=value ...]
        llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge] [--verify]
-       llmtune demo"""
+       llmtune demo
+       llmtune pt|sft --help    every recipe key, its default and its meaning"""
+TASKS = {"pt": "Pre-training: packed blocks of text, every token trained.",
+         "sft": "Supervised fine-tuning: conversations rendered by the chat template, the assistant's tokens trained."}
 
 
 def train_command(task: str, recipe: str, rest: list[str]) -> int:
@@ -118,9 +122,16 @@ def export_command(args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtune", usage=USAGE,
                                      description="FSDP2 pre-training (pt) and supervised fine-tuning (sft) of HF causal LMs.")
+    parser.add_argument("--version", action="version", version=f"llmtune {__version__}")
     parser.add_argument("command", choices=["pt", "sft", "data", "export", "demo"])
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
+    if parsed.command in ("pt", "sft") and {"-h", "--help"} & set(parsed.args):
+        from llmtune.config import recipe_help
+
+        print(f"usage: {USAGE.splitlines()[0].replace('pt|sft', parsed.command)}\n"
+              f"{USAGE.splitlines()[1]}\n\n{TASKS[parsed.command]}\n\n{recipe_help()}")
+        return 0
     try:
         if parsed.command == "export":
             return export_command(parsed.args)

@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import re
 import signal
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,7 +23,22 @@ TASKS = ("pt", "sft")
 DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response", "tokenized")
 TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
-LR_SCHEDULERS = ("constant", "linear", "cosine")
+LR_SCHEDULERS = ("constant", "linear", "cosine", "wsd")
+DECAY_TYPES = ("linear", "cosine", "1-sqrt")
+TRACKERS = ("tensorboard", "wandb")
+# Names that users of the HF Trainer, TRL and LLaMA-Factory write, read as llmtune's; config.yaml holds llmtune's.
+# A key of the train section may also be written in lr_scheduler_kwargs, as transformers takes it.
+KEY_ALIASES = {
+    "train.torch_compile": "train.compile",
+    "train.label_smoothing_factor": "train.label_smoothing",
+    "train.full_determinism": "train.deterministic",
+    "train.min_lr_rate": "train.min_lr_ratio",
+    "train.num_decay_steps": "train.decay_steps",
+    "train.report_to": "monitor.report_to",
+    "train.run_name": "monitor.run_name",
+    "monitor.wandb_project": "monitor.project",
+}
+SCHEDULER_ALIASES = {"constant_with_warmup": "constant", "cosine_with_min_lr": "cosine", "warmup_stable_decay": "wsd"}
 ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 CATCHABLE_SIGNALS = {sig.name for sig in signal.Signals} - {"SIGKILL", "SIGSTOP"}
 # Values of checkpoint.resume_from_checkpoint that mean the newest good checkpoint of output_dir (else a fresh start).
@@ -172,10 +188,18 @@ class TrainConfig:
     adam_beta1: float = _field(0.9, "AdamW beta1.")
     adam_beta2: float = _field(0.999, "AdamW beta2.")
     adam_epsilon: float = _field(1e-8, "AdamW epsilon.")
-    lr_scheduler_type: str = _field("cosine", "constant | linear | cosine: the shape of the decay after warm-up.")
-    min_lr_ratio: float = _field(0.0, "Learning rate at the end of the decay, as a fraction of learning_rate.")
+    lr_scheduler_type: str = _field("cosine", "After a linear warm-up: constant, linear (to 0), cosine (to "
+                                              "min_lr_ratio) or wsd (warm-up, stable, then decay over decay_steps "
+                                              "to min_lr_ratio); transformers' schedules, also by their HF names "
+                                              "(constant_with_warmup, cosine_with_min_lr, warmup_stable_decay).")
+    min_lr_ratio: float = _field(0.0, "cosine and wsd: learning rate at the end of the decay, as a fraction of "
+                                      "learning_rate (HF: min_lr_rate).")
     warmup_ratio: float = _field(0.0, "Fraction of the total steps spent warming up linearly.")
-    warmup_steps: int = _field(0, "Warm-up steps; overrides warmup_ratio when > 0.")
+    warmup_steps: int = _field(0, "Warm-up steps; overrides warmup_ratio when > 0 (a number below 1 is read as "
+                                  "warmup_ratio, as transformers reads it).")
+    decay_steps: float = _field(0.1, "wsd: steps of the final decay; a number below 1 is a fraction of the total "
+                                     "steps (HF: num_decay_steps).")
+    decay_type: str = _field("cosine", "wsd: shape of the final decay: linear, cosine or 1-sqrt.")
     max_steps: int = _field(-1, "Optimizer steps to run; > 0 overrides num_train_epochs.")
     num_train_epochs: float = _field(3.0, "Epochs to run when max_steps <= 0 (fractions allowed).")
     max_grad_norm: float = _field(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
@@ -217,7 +241,15 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 out.append(f"train.{name}: {getattr(self, name)} must be at least 1")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
-            out.append(_choice_problem("train.lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS))
+            out.append(_choice_problem("train.lr_scheduler_type", self.lr_scheduler_type,
+                                       LR_SCHEDULERS + tuple(SCHEDULER_ALIASES)))
+        if self.lr_scheduler_type == "linear" and self.min_lr_ratio:
+            out.append(f"train.min_lr_ratio: {self.min_lr_ratio}, but the linear schedule decays to 0 (as "
+                       "transformers' does); use lr_scheduler_type cosine or wsd for a floor, or min_lr_ratio 0")
+        if self.decay_type not in DECAY_TYPES:
+            out.append(_choice_problem("train.decay_type", self.decay_type, DECAY_TYPES))
+        if self.decay_steps < 0 or (self.decay_steps >= 1 and self.decay_steps != int(self.decay_steps)):
+            out.append(f"train.decay_steps: {self.decay_steps} must be a whole number of steps, or a fraction below 1")
         if self.chunk_loss_size < 0 or self.z_loss < 0 or (self.router_aux_loss_coef or 0) < 0:
             out.append("train: chunk_loss_size, z_loss and router_aux_loss_coef must not be negative (0 turns them "
                        "off)")
@@ -339,19 +371,21 @@ class CheckpointConfig:
 class MonitorConfig:
     console: bool = _field(True, "Print each logged step on rank 0 (metrics.jsonl is always written).")
     progress_bar: bool = _field(True, "A tqdm progress bar on rank 0 (only when stderr is a terminal).")
-    tensorboard: bool = _field(False, "Also write TensorBoard events to output_dir/tensorboard (needs the extra "
-                                      "llmtune[tensorboard]).")
-    wandb_project: str | None = _field(None, "Also log to this Weights & Biases project (needs the extra "
-                                             "llmtune[wandb]).")
+    report_to: list[str] = _field([], "Trackers that also get every record: tensorboard (output_dir/tensorboard), "
+                                      "wandb; none or [] for none. Each needs its package: pip install "
+                                      "'llmtune[tensorboard]' (or wandb).")
+    run_name: str | None = _field(None, "The run's name in the trackers; default: the name of train.output_dir.")
+    project: str | None = _field(None, "The W&B project; default llmtune.")
     peak_tflops: float | None = _field(None, "Peak dense TFLOP/s of one device, for MFU; default: a table of "
                                              "known GPUs (none on CPU, so mfu is null).")
     profile_steps: list[int] = _field([], "[start, end]: torch.profiler traces of these steps, per rank, in "
                                           "output_dir/profile.")
 
     def problems(self) -> list[str]:
+        out = [_choice_problem("monitor.report_to", name, TRACKERS) for name in self.report_to if name not in TRACKERS]
         if self.profile_steps and (len(self.profile_steps) != 2 or not 0 < self.profile_steps[0] <= self.profile_steps[1]):
-            return [f"monitor.profile_steps: {self.profile_steps} must be [start, end] with 0 < start <= end"]
-        return []
+            out.append(f"monitor.profile_steps: {self.profile_steps} must be [start, end] with 0 < start <= end")
+        return out
 
 
 SECTIONS = {
@@ -393,7 +427,8 @@ class Config:
 
 
 def parse_overrides(tokens: list[str]) -> tuple[list[str], int | None]:
-    """`a.b=c`, `--a.b=c` and `--a.b c` -> ["a.b=c", ...]; plus the value of --nproc."""
+    """`a.b=c`, `--a.b=c` and `--a.b c` -> ["a.b=c", ...], a key written without its section (`--learning_rate
+    2e-5`, `learning_rate=2e-5`) given the one it belongs to; plus the value of --nproc."""
     overrides, nproc, i = [], None, 0
     while i < len(tokens):
         token = tokens[i]
@@ -403,18 +438,42 @@ def parse_overrides(tokens: list[str]) -> tuple[list[str], int | None]:
                 raise UserError(f"{token} needs a value")
             name, i = f"{name}={tokens[i + 1]}", i + 1
         key, _, value = name.partition("=")
-        if key == "resume_from_checkpoint":
-            overrides.append(f"checkpoint.resume_from_checkpoint={value}")
-        elif key == "nproc":
+        if key == "nproc":
             if not value.isdigit() or int(value) < 1:
                 raise UserError(f"--nproc: {value!r} is not a positive number of processes")
             nproc = int(value)
         elif "=" in name:
-            overrides.append(name)
+            overrides.append(f"{qualified(key)}={value}")
         else:
-            raise UserError(f"unexpected argument {token!r}; overrides are written section.key=value")
+            raise UserError(f"unexpected argument {token!r}; overrides are written --key value or section.key=value")
         i += 1
     return overrides, nproc
+
+
+def key_names() -> dict[str, set[str]]:
+    """Each key's name -> the section.key it can stand for: every section's own keys, and KEY_ALIASES' targets."""
+    names: dict[str, set[str]] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            names.setdefault(f.name, set()).add(f"{section}.{f.name}")
+    for alias, target in KEY_ALIASES.items():
+        names.setdefault(alias.partition(".")[2], set()).add(target)
+    return names
+
+
+def qualified(key: str) -> str:
+    """`section.key` as given; a key without its section -> the one section.key it stands for."""
+    if "." in key:
+        return key
+    names = key_names()
+    if key not in names:
+        close = difflib.get_close_matches(key, list(names), n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join('--' + c for c in close)}?" if close else "see llmtune sft --help"
+        raise UserError(f"--{key}: no recipe key has this name; {hint}")
+    if len(names[key]) > 1:
+        raise UserError(f"--{key}: several sections have this key ({', '.join(sorted(names[key]))}); write it with "
+                        "its section, e.g. --" + sorted(names[key])[0])
+    return next(iter(names[key]))
 
 
 def load_config(recipe: str, overrides: list[str], task: str, world_size: int) -> Config:
@@ -433,6 +492,7 @@ def load_config(recipe: str, overrides: list[str], task: str, world_size: int) -
         raw.setdefault(section, {})
         if isinstance(raw[section], dict):
             raw[section][name] = yaml.safe_load(value) if value else None
+    _canonical_names(raw, recipe, problems)
     sections = {}
     for section, values in raw.items():
         if section not in SECTIONS:
@@ -452,6 +512,46 @@ def load_config(recipe: str, overrides: list[str], task: str, world_size: int) -
     if problems:
         raise UserError("\n".join(problems))
     return config
+
+
+def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
+    """Rewrite in place, as llmtune's, the names that users bring from the HF Trainer: KEY_ALIASES, the train keys
+    in lr_scheduler_kwargs, SCHEDULER_ALIASES, warmup_steps below 1 (a ratio) and report_to none."""
+    sections = {name: values for name, values in raw.items() if isinstance(values, dict)}
+    train = sections.get("train", {})
+    kwargs = train.pop("lr_scheduler_kwargs", None) or {}
+    if not isinstance(kwargs, dict):
+        problems.append(f"{recipe}: train.lr_scheduler_kwargs must be a mapping, e.g. {{min_lr_rate: 0.1}}")
+        kwargs = {}
+    given = [(f"train.lr_scheduler_kwargs.{key}", "train", key, value) for key, value in kwargs.items()]
+    for alias in KEY_ALIASES:
+        section, key = alias.split(".")
+        if key in sections.get(section, {}):
+            given.append((alias, section, key, sections[section].pop(key)))
+    for name, section, key, value in given:
+        target_section, _, target_key = KEY_ALIASES.get(f"{section}.{key}", f"{section}.{key}").partition(".")
+        values = raw.setdefault(target_section, {})
+        if not isinstance(values, dict):
+            continue
+        if target_key in values and values[target_key] != value:
+            problems.append(f"{recipe}: {name} is {target_section}.{target_key} (its HF name), which is also given "
+                            "with another value; keep one")
+        values[target_key] = value
+    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    if train.get("lr_scheduler_type") in SCHEDULER_ALIASES:
+        train["lr_scheduler_type"] = SCHEDULER_ALIASES[train["lr_scheduler_type"]]
+    warmup = train.get("warmup_steps")
+    if isinstance(warmup, float) and 0 < warmup < 1:
+        if train.get("warmup_ratio", warmup) != warmup:
+            problems.append(f"{recipe}: train.warmup_steps {warmup} is a ratio, and train.warmup_ratio is also given "
+                            "with another value; keep one")
+        train["warmup_ratio"], train["warmup_steps"] = warmup, 0
+    monitor = raw.get("monitor") if isinstance(raw.get("monitor"), dict) else {}
+    trackers = monitor.get("report_to")
+    if trackers is not None:
+        trackers = [trackers] if isinstance(trackers, str) else trackers
+        if isinstance(trackers, list):
+            monitor["report_to"] = [name for name in trackers if name != "none"]
 
 
 def _read_recipe(path: Path) -> dict:
@@ -556,12 +656,38 @@ def _batch_problems(config: Config, world_size: int, provided: set[str]) -> list
     return []
 
 
-def reference_table() -> str:
-    """The README's recipe reference: every field, its default and its meaning."""
-    rows = ["| key | default | meaning |", "|---|---|---|"]
+def recipe_keys():
+    """(section, key, default as YAML writes it, help) of every recipe key, in the sections' order."""
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            rows.append(f"| `{section}.{f.name}` | `{yaml.safe_dump(default).strip().removesuffix('...').strip()}` "
-                        f"| {f.metadata['help'].replace('|', '/')} |")
+            yield section, f.name, yaml.safe_dump(default).strip().removesuffix("...").strip(), f.metadata["help"]
+
+
+def reference_table() -> str:
+    """The README's recipe reference: every field, its default and its meaning."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{section}.{key}` | `{default}` | {help.replace('|', '/')} |"
+             for section, key, default, help in recipe_keys()]
     return "\n".join(rows)
+
+
+def recipe_help() -> str:
+    """`llmtune pt|sft --help`: every recipe key with its default and help, as the command line takes it."""
+    names = key_names()
+    lines = ["recipe keys: in the recipe's sections, or on the command line as --key VALUE (the key alone where no",
+             "other section has it) or section.key=VALUE; a later override wins."]
+    current = None
+    for section, key, default, help in recipe_keys():
+        if section != current:
+            lines += ["", f"{section}:"]
+            current = section
+        option = key if len(names[key]) == 1 else f"{section}.{key}"
+        lines.append(f"  --{option} (default: {default})")
+        lines += textwrap.wrap(help, width=110, initial_indent="      ", subsequent_indent="      ")
+    lines += ["", "names of the HF Trainer, also read (config.yaml holds llmtune's):"]
+    lines += [f"  {alias} (--{alias.partition('.')[2]}) = {target}" for alias, target in KEY_ALIASES.items()]
+    lines += ["  lr_scheduler_type: " + ", ".join(f"{hf} = {ours}" for hf, ours in SCHEDULER_ALIASES.items()),
+              "  train.lr_scheduler_kwargs: {min_lr_rate, num_decay_steps, decay_type} = the train keys above",
+              "  train.warmup_steps below 1 = train.warmup_ratio; monitor.report_to: none = []"]
+    return "\n".join(lines)

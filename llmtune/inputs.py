@@ -101,11 +101,10 @@ def has_chat_template(tokenizer_dir: Path) -> bool:
 
 
 def check_optional_packages(config) -> None:
-    for wanted, package, key in ((config.monitor.tensorboard, "tensorboard", "monitor.tensorboard"),
-                                 (config.monitor.wandb_project, "wandb", "monitor.wandb_project")):
-        if wanted and importlib.util.find_spec(package) is None:
-            raise UserError(f"{key}: needs the {package} package, which is not installed; pip install "
-                            f"'llmtune[{package}]', or turn {key} off")
+    for package in config.monitor.report_to:
+        if importlib.util.find_spec(package) is None:
+            raise UserError(f"monitor.report_to: {package} needs the {package} package, which is not installed; pip "
+                            f"install 'llmtune[{package}]', or take {package} out of monitor.report_to")
     # peft is a dependency of llmtune; an environment can still lack it (installed with --no-deps, uninstalled).
     if config.peft.method != "none" and importlib.util.find_spec("peft") is None:
         raise UserError(f"peft.method: {config.peft.method} needs the peft package, which is not installed; pip "

@@ -127,16 +127,17 @@ class TrainMonitor:
             bar = tqdm(total=self.total_steps, desc="train", dynamic_ncols=True)
             sinks.append(lambda record: (bar.update(record["step"] - bar.n),
                                          bar.set_postfix(loss=f"{record['loss']:.4f}")))
-        if monitor_cfg.tensorboard:
+        if "tensorboard" in monitor_cfg.report_to:
             from torch.utils.tensorboard import SummaryWriter
 
             writer = SummaryWriter(str(output_dir / "tensorboard"))
             sinks.append(lambda record: [writer.add_scalar(k, v, record["step"]) for k, v in record.items()
                                          if isinstance(v, (int, float)) and k != "step"] and writer.flush())
-        if monitor_cfg.wandb_project:
+        if "wandb" in monitor_cfg.report_to:
             import wandb
 
-            wandb.init(project=monitor_cfg.wandb_project, dir=str(output_dir))
+            wandb.init(project=monitor_cfg.project or "llmtune", name=monitor_cfg.run_name or output_dir.name,
+                       dir=str(output_dir))
             sinks.append(lambda record: wandb.log(record, step=record["step"]))
         return sinks
 

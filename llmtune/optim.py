@@ -4,6 +4,7 @@ import math
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+from transformers import get_scheduler
 
 
 def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.AdamW:
@@ -19,17 +20,20 @@ def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.AdamW:
                              eps=train_cfg.adam_epsilon, fused=True)
 
 
-def lr_factor(step: int, warmup: int, total: int, kind: str, min_ratio: float) -> float:
-    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warm-up from 0, then a
-    constant, linear or cosine decay to min_ratio at the last step."""
-    if step < warmup:
-        return step / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    decay = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[kind]
-    return min_ratio + (1.0 - min_ratio) * decay
-
-
 def build_scheduler(optimizer, train_cfg, total_steps: int) -> LambdaLR:
+    """transformers' own schedules, so that a recipe's curve is the one an HF Trainer user gets for the same names:
+    constant_with_warmup, linear (to 0), cosine_with_min_lr (to min_lr_ratio) and warmup_stable_decay (transformers'
+    WSD: its warm-up starts from min_lr_ratio, its decay takes the last decay_steps to min_lr_ratio)."""
     warmup = train_cfg.warmup_steps or math.ceil(train_cfg.warmup_ratio * total_steps)
-    return LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total_steps, train_cfg.lr_scheduler_type,
-                                                      train_cfg.min_lr_ratio))
+    kind = train_cfg.lr_scheduler_type
+    if kind == "constant":
+        return get_scheduler("constant_with_warmup", optimizer, warmup)
+    if kind == "linear":
+        return get_scheduler("linear", optimizer, warmup, total_steps)
+    if kind == "cosine":
+        return get_scheduler("cosine_with_min_lr", optimizer, warmup, total_steps,
+                              {"min_lr_rate": train_cfg.min_lr_ratio})
+    decay = train_cfg.decay_steps if train_cfg.decay_steps >= 1 else math.ceil(train_cfg.decay_steps * total_steps)
+    return get_scheduler("warmup_stable_decay", optimizer, warmup, total_steps,
+                         {"num_decay_steps": int(decay), "decay_type": train_cfg.decay_type,
+                          "min_lr_ratio": train_cfg.min_lr_ratio})

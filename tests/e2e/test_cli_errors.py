@@ -120,8 +120,8 @@ def test_optional_sink_without_its_package_is_refused_up_front(tmp_path, recipe,
     from llmtune import cli
 
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    assert cli.main(["sft", recipe(), "monitor.tensorboard=true"]) == 2
-    assert ("monitor.tensorboard: needs the tensorboard package, which is not installed; "
+    assert cli.main(["sft", recipe(), "--report_to", "tensorboard"]) == 2
+    assert ("monitor.report_to: tensorboard needs the tensorboard package, which is not installed; "
             "pip install 'llmtune[tensorboard]'") in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 

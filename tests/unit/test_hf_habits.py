@@ -1,0 +1,126 @@
+"""What an HF Trainer user types works: --version, pt|sft --help listing every recipe key, flat --key VALUE
+overrides (and their errors), the HF names of keys and schedules read as llmtune's, with llmtune's in config.yaml."""
+
+import dataclasses
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from llmtune import cli, config as config_module
+from llmtune.config import KEY_ALIASES, load_config, parse_overrides, recipe_keys
+from llmtune.errors import UserError
+from tests.helpers import REPO
+from tests.unit.test_config import write_recipe
+
+
+def test_version_is_the_installed_packages():
+    result = subprocess.run([str(REPO / "bin" / "llmtune"), "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"llmtune {importlib.metadata.version('llmtune')}"
+
+
+@pytest.mark.parametrize("task, words", [("sft", "Supervised fine-tuning"), ("pt", "Pre-training")])
+def test_help_lists_every_recipe_key_with_its_default_and_help(task, words, capsys):
+    assert cli.main([task, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: llmtune {task} RECIPE") and words in text
+    flat = " ".join(text.split())  # the help is wrapped
+    for section, key, default, help in recipe_keys():
+        assert f"--{key} (default: {default})" in text, key
+        assert " ".join(help.split()) in flat, key
+    for alias, target in KEY_ALIASES.items():
+        assert f"{alias} (--{alias.partition('.')[2]}) = {target}" in text
+
+
+def test_flat_keys_name_their_section(tmp_path):
+    overrides, nproc = parse_overrides(["--learning_rate", "2e-5", "max_steps=3", "--cp_size=2", "--nproc", "2",
+                                        "--resume_from_checkpoint", "auto", "data.max_seq_len=128"])
+    assert overrides == ["train.learning_rate=2e-5", "train.max_steps=3", "parallel.cp_size=2",
+                         "checkpoint.resume_from_checkpoint=auto", "data.max_seq_len=128"]
+    config = load_config(write_recipe(tmp_path), overrides, "sft", nproc)
+    assert (config.train.learning_rate, config.train.max_steps, config.parallel.cp_size) == (2e-5, 3, 2)
+
+
+def test_a_key_in_several_sections_must_be_written_with_its_section(monkeypatch):
+    @dataclasses.dataclass
+    class Other:
+        seed: int = 0
+
+    monkeypatch.setitem(config_module.SECTIONS, "other", Other)
+    with pytest.raises(UserError) as err:
+        parse_overrides(["--seed", "3"])
+    assert str(err.value) == ("--seed: several sections have this key (other.seed, train.seed); write it with its "
+                              "section, e.g. --other.seed")
+    assert parse_overrides(["--train.seed", "3"]) == (["train.seed=3"], None)
+
+
+@pytest.mark.parametrize("typed, hint", [("learnig_rate", "did you mean --learning_rate?"),
+                                         ("max_step", "did you mean --max_steps or --save_steps or --eval_steps?"),
+                                         ("zzz", "see llmtune sft --help")])
+def test_a_misspelt_flat_key_gets_the_closest_names(typed, hint):
+    with pytest.raises(UserError) as err:
+        parse_overrides([f"--{typed}", "1"])
+    assert str(err.value).startswith(f"--{typed}: no recipe key has this name; {hint}")
+
+
+@pytest.mark.parametrize("alias, target, value", [
+    ("train.torch_compile", "train.compile", True),
+    ("train.label_smoothing_factor", "train.label_smoothing", 0.1),
+    ("train.full_determinism", "train.deterministic", True),
+    ("train.min_lr_rate", "train.min_lr_ratio", 0.1),
+    ("train.num_decay_steps", "train.decay_steps", 20.0),
+    ("train.report_to", "monitor.report_to", ["tensorboard"]),
+    ("train.run_name", "monitor.run_name", "first-try"),
+    ("monitor.wandb_project", "monitor.project", "chat-models"),
+])
+@pytest.mark.parametrize("where", ["recipe", "command line"])
+def test_hf_key_names_are_read_as_llmtunes_and_written_as_llmtunes(tmp_path, alias, target, value, where):
+    assert set(KEY_ALIASES.items()) >= {(alias, target)}
+    section, key = alias.split(".")
+    if where == "recipe":
+        recipe, overrides = write_recipe(tmp_path, **{section: {key: value}}), []
+    else:
+        recipe, overrides = write_recipe(tmp_path), parse_overrides([f"--{key}", yaml.safe_dump(value).strip()
+                                                                      .removesuffix("...").strip()])[0]
+    config = load_config(recipe, overrides, "sft", 1)
+    target_section, target_key = target.split(".")
+    assert getattr(getattr(config, target_section), target_key) == value
+    config.write(tmp_path / "config.yaml")
+    written = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert written[target_section][target_key] == value and key not in written[section]
+    assert load_config(str(tmp_path / "config.yaml"), [], "sft", 1) == config
+
+
+@pytest.mark.parametrize("train, expected", [
+    ({"lr_scheduler_type": "constant_with_warmup"}, {"lr_scheduler_type": "constant"}),
+    ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}},
+     {"lr_scheduler_type": "cosine", "min_lr_ratio": 0.1}),
+    ({"lr_scheduler_type": "warmup_stable_decay",
+      "lr_scheduler_kwargs": {"num_decay_steps": 30, "decay_type": "linear"}},
+     {"lr_scheduler_type": "wsd", "decay_steps": 30, "decay_type": "linear"}),
+    ({"warmup_steps": 0.05}, {"warmup_ratio": 0.05, "warmup_steps": 0}),
+    ({"warmup_steps": 10}, {"warmup_ratio": 0.0, "warmup_steps": 10}),
+])
+def test_hf_schedule_names_and_warmup_fraction(tmp_path, train, expected):
+    config = load_config(write_recipe(tmp_path, train=train), [], "sft", 1)
+    assert {key: getattr(config.train, key) for key in expected} == expected
+
+
+@pytest.mark.parametrize("value", ["none", ["none"], []])
+def test_report_to_none_is_no_tracker(tmp_path, value):
+    assert load_config(write_recipe(tmp_path, monitor={"report_to": value}), [], "sft", 1).monitor.report_to == []
+
+
+def test_an_hf_name_and_llmtunes_with_different_values_are_refused(tmp_path):
+    recipe = write_recipe(tmp_path, train={"torch_compile": True, "compile": False, "warmup_steps": 0.1,
+                                           "warmup_ratio": 0.2})
+    with pytest.raises(UserError) as err:
+        load_config(recipe, [], "sft", 1)
+    assert str(err.value).splitlines() == [
+        f"{recipe}: train.torch_compile is train.compile (its HF name), which is also given with another value; "
+        "keep one",
+        f"{recipe}: train.warmup_steps 0.1 is a ratio, and train.warmup_ratio is also given with another value; "
+        "keep one"]
