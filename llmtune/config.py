@@ -370,7 +370,8 @@ class CheckpointConfig:
 @dataclass
 class MonitorConfig:
     console: bool = _field(True, "Print each logged step on rank 0 (metrics.jsonl is always written).")
-    progress_bar: bool = _field(True, "A tqdm progress bar on rank 0 (only when stderr is a terminal).")
+    progress_bar: bool = _field(True, "A progress bar on rank 0 that moves every optimizer step (loss, lr, "
+                                      "tokens/s), logged lines written above it; only when stderr is a terminal.")
     report_to: list[str] = _field([], "Trackers that also get every record: tensorboard (output_dir/tensorboard), "
                                       "wandb; none or [] for none. Each needs its package: pip install "
                                       "'llmtune[tensorboard]' (or wandb).")

@@ -7,13 +7,14 @@ which is this rank's. Only rank 0 writes records; every rank writes its own trac
 
 import json
 import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from llmtune.console import Console
 
 # Dense (no sparsity) bf16 peak TFLOP/s of one device, from the vendors' datasheets (NVIDIA's list "with sparsity",
 # halved here; AMD's dense figure), by a substring of torch.cuda.get_device_name(): "NVIDIA H100 80GB HBM3" (SXM),
@@ -96,7 +97,8 @@ class TrainMonitor:
         self.world_size = world_size
         self.peak = peak_tflops(monitor_cfg.peak_tflops)
         self.is_main = rank == 0
-        self.console = monitor_cfg.console and self.is_main
+        self.monitor_cfg = monitor_cfg
+        self.console = None  # rank 0's, from begin() to end()
         self.path = output_dir / "metrics.jsonl"
         self.profiler = StepProfiler(monitor_cfg.profile_steps, output_dir, rank)
         self.skipped_steps = 0
@@ -113,6 +115,7 @@ class TrainMonitor:
         self.started = self.window_started = time.perf_counter()
         if not self.is_main:
             return
+        self.console = Console(self.total_steps, step, self.monitor_cfg.progress_bar)
         if step == 0:
             self.path.unlink(missing_ok=True)
         elif self.path.is_file():
@@ -121,12 +124,6 @@ class TrainMonitor:
 
     def _sinks(self, output_dir: Path, monitor_cfg) -> list:
         sinks = []
-        if monitor_cfg.progress_bar and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            bar = tqdm(total=self.total_steps, desc="train", dynamic_ncols=True)
-            sinks.append(lambda record: (bar.update(record["step"] - bar.n),
-                                         bar.set_postfix(loss=f"{record['loss']:.4f}")))
         if "tensorboard" in monitor_cfg.report_to:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -146,6 +143,8 @@ class TrainMonitor:
         of the window since the last one. Then let the profiler see the step."""
         self.window.append(stats)
         self.skipped_steps += stats.skipped
+        if self.console is not None:
+            self.console.step(step, stats.loss, stats.lr, stats.input_tokens / max(stats.step_time, 1e-9))
         if step % self.logging_steps == 0 or step == self.total_steps or eval_loss is not None:
             self._log(step, epoch, stats, eval_loss)
         self.profiler.step(step == self.total_steps)
@@ -184,11 +183,18 @@ class TrainMonitor:
             f.write(json.dumps(record) + "\n")
         for sink in self.sinks:
             sink(record)
-        if self.console:
+        if self.monitor_cfg.console:
             extra = f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
-            print(f"step {record['step']}/{self.total_steps} epoch {record['epoch']} loss {record['loss']:.4f}{extra} "
-                  f"lr {record['lr']:.3e} grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
-                  f"mem {record['mem_gib']:.2f} GiB skipped {record['skipped_steps']}", flush=True)
+            self.console.line(f"step {record['step']}/{self.total_steps} epoch {record['epoch']} loss "
+                              f"{record['loss']:.4f}{extra} lr {record['lr']:.3e} grad_norm {record['grad_norm']:.3f} "
+                              f"tokens/s {record['tokens_per_s']:.0f} mem {record['mem_gib']:.2f} GiB skipped "
+                              f"{record['skipped_steps']}")
+
+    def end(self) -> None:
+        """Training has stopped (finished, stopped or failed): the bar gives way to the lines after it."""
+        if self.console is not None:
+            self.console.close()
+            self.console = None
 
 
 class StepProfiler:

@@ -36,14 +36,17 @@ class Trainer:
 
     def train(self) -> None:
         self.monitor.begin(self.step)
-        self.model.train()
-        steps = self.data.steps(self.total_steps - self.step)
-        with StopSignals(self.cfg.save_on_signals) as stop:
-            while self.step < self.total_steps:
-                self.advance(steps)
-                if signal_name := stop.agreed(self.state):
-                    self.stop_for(signal_name)
-        self.checkpoints.finish_pending()
+        try:
+            self.model.train()
+            steps = self.data.steps(self.total_steps - self.step)
+            with StopSignals(self.cfg.save_on_signals) as stop:
+                while self.step < self.total_steps:
+                    self.advance(steps)
+                    if signal_name := stop.agreed(self.state):
+                        self.stop_for(signal_name)
+            self.checkpoints.finish_pending()
+        finally:
+            self.monitor.end()
 
     def stop_for(self, reason: str) -> None:
         """Save here (unless this step was just saved) and stop every rank with Preempted."""

@@ -9,6 +9,7 @@ from transformers import enable_full_determinism, set_seed
 
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
+from llmtune.console import configure_logging
 from llmtune.cpu_memory import keep_freed_memory
 from llmtune.data.manager import build_data
 from llmtune.data.templates import recipe_tokenizer
@@ -81,8 +82,7 @@ def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, ob
 def run(config, local=None, resume: str = "the same command with checkpoint.resume_from_checkpoint=auto") -> None:
     """local: the recipe with its Hub ids fetched and checked, or None to fetch them here (fetch_in_turn). resume: the
     command that continues this run, for the summary that ends it and the message of a stop by a signal."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("llmtune").setLevel(logging.INFO)
+    configure_logging()
     state = ParallelState.initialize(config.parallel.cp_size, config.parallel.timeout_minutes)
     started, trainer, outcome = time.perf_counter(), None, "failed"
     try:

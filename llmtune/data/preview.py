@@ -5,7 +5,6 @@ prints the first samples with their trained tokens marked, the statistics the ru
 sample lengths.
 """
 
-import logging
 import math
 import os
 import sys
@@ -14,6 +13,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from llmtune.config import load_config
+from llmtune.console import configure_logging
 from llmtune.data.build import OneProcess, load_or_build
 from llmtune.data.templates import recipe_tokenizer
 from llmtune.errors import UserError
@@ -36,8 +36,7 @@ def preview(recipe: str, overrides: list[str], task: str, count: int) -> None:
     local = local_inputs(config, fetch_hub_inputs(config))
     check_inputs(local)
     # The run's logging setup (worker.py), so that the cache entry's "data: built" or "data: cache hit" shows.
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("llmtune").setLevel(logging.INFO)
+    configure_logging()
     tokenizer = recipe_tokenizer(task, local.model, config.data.chat_template)
     # The arguments of build_data (manager.py): the same cache key, so the run and this command share one entry.
     train, _, stats = load_or_build(task, local.data, tokenizer, config.train.seed,
