@@ -17,7 +17,7 @@ USAGE = """llmtune pt|sft RECIPE [--key VALUE ...] [section.key=VALUE ...] [--np
        llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge] [--verify]
        llmtune demo
        llmtune pt|sft --help    every recipe key, its default and its meaning"""
-TASKS = {"pt": "Pre-training: packed blocks of text, every token trained.",
+TASK_DESCRIPTIONS = {"pt": "Pre-training: packed blocks of text, every token trained.",
          "sft": "Supervised fine-tuning: conversations rendered by the chat template, the assistant's tokens trained."}
 
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         from llmtune.config import recipe_help
 
         print(f"usage: {USAGE.splitlines()[0].replace('pt|sft', parsed.command)}\n"
-              f"{USAGE.splitlines()[1]}\n\n{TASKS[parsed.command]}\n\n{recipe_help()}")
+              f"{USAGE.splitlines()[1]}\n\n{TASK_DESCRIPTIONS[parsed.command]}\n\n{recipe_help()}")
         return 0
     try:
         if parsed.command == "export":

@@ -519,7 +519,7 @@ def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
     """Rewrite in place, as llmtune's, the names that users bring from the HF Trainer: KEY_ALIASES, the train keys
     in lr_scheduler_kwargs, SCHEDULER_ALIASES, warmup_steps below 1 (a ratio) and report_to none."""
     sections = {name: values for name, values in raw.items() if isinstance(values, dict)}
-    train = sections.get("train", {})
+    train = sections.get("train", {})  # no alias adds the train section: its aliases are written in it
     kwargs = train.pop("lr_scheduler_kwargs", None) or {}
     if not isinstance(kwargs, dict):
         problems.append(f"{recipe}: train.lr_scheduler_kwargs must be a mapping, e.g. {{min_lr_rate: 0.1}}")
@@ -538,7 +538,6 @@ def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
             problems.append(f"{recipe}: {name} is {target_section}.{target_key} (its HF name), which is also given "
                             "with another value; keep one")
         values[target_key] = value
-    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
     if train.get("lr_scheduler_type") in SCHEDULER_ALIASES:
         train["lr_scheduler_type"] = SCHEDULER_ALIASES[train["lr_scheduler_type"]]
     warmup = train.get("warmup_steps")
