@@ -15,6 +15,9 @@ USAGE = """llmtune pt|sft RECIPE [--key VALUE ...] [section.key=VALUE ...] [--np
                [--resume_from_checkpoint PATH|auto]
        llmtune data RECIPE [--n N] [--task pt|sft] [section.key=value ...]
        llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge] [--verify]
+       llmtune plot OUTPUT_DIR
+       llmtune plan RECIPE [--nproc N | --nnodes M --nproc-per-node N] [--device-memory GiB] [--task pt|sft]
+               [section.key=VALUE ...]
        llmtune demo
        llmtune pt|sft --help    every recipe key, its default and its meaning"""
 TASK_DESCRIPTIONS = {"pt": "Pre-training: packed blocks of text, every token trained.",
@@ -119,11 +122,56 @@ def export_command(args: list[str]) -> int:
     return 0
 
 
+def plan_command(args: list[str]) -> int:
+    """RECIPE, the layout and the device's memory -> what a training step holds per rank, on this machine, with no
+    process started and no weight read."""
+    from llmtune.config import parse_overrides
+
+    recipe, rest = args[0], list(args[1:])
+    task = take_flag(rest, "--task", "sft")
+    nnodes, per_node = take_flag(rest, "--nnodes", ""), take_flag(rest, "--nproc-per-node", "")
+    memory = take_flag(rest, "--device-memory", "")
+    overrides, nproc = parse_overrides(rest)
+    if nproc and (nnodes or per_node):
+        raise UserError("llmtune plan: give --nproc N (one node) or --nnodes M --nproc-per-node N, not both")
+    for flag, value in (("--nnodes", nnodes), ("--nproc-per-node", per_node)):
+        if value and (not value.isdigit() or int(value) < 1):
+            raise UserError(f"{flag}: {value!r} is not a positive number")
+    if task not in ("pt", "sft"):
+        raise UserError(f"--task: {task!r} is not a task; use pt or sft")
+    try:
+        device_gib = float(memory) if memory else None
+    except ValueError:
+        device_gib = -1.0
+    if device_gib is not None and device_gib <= 0:
+        raise UserError(f"--device-memory: {memory!r} is not a positive number of GiB (e.g. 80 for an H100 80GB)")
+    world_size = nproc or int(nnodes or 1) * int(per_node or 1)
+    from llmtune.plan import plan_recipe
+
+    print(plan_recipe(recipe, overrides, task, world_size, device_gib))
+    return 0
+
+
+def plot_command(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="llmtune plot", description="a run's metrics.jsonl -> PNG curves in "
+                                     "OUTPUT_DIR/plots (loss and eval loss against steps and tokens, learning rate, "
+                                     "grad norm, tokens/s), for a finished or a running run")
+    parser.add_argument("output_dir", help="the run's train.output_dir")
+    parsed = parser.parse_args(args)
+    from pathlib import Path
+
+    from llmtune.plots import write_plots
+
+    for path in write_plots(Path(parsed.output_dir)):
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtune", usage=USAGE,
                                      description="FSDP2 pre-training (pt) and supervised fine-tuning (sft) of HF causal LMs.")
     parser.add_argument("--version", action="version", version=f"llmtune {__version__}")
-    parser.add_argument("command", choices=["pt", "sft", "data", "export", "demo"])
+    parser.add_argument("command", choices=["pt", "sft", "data", "export", "demo", "plot", "plan"])
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
     if parsed.command in ("pt", "sft") and {"-h", "--help"} & set(parsed.args):
@@ -135,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if parsed.command == "export":
             return export_command(parsed.args)
+        if parsed.command == "plot":
+            return plot_command(parsed.args)
         if parsed.command == "demo":
             from llmtune.demo.run import main as demo_main
 
@@ -143,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{parsed.command} needs a recipe: llmtune {parsed.command} RECIPE.yaml")
         if parsed.command == "data":
             return data_command(parsed.args)
+        if parsed.command == "plan":
+            return plan_command(parsed.args)
         return train_command(parsed.command, parsed.args[0], parsed.args[1:])
     except UserError as err:
         print(f"llmtune: error: {err}", file=sys.stderr)

@@ -25,7 +25,7 @@ TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "wsd")
 DECAY_TYPES = ("linear", "cosine", "1-sqrt")
-TRACKERS = ("tensorboard", "wandb")
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 # Names that users of the HF Trainer, TRL and LLaMA-Factory write, read as llmtune's; config.yaml holds llmtune's.
 # A key of the train section may also be written in lr_scheduler_kwargs, as transformers takes it.
 KEY_ALIASES = {
@@ -372,11 +372,15 @@ class MonitorConfig:
     console: bool = _field(True, "Print each logged step on rank 0 (metrics.jsonl is always written).")
     progress_bar: bool = _field(True, "A progress bar on rank 0 that moves every optimizer step (loss, lr, "
                                       "tokens/s), logged lines written above it; only when stderr is a terminal.")
-    report_to: list[str] = _field([], "Trackers that also get every record: tensorboard (output_dir/tensorboard), "
-                                      "wandb; none or [] for none. Each needs its package: pip install "
-                                      "'llmtune[tensorboard]' (or wandb).")
-    run_name: str | None = _field(None, "The run's name in the trackers; default: the name of train.output_dir.")
-    project: str | None = _field(None, "The W&B project; default llmtune.")
+    report_to: list[str] = _field([], "Trackers that also get every record (as train/loss, train/lr, ..., "
+                                      "eval/loss, by step) and the resolved recipe: tensorboard "
+                                      "(output_dir/tensorboard), wandb (output_dir/wandb), mlflow "
+                                      "(MLFLOW_TRACKING_URI, else output_dir/mlruns); none or [] for none. A resumed "
+                                      "run continues the same runs (their ids in output_dir/trackers.json). Each "
+                                      "needs its package: pip install 'llmtune[tensorboard]' (or wandb, mlflow).")
+    run_name: str | None = _field(None, "The run's name in W&B and MLflow; default: the name of train.output_dir.")
+    project: str | None = _field(None, "The W&B project and the MLflow experiment; default: WANDB_PROJECT or "
+                                       "MLFLOW_EXPERIMENT_NAME, else llmtune.")
     peak_tflops: float | None = _field(None, "Peak dense TFLOP/s of one device, for MFU; default: a table of "
                                              "known GPUs (none on CPU, so mfu is null).")
     profile_steps: list[int] = _field([], "[start, end]: torch.profiler traces of these steps, per rank, in "

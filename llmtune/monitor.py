@@ -1,5 +1,5 @@
-"""TrainMonitor: per-step numbers -> logged records (metrics.jsonl, console, progress bar, TensorBoard, W&B),
-and the profiler's traces of chosen steps.
+"""TrainMonitor: per-step numbers -> logged records (metrics.jsonl, console, progress bar, the trackers of
+trackers.py), and the profiler's traces of chosen steps.
 
 Every number is global (summed over ranks by the trainer before it gets here) except memory,
 which is this rank's. Only rank 0 writes records; every rank writes its own trace.
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from llmtune.console import Console
+from llmtune.trackers import Trackers
 
 # Dense (no sparsity) bf16 peak TFLOP/s of one device, from the vendors' datasheets (NVIDIA's list "with sparsity",
 # halved here; AMD's dense figure), by a substring of torch.cuda.get_device_name(): "NVIDIA H100 80GB HBM3" (SXM),
@@ -89,8 +90,10 @@ def memory_gib() -> tuple[float, float]:
 
 
 class TrainMonitor:
+    """recipe: the resolved recipe, for the trackers (their runs' config)."""
+
     def __init__(self, output_dir: Path, monitor_cfg, logging_steps: int, total_steps: int, flops_token: float,
-                 world_size: int, rank: int):
+                 world_size: int, rank: int, recipe: dict | None = None):
         self.logging_steps = logging_steps
         self.total_steps = total_steps
         self.flops_token = flops_token
@@ -99,6 +102,9 @@ class TrainMonitor:
         self.is_main = rank == 0
         self.monitor_cfg = monitor_cfg
         self.console = None  # rank 0's, from begin() to end()
+        self.trackers = None  # rank 0's, from begin() to end(): only then is it known whether the run resumes
+        self.recipe = recipe or {}
+        self.output_dir = output_dir
         self.path = output_dir / "metrics.jsonl"
         self.profiler = StepProfiler(monitor_cfg.profile_steps, output_dir, rank)
         self.skipped_steps = 0
@@ -106,11 +112,11 @@ class TrainMonitor:
         self.started = time.perf_counter()
         self.window: list[StepRecord] = []
         self.window_started = self.started
-        self.sinks = self._sinks(output_dir, monitor_cfg) if self.is_main else []
 
     def begin(self, step: int) -> None:
         """Training starts after `step`: metrics.jsonl starts fresh, or, on resume, keeps the records up to the
-        checkpoint's step and drops those of later steps that the interrupted run left (they are logged again)."""
+        checkpoint's step and drops those of later steps that the interrupted run left (they are logged again). The
+        trackers open: new runs, or on resume the runs of the fresh start."""
         self.first_step = step
         self.started = self.window_started = time.perf_counter()
         if not self.is_main:
@@ -121,22 +127,7 @@ class TrainMonitor:
         elif self.path.is_file():
             kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
             self.path.write_text("".join(line + "\n" for line in kept))
-
-    def _sinks(self, output_dir: Path, monitor_cfg) -> list:
-        sinks = []
-        if "tensorboard" in monitor_cfg.report_to:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(str(output_dir / "tensorboard"))
-            sinks.append(lambda record: [writer.add_scalar(k, v, record["step"]) for k, v in record.items()
-                                         if isinstance(v, (int, float)) and k != "step"] and writer.flush())
-        if "wandb" in monitor_cfg.report_to:
-            import wandb
-
-            wandb.init(project=monitor_cfg.project or "llmtune", name=monitor_cfg.run_name or output_dir.name,
-                       dir=str(output_dir))
-            sinks.append(lambda record: wandb.log(record, step=record["step"]))
-        return sinks
+        self.trackers = Trackers(self.output_dir, self.monitor_cfg, self.recipe, step)
 
     def record(self, step: int, epoch: int, stats: StepRecord, eval_loss: float | None = None) -> None:
         """Add one optimizer step; every logging_steps, at the last step and when evaluation ran, write the record
@@ -181,8 +172,7 @@ class TrainMonitor:
     def _write(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        for sink in self.sinks:
-            sink(record)
+        self.trackers.log(record)
         if self.monitor_cfg.console:
             extra = f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
             self.console.line(f"step {record['step']}/{self.total_steps} epoch {record['epoch']} loss "
@@ -191,10 +181,14 @@ class TrainMonitor:
                               f"{record['skipped_steps']}")
 
     def end(self) -> None:
-        """Training has stopped (finished, stopped or failed): the bar gives way to the lines after it."""
+        """Training has stopped (finished, stopped or failed): the bar gives way to the lines after it, the trackers'
+        runs end."""
         if self.console is not None:
             self.console.close()
             self.console = None
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
 
 
 class StepProfiler:

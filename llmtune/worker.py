@@ -20,6 +20,7 @@ from llmtune.model import base_record, build_model, check_vocab, load_model_conf
 from llmtune.monitor import TrainMonitor, flops_per_token
 from llmtune.optim import build_optimizer, build_scheduler
 from llmtune.parallel import ParallelState
+from llmtune.plots import plot_run
 from llmtune.preflight import check_run
 from llmtune.summary import run_summary
 from llmtune.trainer import Trainer
@@ -68,7 +69,8 @@ def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, ob
     total_steps = data.total_steps(config.train)
     scheduler = build_scheduler(optimizer, config.train, total_steps)
     monitor = TrainMonitor(output_dir, config.monitor, config.train.logging_steps, total_steps,
-                           flops_per_token(model.hf_model, config.data.max_seq_len), state.world_size, state.rank)
+                           flops_per_token(model.hf_model, config.data.max_seq_len), state.world_size, state.rank,
+                           {"task": config.task, **config.to_dict()})
     # Only a run with frozen weights saves the trained part alone, and needs its base to resume.
     frozen = any(not param.requires_grad for param in model.parameters())
     base = base_record(config, local.model, model_config) if frozen else None
@@ -100,6 +102,13 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
         raise
     finally:
         if trainer is not None and state.is_main:
+            # plot_run never raises: the run's outcome and error stay as they are. torchrun ends every process soon
+            # after one exits with an error: on several processes, a run that did not finish leaves its plots (a
+            # second or two) to `llmtune plot`, lest its summary and error be cut off.
+            if outcome == "finished" or state.world_size == 1:
+                plot_run(Path(config.train.output_dir))
+            else:
+                log.info("plots: draw them with: llmtune plot %s", config.train.output_dir)
             log.info("%s", run_summary(Path(config.train.output_dir), trainer.total_steps,
                                        time.perf_counter() - started, outcome, resume))
         state.close()

@@ -113,3 +113,17 @@ def segment_ids(tokenizer, segments) -> tuple[list[int], list[int]]:
         ids += piece
         labels += piece if trained else [-100] * len(piece)
     return ids, labels
+
+
+def offline_trackers(patch, folder: Path) -> None:
+    """W&B offline with its own folders under `folder`, MLflow's file store in output_dir (no MLFLOW_TRACKING_URI):
+    nothing reaches the network. `patch`: a pytest MonkeyPatch; each variable is recorded before it is removed, so
+    that what the trackers set is undone with it."""
+    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        patch.setenv(name, str(folder / name.lower()))
+    patch.setenv("WANDB_MODE", "offline")
+    patch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_PROJECT", "WANDB_API_KEY", "WANDB_RESUME", "WANDB_RUN_ID", "MLFLOW_TRACKING_URI",
+                 "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE"):
+        patch.setenv(name, "")
+        patch.delenv(name)

@@ -167,6 +167,7 @@ def test_resume_latest_without_checkpoint_starts_fresh(tmp_path, tiny_model, sft
           "train.max_steps=2")
     assert "has no checkpoint yet; starting fresh" in caplog.text
     assert (tmp_path / "out" / "hf").is_dir()
+    assert len(list((tmp_path / "out" / "plots").glob("*.png"))) == 5, "the run's end draws its curves"
 
 
 def test_save_epochs_saves_at_each_epoch_end_and_at_the_end(tmp_path, tiny_model, sft_file):

@@ -1,0 +1,148 @@
+"""`llmtune plan` against the run: the predicted peak of a training step per rank next to the peak the step
+measures, on CPU, for layouts of 1 and 2 ranks, activation checkpointing on and off, and context parallelism.
+
+    python -m benchmarks.plan_accuracy [--seq-len 1024] [--layers 4]
+
+(as a module: run as a file, its folder would come first on sys.path, where benchmarks/peft.py stands in for peft)
+
+Each case runs in fresh processes (torchrun): llmtune's model, optimizer and Trainer.train_step on random
+tokens, two steps to warm up (the second has AdamW's moments), then one measured step. Its peak is counted in
+tensors, as benchmarks/context_parallel.py counts it: the bytes live before the step (every storage of the
+parameters, buffers and optimizer state) plus the profiler's highest total of bytes allocated during the step.
+The largest rank is shown. tests/dist/test_plan.py holds two of these cases to 25%.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+# (name, recipe overrides, ranks)
+CASES = [
+    ("1 rank", [], 1),
+    ("1 rank, checkpointing", ["train.gradient_checkpointing=true"], 1),
+    ("2 ranks", [], 2),
+    ("2 ranks, checkpointing", ["train.gradient_checkpointing=true"], 2),
+    ("2 ranks, cp=2", ["parallel.cp_size=2"], 2),
+    ("2 ranks, cp=2, checkpointing", ["parallel.cp_size=2", "train.gradient_checkpointing=true"], 2),
+    ("1 rank, full logits", ["train.chunk_loss_size=0"], 1),
+]
+
+
+def write_model(folder: Path, layers: int, seq_len: int) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
+                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq_len).save_pretrained(folder)
+
+
+def case_config(model_dir: str, seq_len: int, overrides: list[str], world_size: int):
+    """The recipe of a case, loaded as the run loads it."""
+    from llmtune.config import load_config
+
+    recipe = Path(model_dir) / "recipe.yaml"
+    # Data and output folder are named because a recipe must name them; the measurement reads and writes neither.
+    recipe.write_text(yaml.safe_dump({
+        "model": {"config": model_dir, "tokenizer": model_dir},
+        "data": {"train_files": ["unused.jsonl"], "max_seq_len": seq_len},
+        "train": {"output_dir": "unused", "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                  "chunk_loss_size": 512}}))
+    return load_config(str(recipe), overrides, "pt", world_size)
+
+
+def measure(config) -> int:
+    """Under torchrun (or one process): the peak bytes of this rank in one steady training step of `config`."""
+    import torch
+
+    from llmtune.data.collate import MicroBatch
+    from llmtune.features.registry import enabled_features
+    from llmtune.loss import shift_labels
+    from llmtune.model import build_model, load_model_config
+    from llmtune.optim import build_optimizer, build_scheduler
+    from llmtune.parallel import ParallelState
+    from llmtune.trainer import Trainer
+
+    state = ParallelState.initialize(config.parallel.cp_size)
+    features = enabled_features(config)
+    model = build_model(load_model_config(config.model), config.model, config.train, state, features)
+    optimizer = build_optimizer(model, config.train)
+    trainer = Trainer(model, optimizer, build_scheduler(optimizer, config.train, 10), None, None, None, None, features,
+                      state, config.train, 10)
+    generator = torch.Generator().manual_seed(state.dp_rank)
+    shape = (config.train.per_device_train_batch_size, config.data.max_seq_len)
+
+    def micro_batch():
+        ids = torch.randint(3, 2000, shape, generator=generator)
+        return MicroBatch({"input_ids": ids, "shift_labels": shift_labels(ids)}, ids.numel())
+
+    for _ in range(2):
+        trainer.train_step([micro_batch() for _ in range(config.train.gradient_accumulation_steps)])
+    batches = [micro_batch() for _ in range(config.train.gradient_accumulation_steps)]
+    held = {}
+    tensors = [*model.parameters(), *model.buffers(),
+               *(t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))]
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        held[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            trainer.train_step(batches)
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    during = max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"), default=0)
+    state.close()
+    return sum(held.values()) + during
+
+
+def predicted(config, world_size: int) -> int:
+    from llmtune.model import load_model_config
+    from llmtune.plan import plan_memory
+
+    return plan_memory(config, load_model_config(config.model), world_size).peak
+
+
+def run_case(model_dir: Path, seq_len: int, overrides: list[str], ranks: int, out: Path) -> int:
+    """The measured peak of the case: the largest over its ranks."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "-m", "benchmarks.plan_accuracy", "--case", str(model_dir), str(seq_len), str(out), *overrides]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(result.stderr[-3000:])
+    return max(json.loads(line)["peak"] for line in out.read_text().splitlines())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--case", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        model_dir, seq_len, out, *overrides = args.case
+        config = case_config(model_dir, int(seq_len), overrides, int(os.environ["WORLD_SIZE"]))
+        peak = measure(config)
+        with open(out, "a") as f:
+            f.write(json.dumps({"peak": peak}) + "\n")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        write_model(model_dir, args.layers, args.seq_len)
+        print(f"Llama hidden 256, {args.layers} layers, vocab 2048, fp32, micro-batch 2 x {args.seq_len} tokens, "
+              "accumulation 2, chunked loss 512; MiB per rank")
+        print(f"| {'layout':<30} | {'predicted':>9} | {'measured':>9} | {'predicted / measured':>20} |")
+        print(f"|{'-' * 32}|{'-' * 11}:|{'-' * 11}:|{'-' * 22}:|")
+        for i, (name, overrides, ranks) in enumerate(CASES):
+            measured = run_case(model_dir, args.seq_len, overrides, ranks, Path(tmp) / f"case{i}.jsonl")
+            plan = predicted(case_config(str(model_dir), args.seq_len, overrides, ranks), ranks)
+            print(f"| {name:<30} | {plan / 2**20:9.1f} | {measured / 2**20:9.1f} | {plan / measured:20.2f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

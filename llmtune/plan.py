@@ -1,0 +1,304 @@
+"""`llmtune plan`: what one training step will hold in each rank's memory, computed from the recipe and the model's
+config before any weight is read or any process started.
+
+Sizes of parameters, gradients and AdamW's moments come from the model built on the meta device, sharded the way
+FSDP2 shards it (dim 0 split over every rank, padded). Activations are not estimated by a formula per model family:
+the decoder's forward runs on meta tensors for one micro-batch and every tensor autograd saves for backward is
+counted, the way benchmarks/context_parallel.py counts a real step. Two things make that trace the run's own:
+attention calls the kernel a real CPU run calls (torch picks its math fallback for meta tensors, which would save
+the [sequence, sequence] weights a flash kernel never holds), and the model's data-dependent checks (is this row
+packed? is the mask all ones?) are answered with the plain case, as no data exists. The step's peak is then the
+sum of what is alive at its fullest moment, the start of backward (see Plan.peak).
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GIB = 2**30
+# The share of a GPU's memory a plan may fill: the CUDA context and the caching allocator's fragmentation take
+# the rest (max_memory_allocated, what the plan predicts, stays below memory_reserved).
+USABLE_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    cp: int
+    micro_batch: int
+    accumulation: int
+    seq_len: int
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.cp
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over all ranks (rows of max_seq_len: packed, or padded to it at most)."""
+        return self.micro_batch * self.dp * self.accumulation * self.seq_len
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes per rank."""
+    layout: Layout
+    params: int
+    grads: int
+    optimizer: int
+    largest_layer: int  # a decoder layer all-gathered in the compute dtype
+    root: int  # embeddings, lm_head and final norm, gathered from forward to the end of backward
+    activations: int  # per micro-batch, with the recipe's checkpointing
+    activations_other: int  # per micro-batch, with checkpointing the other way
+    loss: int  # the loss's buffers at its peak (chunked or full logits)
+    trainable: int  # parameters that train, whole model
+    total_params: int
+
+    @property
+    def peak(self) -> int:
+        """At the start of backward every activation is still held, the loss has made its gradients, the root and
+        two decoder layers are gathered (the one in backward and the next, prefetched) with the first layer's
+        unsharded gradient; the sharded gradients exist whole from the second micro-batch on (accumulation)."""
+        grads = self.grads if self.layout.accumulation > 1 else 0
+        return (self.params + self.optimizer + grads + self.root + 3 * self.largest_layer + self.activations
+                + self.loss)
+
+
+class _MetaAsOnDevice(TorchFunctionMode):
+    """Attention on meta tensors through the flash kernel a CPU (or CUDA) run uses, not the math fallback."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].is_meta:
+            query, key, value = args[:3]
+            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                attn_mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"))
+            return out
+        return func(*args, **kwargs)
+
+
+class _PlainData(TorchDispatchMode):
+    """A meta tensor read as a Python number (the model's checks of its inputs) reads as true / 1: no packing,
+    no padding. Grouped expert matmuls in fp32, which the CPU kernel runs but whose meta shape function refuses,
+    are shaped in bf16 and given the fp32 result's size."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return True if args[0].dtype == torch.bool else 1
+        if func is torch.ops.aten._grouped_mm.default and args[0].is_meta and args[0].dtype == torch.float32:
+            low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+            return func(*low, **kwargs).to(torch.float32)
+        return func(*args, **kwargs)
+
+
+def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, list[int]]:
+    """(bytes autograd saves outside the decoder layers, bytes each layer saves) in the decoder's forward of
+    `rows` x `tokens` on the meta device, each storage counted once."""
+    owner, current = {}, [None]
+    hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: current.__setitem__(0, i))
+             for i, layer in enumerate(layers)]
+    hooks += [layer.register_forward_hook(lambda module, args, out: current.__setitem__(0, None))
+              for layer in layers]
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        owner.setdefault(storage._cdata, (current[0], storage.nbytes()))
+        return tensor
+
+    ids = torch.zeros((rows, tokens), dtype=torch.long, device="meta")
+    try:
+        with _MetaAsOnDevice(), _PlainData(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            hf_model.get_decoder()(input_ids=ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_layer = [0] * len(layers)
+    outside = 0
+    for layer, nbytes in owner.values():
+        if layer is None:
+            outside += nbytes
+        else:
+            per_layer[layer] += nbytes
+    return outside, per_layer
+
+
+def shard_bytes(param: torch.Tensor, world_size: int, itemsize: int) -> int:
+    """One rank's share of `param` as FSDP2 shards it: dim 0 split in world_size rows of ceil(dim0 / world_size)."""
+    if param.dim() == 0:
+        return itemsize
+    rows = math.ceil(param.shape[0] / world_size)
+    return rows * (param.numel() // max(param.shape[0], 1)) * itemsize
+
+
+def loss_bytes(tokens: int, hidden: int, vocab: int, chunk: int, compute: int, head_trains: bool) -> int:
+    """The loss's buffers at its peak (llmtune/loss.py): chunked, the gradients w.r.t. the hidden states
+    [tokens, H] and, when lm_head trains, the fp32 one w.r.t. its weight [V, H] with its copy in the weight's dtype,
+    plus one [chunk, V] block of fp32 logits (and of the compute dtype's matmul output); full logits (chunk 0):
+    [tokens, V] logits in the compute dtype, their fp32 copy and its gradient."""
+    if not chunk:
+        return tokens * vocab * (compute + 8)
+    rows = min(chunk, tokens)
+    head = vocab * hidden * (4 + (compute if compute != 4 else 0)) if head_trains else 0
+    return tokens * hidden * compute + head + rows * vocab * (4 + (compute if compute != 4 else 0))
+
+
+def plan_memory(config, model_config, world_size: int) -> Plan:
+    """The plan of a loaded, checked recipe (config.load_config with this world size) on world_size ranks."""
+    from llmtune.features.adapters import Adapters
+    from llmtune.features.freezing import Freezing
+    from llmtune.features.registry import enabled_features
+    from llmtune.model import decoder_layers, meta_model
+
+    train = config.train
+    compute = 2 if train.bf16 else 4
+    hf_model = meta_model(model_config, config.model, attn_implementation="sdpa",
+                          dtype=torch.bfloat16 if train.bf16 else torch.float32)
+    for feature in enabled_features(config).features:
+        # Only the features that decide which parameters exist and train change the plan's sizes.
+        if isinstance(feature, (Adapters, Freezing)):
+            feature.build(hf_model, None)
+    layers = decoder_layers(hf_model)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    params = list(hf_model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    # Stored as the run stores them (model.build_model): fp32 master weights, frozen ones in bf16 under bf16.
+    stored = sum(shard_bytes(p, world_size, 4 if p.requires_grad or not train.bf16 else 2) for p in params)
+    trained = sum(shard_bytes(p, world_size, 4) for p in trainable)
+    layout = Layout(world_size, config.parallel.cp_size, train.per_device_train_batch_size,
+                    train.gradient_accumulation_steps, config.data.max_seq_len)
+    tokens = math.ceil(layout.seq_len / layout.cp)
+    outside, per_layer = saved_activations(hf_model, layers, layout.micro_batch, tokens)
+    hidden = model_config.get_text_config().hidden_size
+    layer_inputs = len(layers) * layout.micro_batch * tokens * hidden * compute
+    without = outside + sum(per_layer)
+    with_checkpointing = outside + layer_inputs + max(per_layer)
+    head = hf_model.get_output_embeddings().weight
+    return Plan(
+        layout=layout, params=stored, grads=trained, optimizer=2 * trained,
+        largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers) * compute,
+        root=sum(p.numel() for p in params if id(p) not in in_layers) * compute,
+        activations=with_checkpointing if train.gradient_checkpointing else without,
+        activations_other=without if train.gradient_checkpointing else with_checkpointing,
+        loss=loss_bytes(layout.micro_batch * tokens, hidden, head.shape[0], train.chunk_loss_size, compute,
+                        head.requires_grad),
+        trainable=sum(p.numel() for p in trainable), total_params=sum(p.numel() for p in params))
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def changes(config, world_size: int, model_config):
+    """(what to change, the config with it, its world size), cheapest first: what costs no hardware and no
+    accuracy (checkpointing, the chunked loss), then a smaller micro-batch (the global batch kept by
+    accumulation), context parallelism (sequences split over ranks), more ranks, and adapters."""
+    train, parallel = config.train, config.parallel
+    if not train.gradient_checkpointing:
+        yield ("train.gradient_checkpointing: true",
+               replace(config, train=replace(train, gradient_checkpointing=True)), world_size)
+    if not train.chunk_loss_size:
+        yield "train.chunk_loss_size: 1024", replace(config, train=replace(train, chunk_loss_size=1024)), world_size
+    micro = train.per_device_train_batch_size
+    while micro > 1:
+        micro //= 2
+        accumulation = train.gradient_accumulation_steps * train.per_device_train_batch_size // micro
+        yield (f"train.per_device_train_batch_size: {micro} (accumulation {accumulation}, the same tokens per step)",
+               replace(config, train=replace(train, per_device_train_batch_size=micro,
+                                             gradient_accumulation_steps=accumulation)), world_size)
+    heads = model_config.get_text_config().num_key_value_heads
+    cp = parallel.cp_size * 2
+    while cp <= world_size and heads % cp == 0:
+        accumulation = train.gradient_accumulation_steps * cp // parallel.cp_size
+        yield (f"parallel.cp_size: {cp} (each rank holds 1/{cp} of every sequence; accumulation {accumulation})",
+               replace(config, parallel=replace(parallel, cp_size=cp),
+                       train=replace(train, gradient_accumulation_steps=accumulation)), world_size)
+        cp *= 2
+    for ranks in (world_size * 2, world_size * 4, world_size * 8):
+        accumulation = max(1, train.gradient_accumulation_steps * world_size // ranks)
+        yield (f"{ranks} ranks (--nproc or torchrun), accumulation {accumulation}",
+               replace(config, train=replace(train, gradient_accumulation_steps=accumulation)), ranks)
+    if config.peft.method == "none":
+        yield "peft.method: lora (adapters of rank 16; the base frozen)", \
+            replace(config, peft=replace(config.peft, method="lora")), world_size
+
+
+def fits(plan: Plan, device_gib: float) -> bool:
+    return plan.peak <= device_gib * GIB * USABLE_FRACTION
+
+
+def cheapest_fit(config, model_config, world_size: int, device_gib: float) -> str | None:
+    """The first of `changes` whose plan fits, or None."""
+    for change, changed, ranks in changes(config, world_size, model_config):
+        if fits(plan_memory(changed, model_config, ranks), device_gib):
+            return change
+    return None
+
+
+def render(plan: Plan, config, model_config, device_gib: float | None, fix: str | None) -> str:
+    layout, train = plan.layout, config.train
+    dtype = "bf16" if train.bf16 else "fp32"
+    checkpointing = "on" if train.gradient_checkpointing else "off"
+    loss = f"chunked, {train.chunk_loss_size} tokens" if train.chunk_loss_size else "full logits"
+    rows = [
+        ("parameters (sharded; fp32 where they train)", plan.params),
+        ("gradients (fp32, sharded)", plan.grads),
+        ("optimizer state (AdamW's two moments, fp32)", plan.optimizer),
+        (f"largest all-gathered decoder layer ({dtype})", plan.largest_layer),
+        (f"embeddings, lm_head and norm, gathered ({dtype})", plan.root),
+        (f"activations per micro-batch, checkpointing {checkpointing}", plan.activations),
+        (f"  (checkpointing {'off' if train.gradient_checkpointing else 'on'}: {gib(plan.activations_other)})", None),
+        (f"loss ({loss})", plan.loss),
+        ("peak of a training step", plan.peak),
+    ]
+    lines = [
+        f"model: {type(model_config).__name__.removesuffix('Config')}, {plan.total_params / 1e9:.3g}B parameters, "
+        f"{plan.trainable / 1e9:.3g}B trained; {dtype} compute",
+        f"layout: {layout.world_size} rank(s) = {layout.dp} data-parallel x {layout.cp} context-parallel; every "
+        f"parameter sharded over all {layout.world_size}",
+        f"batch: micro-batch {layout.micro_batch} x {layout.seq_len} tokens ({math.ceil(layout.seq_len / layout.cp)} "
+        f"per rank), accumulation {layout.accumulation}; {layout.tokens_per_step:,} tokens per optimizer step",
+        "per rank:",
+        *(f"  {name:<52} {gib(value) if value is not None else ''}".rstrip() for name, value in rows),
+    ]
+    if device_gib is None:
+        lines.append("fit: give --device-memory GiB to check it against a device")
+    else:
+        usable = device_gib * USABLE_FRACTION
+        verdict = "fits" if fits(plan, device_gib) else "does not fit"
+        lines.append(f"fit: {verdict} {device_gib:g} GiB ({usable:.1f} GiB usable: the CUDA context and the "
+                     "allocator's fragmentation take the rest)")
+        if not fits(plan, device_gib):
+            lines.append(f"cheapest change that fits: {fix}" if fix else
+                         "no single change fits: combine them, or use a device with more memory")
+    return "\n".join(lines)
+
+
+def plan_recipe(recipe: str, overrides: list[str], task: str, world_size: int, device_gib: float | None) -> str:
+    """The report of `llmtune plan`, after the checks a run makes of its recipe, layout and model (the same
+    messages), except that only the model's config is read: no weight, no data file is needed."""
+    from llmtune.config import load_config
+    from llmtune.errors import UserError
+    from llmtune.features.registry import check_features
+    from llmtune.model import check_model, load_model_config
+
+    config = load_config(recipe, overrides, task, world_size)
+    try:
+        model_config = load_model_config(config.model)
+    except (OSError, ValueError) as err:
+        raise UserError(f"model: cannot read the config of {config.model.name_or_path or config.model.config} "
+                        f"({str(err).splitlines()[0]})") from None
+    check_features(config, model_config, world_size)
+    # The run's checks of the model's build, without those of its weights, which a plan does not read.
+    check_model(replace(config.model, name_or_path=None), config.train, model_config)
+    if device_gib is None and torch.cuda.is_available():
+        device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+    plan = plan_memory(config, model_config, world_size)
+    fix = None if device_gib is None or fits(plan, device_gib) else \
+        cheapest_fit(config, model_config, world_size, device_gib)
+    return render(plan, config, model_config, device_gib, fix)

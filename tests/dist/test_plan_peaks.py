@@ -1,0 +1,22 @@
+"""`llmtune plan` against the run: the peak it predicts for a training step per rank is within 25% of the peak
+the step measures (tensor bytes, counted as benchmarks/plan_accuracy.py counts them; its table in the README has
+more layouts), on 1 and 2 ranks, with checkpointing and with context parallelism."""
+
+import pytest
+
+from benchmarks.plan_accuracy import case_config, predicted, run_case, write_model
+
+SEQ_LEN = 512
+
+
+@pytest.mark.parametrize("overrides, ranks", [
+    ([], 1),
+    (["train.gradient_checkpointing=true"], 2),
+    (["parallel.cp_size=2"], 2),
+])
+def test_predicted_peak_within_25_percent_of_measured(tmp_path, overrides, ranks):
+    model_dir = tmp_path / "model"
+    write_model(model_dir, layers=2, seq_len=SEQ_LEN)
+    measured = run_case(model_dir, SEQ_LEN, overrides, ranks, tmp_path / "peaks.jsonl")
+    plan = predicted(case_config(str(model_dir), SEQ_LEN, overrides, ranks), ranks)
+    assert abs(plan / measured - 1) <= 0.25, (plan / 2**20, measured / 2**20)

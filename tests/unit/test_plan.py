@@ -1,0 +1,119 @@
+"""`llmtune plan`: the meta-device trace counts what a real forward saves, the sizes are those the run shards, and
+the command refuses what the run refuses, with the run's messages. Predicted against measured peaks:
+tests/dist/test_plan_peaks.py."""
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+
+from llmtune import cli
+from llmtune.model import decoder_layers
+from llmtune.plan import loss_bytes, saved_activations, shard_bytes
+
+LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def real_saved_bytes(hf_model, ids) -> int:
+    storages = {}
+
+    def keep(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        hf_model.get_decoder()(input_ids=ids, use_cache=False)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("config, dtype", [
+    (LlamaConfig(**LLAMA), torch.float32),
+    (LlamaConfig(**LLAMA), torch.bfloat16),
+    # Mixture of experts: the grouped expert matmuls, in fp32 (whose meta function refuses fp32) and bf16.
+    (Qwen3MoeConfig(**LLAMA, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2), torch.float32),
+    (Qwen3MoeConfig(**LLAMA, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2), torch.bfloat16),
+])
+def test_meta_trace_counts_what_a_real_forward_saves(config, dtype):
+    torch.manual_seed(0)
+    real = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    ids = torch.randint(0, 256, (2, 256))
+    outside, per_layer = saved_activations(meta, decoder_layers(meta), 2, 256)
+    assert outside + sum(per_layer) == real_saved_bytes(real, ids)
+    assert len(per_layer) == 2 and per_layer[0] > 0 and outside > 0
+
+
+def test_shard_bytes_is_fsdp2_dim0_split_padded():
+    assert shard_bytes(torch.empty(10, 3, device="meta"), 4, 4) == 3 * 3 * 4  # ceil(10 / 4) rows of 3
+    assert shard_bytes(torch.empty(8, device="meta"), 2, 2) == 4 * 2
+
+
+def test_loss_bytes_by_path():
+    # Chunked, fp32, lm_head trained: hidden grads [T, H] + the fp32 head grad [V, H] + one fp32 [chunk, V] block.
+    assert loss_bytes(100, 8, 50, 32, 4, True) == 100 * 8 * 4 + 50 * 8 * 4 + 32 * 50 * 4
+    # bf16 adds the head grad's bf16 copy and the block's bf16 matmul output; a frozen head has no head grad.
+    assert loss_bytes(100, 8, 50, 32, 2, False) == 100 * 8 * 2 + 32 * 50 * 6
+    assert loss_bytes(100, 8, 50, 0, 4, True) == 100 * 50 * 12
+
+
+@pytest.fixture
+def plan_recipe(tmp_path):
+    model = tmp_path / "model"
+    LlamaConfig(**LLAMA, max_position_embeddings=1024).save_pretrained(model)
+
+    def write(**train):
+        recipe = {"model": {"config": str(model), "tokenizer": str(model)},
+                  "data": {"train_files": ["not/needed.jsonl"], "max_seq_len": 512},
+                  "train": {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4,
+                            "global_batch_size": 16, **train}}
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        return str(path)
+    return write
+
+
+def test_plan_prints_the_parts_layout_and_tokens(plan_recipe, capsys):
+    assert cli.main(["plan", plan_recipe(), "--nproc", "2", "--task", "pt"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: 2 rank(s) = 2 data-parallel x 1 context-parallel" in out
+    # 16 rows of 512 tokens per optimizer step; 4 rows per micro-batch on 2 ranks: accumulation 2.
+    assert "accumulation 2; 8,192 tokens per optimizer step" in out
+    for part in ("parameters", "gradients", "optimizer state", "largest all-gathered decoder layer",
+                 "activations per micro-batch, checkpointing off", "(checkpointing on:", "loss (chunked, 1024 tokens)",
+                 "peak of a training step", "give --device-memory GiB"):
+        assert part in out
+
+
+def test_plan_names_the_cheapest_change_that_fits(plan_recipe, capsys):
+    # Peaks of this recipe: 54 MiB; 36 MiB with checkpointing; 23 MiB with it and micro-batches of 2.
+    assert cli.main(["plan", plan_recipe(), "--device-memory", "0.045"]) == 0
+    out = capsys.readouterr().out
+    assert "fit: does not fit 0.045 GiB" in out
+    assert "cheapest change that fits: train.gradient_checkpointing: true" in out
+    assert cli.main(["plan", plan_recipe(gradient_checkpointing=True), "--device-memory", "0.03"]) == 0
+    out = capsys.readouterr().out
+    assert "cheapest change that fits: train.per_device_train_batch_size: 2 (accumulation 8" in out
+    assert cli.main(["plan", plan_recipe(), "--device-memory", "80"]) == 0
+    assert "fit: fits 80 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--nproc", "3"], "train.global_batch_size: 16 is not a multiple of per_device_train_batch_size x data-parallel "
+                       "size = 12"),
+    (["--nproc", "2", "parallel.cp_size=4"], "parallel.cp_size: 4 does not divide the world size 2"),
+    (["--nproc", "8", "parallel.cp_size=8"], "parallel.cp_size: 8 does not divide the model's 4 attention heads"),
+    (["--nproc", "2", "--nnodes", "2"], "give --nproc N (one node) or --nnodes M --nproc-per-node N, not both"),
+    (["--device-memory", "lots"], "--device-memory: 'lots' is not a positive number of GiB"),
+])
+def test_plan_refuses_what_the_run_refuses(plan_recipe, capsys, args, expected):
+    assert cli.main(["plan", plan_recipe(), *args]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_plan_layout_of_nodes(plan_recipe, capsys):
+    assert cli.main(["plan", plan_recipe(), "--nnodes", "2", "--nproc-per-node", "2", "parallel.cp_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: 4 rank(s) = 2 data-parallel x 2 context-parallel" in out
+    assert "micro-batch 4 x 512 tokens (256 per rank)" in out
