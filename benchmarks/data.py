@@ -214,8 +214,8 @@ def report_padding(args) -> None:
     print(f"tokenization, cache warm: {args.samples / warm:,.0f} samples/s ({warm:.2f} s), "
           f"{cold / warm:.1f}x faster")
     packed = results[True][2]
-    print(f"padding to the longest in the batch: {padded.efficiency:.1%} non-pad tokens ({padded.samples} rows)")
-    print(f"packing:                             {packed.efficiency:.1%} non-pad tokens ({packed.samples} rows), "
+    print(f"padding to the longest in the batch: {padded.efficiency:.1%} non-pad tokens ({padded.rows} rows)")
+    print(f"packing:                             {packed.efficiency:.1%} non-pad tokens ({packed.rows} rows), "
           f"{packed.efficiency / padded.efficiency:.2f}x the padded share")
 
 

@@ -46,14 +46,18 @@ def case_config(model_dir: str, seq_len: int, overrides: list[str], world_size: 
     """The recipe of a case, loaded as the run loads it."""
     from llmtune.config import load_config
 
-    recipe = Path(model_dir) / "recipe.yaml"
-    # Data and output folder are named because a recipe must name them; the measurement reads and writes neither.
-    recipe.write_text(yaml.safe_dump({
-        "model": {"config": model_dir, "tokenizer": model_dir},
-        "data": {"train_files": ["unused.jsonl"], "max_seq_len": seq_len},
-        "train": {"output_dir": "unused", "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-                  "chunk_loss_size": 512}}))
-    return load_config(str(recipe), overrides, "pt", world_size)
+    # A file of this call's own: every rank of a case calls this at once, and a file shared by them was read while
+    # another rank was rewriting it (a half-written recipe, refused).
+    with tempfile.TemporaryDirectory() as folder:
+        recipe = Path(folder) / "recipe.yaml"
+        # Data and output folder are named because a recipe must name them; the measurement reads and writes
+        # neither.
+        recipe.write_text(yaml.safe_dump({
+            "model": {"config": model_dir, "tokenizer": model_dir},
+            "data": {"train_files": ["unused.jsonl"], "max_seq_len": seq_len},
+            "train": {"output_dir": "unused", "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                      "chunk_loss_size": 512}}))
+        return load_config(str(recipe), overrides, "pt", world_size)
 
 
 def measure(config) -> int:

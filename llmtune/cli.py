@@ -20,6 +20,7 @@ USAGE = """llmtune pt|sft RECIPE [--key VALUE ...] [section.key=VALUE ...] [--np
                [section.key=VALUE ...]
        llmtune demo
        llmtune pt|sft --help    every recipe key, its default and its meaning"""
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 TASK_DESCRIPTIONS = {"pt": "Pre-training: packed blocks of text, every token trained.",
          "sft": "Supervised fine-tuning: conversations rendered by the chat template, the assistant's tokens trained."}
 
@@ -206,6 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         if rank_from_env() == 0:
             print(f"llmtune: {'error: ' if isinstance(err, TrainingStopped) else ''}{err}", file=sys.stderr)
         return err.exit_code
+    except KeyboardInterrupt:
+        # Ctrl-C where train.save_on_signals does not catch it (before training starts, or when it lists no SIGINT):
+        # what was being written (the data cache, a checkpoint, the export) goes under a temporary name, so nothing is
+        # left half-written under its own.
+        from llmtune.launch import rank_from_env
+
+        if rank_from_env() == 0:
+            print("llmtune: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED
 
 
 def entry_point() -> None:

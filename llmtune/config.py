@@ -37,8 +37,20 @@ KEY_ALIASES = {
     "train.report_to": "monitor.report_to",
     "train.run_name": "monitor.run_name",
     "monitor.wandb_project": "monitor.project",
+    # LLaMA-Factory's names.
+    "model.model_name_or_path": "model.name_or_path",
+    "data.cutoff_len": "data.max_seq_len",
+    "train.lr": "train.learning_rate",
+    "peft.finetuning_type": "peft.method",
+    "peft.lora_rank": "peft.r",
+    "peft.lora_alpha": "peft.alpha",
+    "peft.lora_dropout": "peft.dropout",
+    "peft.lora_target": "peft.target_modules",
 }
 SCHEDULER_ALIASES = {"constant_with_warmup": "constant", "cosine_with_min_lr": "cosine", "warmup_stable_decay": "wsd"}
+# LLaMA-Factory's finetuning_type values, as peft.method reads them; its freeze (the last layers trained) is llmtune's
+# train.trainable_modules, a choice of parameters rather than a method.
+FINETUNING_TYPES = {"full": "none", "lora": "lora"}
 ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 CATCHABLE_SIGNALS = {sig.name for sig in signal.Signals} - {"SIGKILL", "SIGSTOP"}
 # Values of checkpoint.resume_from_checkpoint that mean the newest good checkpoint of output_dir (else a fresh start).
@@ -178,7 +190,11 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    output_dir: str = _field("", "Where config.yaml, metrics.jsonl and hf/ (the exported model) are written.")
+    output_dir: str = _field("", "Where config.yaml, metrics.jsonl and hf/ (the exported model) are written. A new "
+                                 "run refuses a folder holding another run's checkpoints or export (see "
+                                 "overwrite_output_dir and checkpoint.resume_from_checkpoint).")
+    overwrite_output_dir: bool = _field(False, "Start over in an output_dir that holds an earlier run: its "
+                                               "checkpoints and export are removed before this run writes.")
     per_device_train_batch_size: int = _field(8, "Samples per micro-batch on each data-parallel rank.")
     gradient_accumulation_steps: int = _field(1, "Micro-batches per optimizer step.")
     global_batch_size: int | None = _field(None, "Samples per optimizer step over all ranks; if set, gradient "
@@ -427,8 +443,11 @@ class Config:
         return recipe
 
     def write(self, path: Path) -> None:
+        """Under a temporary name first: a run stopped while writing leaves the earlier file or none, never half."""
         header = f"# resolved recipe of this run: llmtune {self.task} {path.name}\n"
-        path.write_text(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
+        partial.replace(path)
 
 
 def parse_overrides(tokens: list[str]) -> tuple[list[str], int | None]:
@@ -513,6 +532,7 @@ def load_config(recipe: str, overrides: list[str], task: str, world_size: int) -
     provided = {f"{s}.{k}" for s, v in raw.items() if isinstance(v, dict) for k in v}
     for section in sections.values():
         problems.extend(section.problems())
+    _global_batch_wins(provided, {item.partition("=")[0] for item in overrides})
     problems.extend(_batch_problems(config, world_size, provided))
     if problems:
         raise UserError("\n".join(problems))
@@ -520,8 +540,9 @@ def load_config(recipe: str, overrides: list[str], task: str, world_size: int) -
 
 
 def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
-    """Rewrite in place, as llmtune's, the names that users bring from the HF Trainer: KEY_ALIASES, the train keys
-    in lr_scheduler_kwargs, SCHEDULER_ALIASES, warmup_steps below 1 (a ratio) and report_to none."""
+    """Rewrite in place, as llmtune's, the names that users bring from the HF Trainer and LLaMA-Factory:
+    KEY_ALIASES, the train keys in lr_scheduler_kwargs, SCHEDULER_ALIASES, FINETUNING_TYPES, warmup_steps below 1
+    (a ratio) and report_to none."""
     sections = {name: values for name, values in raw.items() if isinstance(values, dict)}
     train = sections.get("train", {})  # no alias adds the train section: its aliases are written in it
     kwargs = train.pop("lr_scheduler_kwargs", None) or {}
@@ -542,6 +563,13 @@ def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
             problems.append(f"{recipe}: {name} is {target_section}.{target_key} (its HF name), which is also given "
                             "with another value; keep one")
         values[target_key] = value
+    peft = raw.get("peft") if isinstance(raw.get("peft"), dict) else {}
+    if peft.get("method") in FINETUNING_TYPES:
+        peft["method"] = FINETUNING_TYPES[peft["method"]]
+    elif peft.get("method") == "freeze":
+        problems.append(f"{recipe}: peft.method (finetuning_type) freeze: llmtune trains a chosen part of the "
+                        "weights with train.trainable_modules (regular expressions of parameter names, e.g. "
+                        "'layers\\.(2[0-9]|3[01])\\.'); set that and leave finetuning_type out")
     if train.get("lr_scheduler_type") in SCHEDULER_ALIASES:
         train["lr_scheduler_type"] = SCHEDULER_ALIASES[train["lr_scheduler_type"]]
     warmup = train.get("warmup_steps")
@@ -638,6 +666,14 @@ def _choice_problem(key: str, value: str, choices) -> str:
     return f"{key}: {value!r} is not valid{_closest(value, choices)}"
 
 
+def _global_batch_wins(provided: set[str], overridden: set[str]) -> None:
+    """--global_batch_size N on the command line replaces the accumulation the recipe sets (the HF Trainer's habit
+    of one more flag), rather than being refused as two answers to one question. The other way round is refused:
+    a recipe's global batch is kept on purpose on any number of ranks."""
+    if "train.global_batch_size" in overridden and "train.gradient_accumulation_steps" not in overridden:
+        provided.discard("train.gradient_accumulation_steps")
+
+
 def _batch_problems(config: Config, world_size: int, provided: set[str]) -> list[str]:
     train, cp = config.train, config.parallel.cp_size
     if cp < 1 or world_size % cp:
@@ -689,9 +725,11 @@ def recipe_help() -> str:
         option = key if len(names[key]) == 1 else f"{section}.{key}"
         lines.append(f"  --{option} (default: {default})")
         lines += textwrap.wrap(help, width=110, initial_indent="      ", subsequent_indent="      ")
-    lines += ["", "names of the HF Trainer, also read (config.yaml holds llmtune's):"]
+    lines += ["", "names of the HF Trainer and LLaMA-Factory, also read (config.yaml holds llmtune's):"]
     lines += [f"  {alias} (--{alias.partition('.')[2]}) = {target}" for alias, target in KEY_ALIASES.items()]
     lines += ["  lr_scheduler_type: " + ", ".join(f"{hf} = {ours}" for hf, ours in SCHEDULER_ALIASES.items()),
               "  train.lr_scheduler_kwargs: {min_lr_rate, num_decay_steps, decay_type} = the train keys above",
-              "  train.warmup_steps below 1 = train.warmup_ratio; monitor.report_to: none = []"]
+              "  train.warmup_steps below 1 = train.warmup_ratio; monitor.report_to: none = []",
+              "  finetuning_type: " + ", ".join(f"{lf} = peft.method {ours}" for lf, ours in FINETUNING_TYPES.items())
+              + ", freeze = train.trainable_modules"]
     return "\n".join(lines)

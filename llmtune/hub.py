@@ -5,6 +5,7 @@ Torch-free, so that the CLI fetches before any process starts. The cache, its lo
 commit, from the network or, offline, from the cache.
 """
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -59,7 +60,8 @@ class HubDataset:
 
 def is_hub_id(text: str) -> bool:
     """`org/name` by huggingface_hub's rules, and no local path: a path that exists always wins."""
-    if text.count("/") != 1 or Path(text).exists():
+    # os.path.exists: Path.exists raises for a path below a folder that cannot be read.
+    if text.count("/") != 1 or os.path.exists(text):
         return False
     try:
         validate_repo_id(text)
@@ -84,7 +86,7 @@ def dataset_source(text: str, key: str) -> HubDataset | None:
     name, _, rest = text.partition(":")
     repo_id, _, revision = name.partition("@")
     config, _, split = rest.partition(":")
-    if Path(text).exists() or Path(repo_id).suffix in DATA_SUFFIXES or not is_hub_id(repo_id):
+    if os.path.exists(text) or Path(repo_id).suffix in DATA_SUFFIXES or not is_hub_id(repo_id):
         return None
     default_split = "validation" if key == "data.val_files" else "train"
     return HubDataset(HubRepo(repo_id, "dataset", revision or None), config or None, split or default_split)

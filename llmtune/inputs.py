@@ -3,9 +3,11 @@ any process or process group starts."""
 
 import importlib.util
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
+from llmtune.checkpoint.folders import complete_checkpoints, continues, earlier_run
 from llmtune.config import RESUME_NEWEST
 from llmtune.data.files import check_has_rows, is_saved_dataset, resolve_data_files
 from llmtune.data.registry import Source, split_sources
@@ -100,15 +102,61 @@ def has_chat_template(tokenizer_dir: Path) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
+def check_wandb_login() -> None:
+    """W&B needs a login unless it runs offline; without one, wandb.init fails (or waits at a prompt) only once the
+    data is built and the model loaded."""
+    if os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled"):
+        return
+    import wandb
+
+    # Credentials from WANDB_API_KEY, the settings or ~/.netrc (`wandb login`), read without a prompt or a Hub call.
+    if not wandb.login(prompt=False, verify=False):
+        raise UserError("monitor.report_to: wandb has no W&B login on this machine; set WANDB_API_KEY or run wandb "
+                        "login, or train offline with WANDB_MODE=offline (then wandb sync the run under "
+                        "OUTPUT_DIR/wandb), or take wandb out of monitor.report_to")
+
+
 def check_optional_packages(config) -> None:
     for package in config.monitor.report_to:
         if importlib.util.find_spec(package) is None:
             raise UserError(f"monitor.report_to: {package} needs the {package} package, which is not installed; pip "
                             f"install 'llmtune[{package}]', or take {package} out of monitor.report_to")
+    if "wandb" in config.monitor.report_to:
+        check_wandb_login()
     # peft is a dependency of llmtune; an environment can still lack it (installed with --no-deps, uninstalled).
     if config.peft.method != "none" and importlib.util.find_spec("peft") is None:
         raise UserError(f"peft.method: {config.peft.method} needs the peft package, which is not installed; pip "
                         "install peft, or set peft.method: none")
+
+
+def check_output_dir(train_cfg, resume: str | None) -> None:
+    """train.output_dir can be created and written, and a run that does not go on from its checkpoints does not
+    write into another run's: its checkpoints would be resumed from, and its export shipped, as this run's."""
+    out = Path(train_cfg.output_dir)
+    # The nearest existing folder decides; os.path.exists is False below a file and below a folder that cannot be
+    # read (where Path.exists raises).
+    nearest = next(p for p in (out, *out.parents) if os.path.exists(p))
+    if not nearest.is_dir():
+        raise UserError(f"train.output_dir: {out} cannot be created: {nearest} is a file; choose another folder")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise UserError(f"train.output_dir: {out} cannot be {'written' if nearest == out else 'created'}: no "
+                        f"permission to write in {nearest}; choose a folder you can write, or change its permissions")
+    held = earlier_run(out)
+    goes_on = continues(out, resume)
+    if train_cfg.overwrite_output_dir:
+        if goes_on:
+            raise UserError(f"train.overwrite_output_dir: true starts over, removing the checkpoints of {out}, "
+                            f"and checkpoint.resume_from_checkpoint: {resume} goes on from one of them; keep one of "
+                            "the two")
+        return
+    if not held or (goes_on and complete_checkpoints(out / "checkpoints")):
+        return
+    ways = "set train.overwrite_output_dir: true to start over (it removes them first), or choose another " \
+           "train.output_dir"
+    if not goes_on:
+        ways = f"set checkpoint.resume_from_checkpoint: auto to go on from it, {ways}"
+    raise UserError(f"train.output_dir: {out} holds {' and '.join(held)} of an earlier run, which this run would mix "
+                    f"with its own; {ways}")
 
 
 def check_inputs(config) -> None:

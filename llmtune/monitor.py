@@ -129,7 +129,7 @@ class TrainMonitor:
             self.path.write_text("".join(line + "\n" for line in kept))
         self.trackers = Trackers(self.output_dir, self.monitor_cfg, self.recipe, step)
 
-    def record(self, step: int, epoch: int, stats: StepRecord, eval_loss: float | None = None) -> None:
+    def record(self, step: int, epoch: float, stats: StepRecord, eval_loss: float | None = None) -> None:
         """Add one optimizer step; every logging_steps, at the last step and when evaluation ran, write the record
         of the window since the last one. Then let the profiler see the step."""
         self.window.append(stats)
@@ -140,7 +140,7 @@ class TrainMonitor:
             self._log(step, epoch, stats, eval_loss)
         self.profiler.step(step == self.total_steps)
 
-    def _log(self, step: int, epoch: int, stats: StepRecord, eval_loss: float | None) -> None:
+    def _log(self, step: int, epoch: float, stats: StepRecord, eval_loss: float | None) -> None:
         now = time.perf_counter()
         elapsed = max(now - self.window_started, 1e-9)
         steps = self.window
@@ -175,7 +175,7 @@ class TrainMonitor:
         self.trackers.log(record)
         if self.monitor_cfg.console:
             extra = f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
-            self.console.line(f"step {record['step']}/{self.total_steps} epoch {record['epoch']} loss "
+            self.console.line(f"step {record['step']}/{self.total_steps} epoch {record['epoch']:.2f} loss "
                               f"{record['loss']:.4f}{extra} lr {record['lr']:.3e} grad_norm {record['grad_norm']:.3f} "
                               f"tokens/s {record['tokens_per_s']:.0f} mem {record['mem_gib']:.2f} GiB skipped "
                               f"{record['skipped_steps']}")

@@ -1,14 +1,15 @@
 """Every check of a run before it trains, in one call for the two places that make it: the CLI before any process
 starts, and under torchrun with Hub ids each worker once the ids are fetched (worker.fetch_in_turn). First the
-inputs (paths, data rows, chat template), torch-free so that a wrong path is reported before torch is imported;
-then, against the model's transformers config, the enabled features' checks and the model's own (built on the
-meta device)."""
+output folder (writable, no other run's checkpoints or export) and the inputs (paths, data rows, chat template),
+torch-free so that a wrong path is reported before torch is imported; then, against the model's transformers
+config, the enabled features' checks and the model's own (built on the meta device)."""
 
-from llmtune.inputs import check_inputs
+from llmtune.inputs import check_inputs, check_output_dir
 
 
 def check_run(local, world_size: int) -> None:
     """`local`: the recipe as the run reads it (inputs.local_inputs: Hub ids replaced by their snapshots)."""
+    check_output_dir(local.train, local.checkpoint.resume_from_checkpoint)
     check_inputs(local)
     from llmtune.features.registry import check_features
     from llmtune.model import check_model, load_model_config

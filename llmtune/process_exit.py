@@ -13,6 +13,7 @@ do, free every object, the operating system does at exit.
 
 import atexit
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -25,6 +26,8 @@ def run_and_exit(main: Callable[[], int | None]) -> NoReturn:
         code = main()
     except SystemExit as stop:
         code = stop.code
+    except BrokenPipeError:
+        code = _reader_gone()
     except BaseException:  # noqa: BLE001 - reported as the interpreter would, then the same exit path
         traceback.print_exc()
         code = 1
@@ -37,6 +40,17 @@ def run_and_exit(main: Callable[[], int | None]) -> NoReturn:
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = _reader_gone()
     sys.stderr.flush()
     os._exit(code or 0)
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (`llmtune sft --help | head`): end quietly, as a program that Python does not
+    shield from SIGPIPE ends. What is still buffered for stdout goes nowhere instead of raising again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE

@@ -5,14 +5,14 @@ counts the steps of earlier attempts that a resumed run continues."""
 import json
 from pathlib import Path
 
-from llmtune.checkpoint.manager import complete_checkpoints
+from llmtune.checkpoint.folders import complete_checkpoints
 
 
-def run_summary(output_dir: Path, total_steps: int, seconds: float, outcome: str, resume: str) -> str:
-    """outcome: how the run ended ("finished", "stopped by SIGTERM", ...); resume: the command that continues it."""
+def run_summary(output_dir: Path, step: int, total_steps: int, seconds: float, outcome: str, resume: str) -> str:
+    """step: the last optimizer step taken (a stop can come between two logged records); outcome: how the run ended
+    ("finished", "stopped by SIGTERM", ...); resume: the command that continues it."""
     metrics = output_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    step = records[-1]["step"] if records else 0
     tokens = sum(record["input_tokens"] for record in records)
     parts = [f"run {outcome} at step {step} of {total_steps}: {tokens:,} tokens, {seconds:,.0f} s in this "
              "process"]

@@ -67,7 +67,7 @@ class Trainer:
         self.step += 1
         last = self.step == self.total_steps
         eval_loss = self.evaluate() if self.validation.due(self.step, last) else None
-        self.monitor.record(self.step, epoch, stats, eval_loss)
+        self.monitor.record(self.step, self.data.progress, stats, eval_loss)
         stopping = self.skipped_in_a_row >= self.cfg.max_skipped_steps
         # A stop saves too: the skipped steps left the weights at the last good state.
         if self.checkpoints.due(self.step, self.data.epoch_done, epoch, last or stopping):
@@ -81,7 +81,7 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Everything besides model and optimizer that decides what comes next; plain data."""
-        return {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row,
+        return {"step": self.step, "global_batch": self.data.global_batch, "skipped_in_a_row": self.skipped_in_a_row,
                 "skipped_steps": self.monitor.skipped_steps, "data": self.data.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "features": self.features.state_dict()}
 

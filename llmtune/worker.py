@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import enable_full_determinism, set_seed
 
+from llmtune.checkpoint.folders import remove_earlier_run
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
 from llmtune.console import configure_logging
@@ -49,6 +50,8 @@ def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, ob
         keep_freed_memory()
     output_dir = Path(config.train.output_dir)
     if state.is_main:
+        if config.train.overwrite_output_dir:
+            remove_earlier_run(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         config.write(output_dir / "config.yaml")
     if config.train.deterministic:
@@ -100,6 +103,9 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
     except TrainingStopped:
         outcome = "stopped (the reason follows)"
         raise
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+        raise
     finally:
         if trainer is not None and state.is_main:
             # plot_run never raises: the run's outcome and error stay as they are. torchrun ends every process soon
@@ -109,6 +115,6 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
                 plot_run(Path(config.train.output_dir))
             else:
                 log.info("plots: draw them with: llmtune plot %s", config.train.output_dir)
-            log.info("%s", run_summary(Path(config.train.output_dir), trainer.total_steps,
+            log.info("%s", run_summary(Path(config.train.output_dir), trainer.step, trainer.total_steps,
                                        time.perf_counter() - started, outcome, resume))
         state.close()

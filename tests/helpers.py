@@ -11,8 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """bin/llmtune as a user runs it, from the repository root; env: variables to add."""
+    """bin/llmtune as a user runs it, from the repository root; env: variables to add (None: to remove)."""
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
     return subprocess.run([str(REPO / "bin" / "llmtune"), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

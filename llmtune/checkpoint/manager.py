@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -26,27 +25,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from llmtune.checkpoint.folders import LATEST, complete_checkpoints
 from llmtune.checkpoint.manifest import files_written_by, write_manifest
 from llmtune.checkpoint.validate import check_base, check_complete, check_model_matches
 from llmtune.config import RESUME_NEWEST
 from llmtune.errors import TrainingStopped, UserError
 
 log = logging.getLogger(__name__)
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
 
 
 def resolve_resume(value: str | None, output_dir: Path, checksums: bool) -> Path | None:
     """The checkpoint to resume from, checked (validate.check_complete): a path, or `auto` / `latest`: the newest
-    complete checkpoint in output_dir that passes its checks, each one that fails said in the log (None, also said,
-    when there is none yet)."""
+    complete checkpoint of output_dir's run (never one newer than its `latest` pointer) that passes its checks, each
+    one that fails said in the log (None, also said, when there is none yet)."""
     if not value:
         return None
     if value not in RESUME_NEWEST:
@@ -211,7 +202,7 @@ class CheckpointManager:
         partial.rename(final)
         tmp = self.root / ".latest.tmp"
         tmp.write_text(final.name)
-        os.replace(tmp, self.root / "latest")
+        os.replace(tmp, self.root / LATEST)
 
     def _retain(self, newest: Path) -> None:
         limit = self.cfg.save_total_limit
@@ -238,7 +229,15 @@ class CheckpointManager:
         if error:
             raise UserError(error)
         if chosen:
-            trainer.load_state_dict(self._load(chosen, trainer.model, trainer.optimizer))
+            trainer_state = self._load(chosen, trainer.model, trainer.optimizer)
+            saved_batch = trainer_state.get("global_batch")  # checkpoints written before it was recorded lack it
+            if self.state.is_main and saved_batch and saved_batch != trainer.data.global_batch:
+                # Said before the data position is restored, which refuses a position inside the new batch.
+                log.warning("checkpoint: the global batch changes from %d samples per optimizer step (the "
+                            "checkpoint's, on %d ranks) to %d on %d ranks; set train.global_batch_size: %d to keep it",
+                            saved_batch, trainer_state["world_size"], trainer.data.global_batch,
+                            self.state.world_size, saved_batch)
+            trainer.load_state_dict(trainer_state)
 
     def _load(self, path: Path, model, optimizer) -> dict:
         """Restore model, optimizer and this rank's RNG; returns the trainer state to continue from."""

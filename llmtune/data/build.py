@@ -41,7 +41,10 @@ NOT_IN_KEY = ("shuffle", "shuffle_buffer", "num_proc", "cache_dir", "document_ma
 
 @dataclass
 class DataStats:
-    samples: int
+    task: str
+    samples: int  # sft: the samples kept, however many a row holds
+    rows: int  # the rows the model is given: packed rows, one sample each, or pt's blocks
+    max_seq_len: int
     tokens: int
     label_tokens: int
     truncated: int
@@ -52,7 +55,13 @@ class DataStats:
     val_samples: int
 
     def summary(self) -> str:
-        return (f"{self.samples} samples, {self.tokens} tokens, label tokens "
+        if self.task == "pt":
+            kept = f"{self.rows} rows of up to {self.max_seq_len} tokens"
+        elif self.rows != self.samples:
+            kept = f"{self.samples} samples packed into {self.rows} rows of up to {self.max_seq_len} tokens"
+        else:
+            kept = f"{self.samples} samples, one per row"
+        return (f"{kept}, {self.tokens} tokens, label tokens "
                 f"{self.label_tokens / max(self.tokens, 1):.1%}, {self.truncated} truncated, {self.dropped_too_long} "
                 f"dropped as too long, {self.dropped_no_labels} dropped with no label "
                 f"({self._share(self.dropped_no_labels)}), {self.fully_labelled} with every token labelled "
@@ -63,6 +72,15 @@ class DataStats:
         """`count` as a share of every sample read (the kept ones and the dropped ones)."""
         read = self.samples + self.dropped_too_long + self.dropped_no_labels
         return f"{count / max(read, 1):.1%}"
+
+
+def sample_count(split: datasets.Dataset) -> int:
+    """The samples of a split: in packed rows, the positions that restart at 0 (a packed sample is never cut
+    between rows; pt's blocks, which do cut documents, count as rows)."""
+    if "position_ids" not in split.column_names:
+        return len(split)
+    starts = pc.equal(pc.list_flatten(split.data.column("position_ids")), 0)
+    return int(pc.sum(starts).as_py() or 0)
 
 
 def map_options(dataset, num_proc: int, desc: str) -> dict:
@@ -237,13 +255,15 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int):
     return packed_split(train, data_cfg), packed_split(val, data_cfg), counts
 
 
-def describe(train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: int, seed: int) -> DataStats:
+def describe(task: str, train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: int,
+             seed: int) -> DataStats:
     lengths, label_tokens = length_stats(train)
     packed = "position_ids" in train.column_names
     efficiency = float(lengths.sum()) / (len(lengths) * data_cfg.max_seq_len) if packed \
         else padded_efficiency(lengths, batch_size, seed)
-    return DataStats(samples=len(train), tokens=int(lengths.sum()), label_tokens=label_tokens, efficiency=efficiency,
-                     val_samples=len(val) if val is not None else 0, **counts)
+    return DataStats(task=task, samples=sample_count(train), rows=len(train), max_seq_len=data_cfg.max_seq_len,
+                     tokens=int(lengths.sum()), label_tokens=label_tokens, efficiency=efficiency,
+                     val_samples=sample_count(val) if val is not None else 0, **counts)
 
 
 def cache_key(task: str, data_cfg, tokenizer, seed: int) -> str:
@@ -282,9 +302,9 @@ def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, st
     train = datasets.load_from_disk(str(folder / "train"))
     val = datasets.load_from_disk(str(folder / "val")) if (folder / "val").is_dir() else None
     counts = json.loads((folder / "counts.json").read_text())
-    stats = describe(train, val, counts, data_cfg, batch_size, seed)
+    stats = describe(task, train, val, counts, data_cfg, batch_size, seed)
     if not stats.label_tokens:
-        raise UserError(f"data.train_files: the {stats.samples} training rows hold no label token, so there is nothing "
+        raise UserError(f"data.train_files: the {stats.rows} training rows hold no label token, so there is nothing "
                         f"to train on; check that the tokenizer in {tokenizer.name_or_path} fits the data and that "
                         f"data.max_seq_len ({data_cfg.max_seq_len}) holds whole documents")
     return train, val, stats
@@ -339,11 +359,15 @@ def cached_entry(task: str, data_cfg, tokenizer, seed: int, state, build) -> Pat
 
 def _save_entry(folder: Path, train, val, counts: dict) -> None:
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    for name, split in (("train", train), ("val", val)):
-        if split is not None:
-            split.save_to_disk(str(partial / name))
-    # Written last: its presence marks a complete entry.
-    (partial / "counts.json").write_text(json.dumps(counts))
+    try:
+        for name, split in (("train", train), ("val", val)):
+            if split is not None:
+                split.save_to_disk(str(partial / name))
+        # Written last: its presence marks a complete entry.
+        (partial / "counts.json").write_text(json.dumps(counts))
+    except BaseException:  # also Ctrl-C: no half-written entry is left behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     try:
         partial.rename(folder)
     except OSError:  # another node's rank 0 finished the same entry first

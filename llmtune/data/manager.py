@@ -145,6 +145,11 @@ class DataManager:
     def epoch_done(self) -> bool:
         return self.step_in_epoch == self.steps_per_epoch
 
+    @property
+    def progress(self) -> float:
+        """Epochs done, fractional, as the HF Trainer logs `epoch`: 1.5 is halfway through the second epoch."""
+        return self.epoch + self.step_in_epoch / self.steps_per_epoch
+
     def state_dict(self) -> dict:
         """The position in samples, so that a resume with another split of the same global batch continues."""
         return {"epoch": self.epoch, "samples_in_epoch": self.step_in_epoch * self.global_batch}
@@ -170,6 +175,7 @@ class StreamingDataManager:
         self.state = state
         self.micro_batch = train_cfg.per_device_train_batch_size
         self.accumulation = train_cfg.gradient_accumulation_steps
+        self.global_batch = self.micro_batch * self.accumulation * state.dp_size
         stream = split_dataset_by_node(dataset, rank=state.dp_rank, world_size=state.dp_size)
         if data_cfg.shuffle:
             stream = stream.shuffle(seed=train_cfg.seed, buffer_size=data_cfg.shuffle_buffer)
@@ -206,6 +212,11 @@ class StreamingDataManager:
             yield self.epoch, micro_batches
 
     epoch_done = False  # a stream's epoch ends only when it runs dry
+
+    @property
+    def progress(self) -> float:
+        """The passes over the stream begun before this one: its length, and so the fraction, is not known."""
+        return float(self.epoch)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "dp_size": self.state.dp_size}

@@ -18,7 +18,8 @@ WORKDIR = Path("runs/demo")
 
 def main(args: list[str]) -> int:
     overrides, nproc = parse_overrides(args)
-    launch = [*overrides, *(["--nproc", str(nproc)] if nproc else [])]
+    # The demo starts over each time it runs: the runs of an earlier demo in runs/demo are replaced.
+    launch = ["train.overwrite_output_dir=true", *overrides, *(["--nproc", str(nproc)] if nproc else [])]
     started = time.perf_counter()
     print(f"[demo] generating data, tokenizer and model config under {REPO / WORKDIR / 'assets'}", flush=True)
     write_demo_assets(REPO / WORKDIR / "assets")

@@ -20,3 +20,27 @@ def test_predicted_peak_within_25_percent_of_measured(tmp_path, overrides, ranks
     measured = run_case(model_dir, SEQ_LEN, overrides, ranks, tmp_path / "peaks.jsonl")
     plan = predicted(case_config(str(model_dir), SEQ_LEN, overrides, ranks), ranks)
     assert abs(plan / measured - 1) <= 0.25, (plan / 2**20, measured / 2**20)
+
+
+def load_cases(model_dir: str, count: int) -> int:
+    """How many of `count` calls of case_config refused the recipe they read."""
+    from llmtune.errors import UserError
+
+    refused = 0
+    for _ in range(count):
+        try:
+            case_config(model_dir, SEQ_LEN, [], 1)
+        except UserError:
+            refused += 1
+    return refused
+
+
+def test_ranks_of_a_case_load_its_recipe_at_the_same_time(tmp_path):
+    """Every rank of a case calls case_config at once on one model folder: none may read a recipe that another is
+    still writing (before, about one call in nine of three processes doing so was refused)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(3, mp_context=multiprocessing.get_context("fork")) as pool:
+        refused = list(pool.map(load_cases, [str(tmp_path)] * 3, [300] * 3))
+    assert refused == [0, 0, 0]

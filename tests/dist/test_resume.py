@@ -36,9 +36,11 @@ def killed_run(tiny_model, sft_file, output_dir, nproc, condition):
     kill_tree(process)
 
 
-def resume(tiny_model, sft_file, output_dir, nproc):
-    result = run_cli(*args(tiny_model, sft_file, output_dir, nproc, "--resume_from_checkpoint", "latest"))
+def resume(tiny_model, sft_file, output_dir, nproc, *extra) -> str:
+    """The resumed run's log."""
+    result = run_cli(*args(tiny_model, sft_file, output_dir, nproc, "--resume_from_checkpoint", "latest", *extra))
     assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
 
 
 def logged_steps(output_dir):
@@ -71,8 +73,14 @@ def runs(tiny_model, sft_file, tmp_path_factory):
 
     one_proc = tmp_path_factory.mktemp("one_proc")
     killed_run(tiny_model, sft_file, one_proc, 1, lambda d: 5 in logged_steps(d))
-    resume(tiny_model, sft_file, one_proc, 2)
+    out["log_resumed_on_2"] = resume(tiny_model, sft_file, one_proc, 2)
     out["resumed_on_2"] = one_proc
+
+    # A recipe that sets the accumulation, not the global batch: 4 x 1 rank x 4 = 16 samples a step, then 32 on 2.
+    accumulated = tmp_path_factory.mktemp("accumulated")
+    no_global = ("train.global_batch_size=null", "train.gradient_accumulation_steps=4")
+    assert run_cli(*args(tiny_model, sft_file, accumulated, 1, *no_global, "train.max_steps=2")).returncode == 0
+    out["log_accumulated_on_2"] = resume(tiny_model, sft_file, accumulated, 2, *no_global, "train.max_steps=3")
     return out
 
 
@@ -107,3 +115,13 @@ def test_resume_on_another_world_size_continues_the_curve(runs, name):
     reference = weights(runs["straight"])
     for key, value in weights(runs[name]).items():
         torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-5)
+
+
+def test_a_resume_on_another_process_count_says_when_the_global_batch_changes(runs):
+    """The recipe's global batch is kept (train.global_batch_size): nothing to say. A recipe that sets the
+    accumulation gets another global batch on another number of processes: one line says so, and how to keep it."""
+    assert "global batch changes" not in runs["log_resumed_on_2"]
+    said = [line for line in runs["log_accumulated_on_2"].splitlines() if "global batch changes" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "checkpoint: the global batch changes from 16 samples per optimizer step (the checkpoint's, on 1 ranks) to 32 "
+        "on 2 ranks; set train.global_batch_size: 16 to keep it"), runs["log_accumulated_on_2"][-3000:]

@@ -170,3 +170,17 @@ def test_a_dataset_info_entry_naming_a_missing_file_and_a_tool_result_without_a_
     assert (f"llmtune: error: {tmp_path / 'calls.json'}: row 1: message 1 is a tool result after a user turn with no "
             "tool call before it") in result.stderr
     assert not (tmp_path / "out" / "hf").exists()
+
+
+def test_wandb_without_a_login_is_refused_up_front(tmp_path, recipe):
+    """No WANDB_API_KEY, no `wandb login` (a fresh HOME), not offline: wandb.init would fail only once the data is
+    built and the model loaded."""
+    env = {"HOME": str(tmp_path), "WANDB_API_KEY": None, "WANDB_MODE": None,
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb"), "NETRC": str(tmp_path / "no-netrc")}
+    result = run_cli("sft", recipe(), "--report_to", "wandb", env=env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "llmtune: error: monitor.report_to: wandb has no W&B login on this machine; set WANDB_API_KEY or run wandb "
+        "login, or train offline with WANDB_MODE=offline (then wandb sync the run under OUTPUT_DIR/wandb), or take "
+        "wandb out of monitor.report_to"]
+    assert not (tmp_path / "out").exists()

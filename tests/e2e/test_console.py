@@ -64,7 +64,7 @@ def test_on_a_terminal_the_bar_moves_every_step_and_lines_stay_whole(recipe):
         assert re.search(r"loss=\d+\.\d{4}, lr=\d\.\d\de[-+]\d\d, tokens_per_s=\d+\]$", drawn[-1]), drawn[-1]
     # The logged lines, time first, each whole (the bar is cleared before them and drawn again after).
     for step in (3, 6):
-        assert any(re.fullmatch(fr"{STAMP} step {step}/{STEPS} epoch \d+ loss \S+ .* skipped 0", part)
+        assert any(re.fullmatch(fr"{STAMP} step {step}/{STEPS} epoch \d+\.\d\d loss \S+ .* skipped 0", part)
                    for part in parts), (step, parts)
     assert any(re.match(fr"{STAMP} INFO llmtune: run finished", part) for part in parts), parts
 

@@ -145,3 +145,12 @@ def test_overrides_and_refused_nproc(previewed):
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == ["llmtune: error: --nproc: llmtune data runs on one process and "
                                                    "starts none; remove --nproc"]
+
+
+def test_the_statistics_count_samples_and_packed_rows_under_their_own_names(previewed, sft_file):
+    recipe, result = previewed
+    train, _ = trainer_split(recipe)
+    samples = len(list(documents(train)))
+    assert len(train) < samples <= len(sft_file.read_text().splitlines()), "packing put several samples in a row"
+    line = next(line for line in result.stdout.splitlines() if line.startswith("data: "))
+    assert line.startswith(f"data: {samples} samples packed into {len(train)} rows of up to 64 tokens, "), line

@@ -5,6 +5,7 @@ import dataclasses
 import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -75,6 +76,14 @@ def test_a_misspelt_flat_key_gets_the_closest_names(typed, hint):
     ("train.report_to", "monitor.report_to", ["tensorboard"]),
     ("train.run_name", "monitor.run_name", "first-try"),
     ("monitor.wandb_project", "monitor.project", "chat-models"),
+    ("model.model_name_or_path", "model.name_or_path", "other/model"),
+    ("data.cutoff_len", "data.max_seq_len", 1024),
+    ("train.lr", "train.learning_rate", 2e-5),
+    ("peft.finetuning_type", "peft.method", "lora"),
+    ("peft.lora_rank", "peft.r", 8),
+    ("peft.lora_alpha", "peft.alpha", 16.0),
+    ("peft.lora_dropout", "peft.dropout", 0.05),
+    ("peft.lora_target", "peft.target_modules", "q_proj"),
 ])
 @pytest.mark.parametrize("where", ["recipe", "command line"])
 def test_hf_key_names_are_read_as_llmtunes_and_written_as_llmtunes(tmp_path, alias, target, value, where):
@@ -82,6 +91,10 @@ def test_hf_key_names_are_read_as_llmtunes_and_written_as_llmtunes(tmp_path, ali
     section, key = alias.split(".")
     if where == "recipe":
         recipe, overrides = write_recipe(tmp_path, **{section: {key: value}}), []
+        if target == f"{section}.name_or_path":  # the base recipe's own model.name_or_path gives way
+            written = yaml.safe_load(Path(recipe).read_text())
+            del written[section]["name_or_path"]
+            Path(recipe).write_text(yaml.safe_dump(written))
     else:
         recipe, overrides = write_recipe(tmp_path), parse_overrides([f"--{key}", yaml.safe_dump(value).strip()
                                                                       .removesuffix("...").strip()])[0]
@@ -124,3 +137,28 @@ def test_an_hf_name_and_llmtunes_with_different_values_are_refused(tmp_path):
         "keep one",
         f"{recipe}: train.warmup_steps 0.1 is a ratio, and train.warmup_ratio is also given with another value; "
         "keep one"]
+
+
+@pytest.mark.parametrize("given, method", [("full", "none"), ("lora", "lora")])
+def test_llama_factory_finetuning_types_are_peft_methods(tmp_path, given, method):
+    overrides, _ = parse_overrides(["--finetuning_type", given])
+    assert load_config(write_recipe(tmp_path), overrides, "sft", 1).peft.method == method
+
+
+def test_llama_factory_freeze_is_answered_with_llmtunes_key(tmp_path):
+    recipe = write_recipe(tmp_path)
+    with pytest.raises(UserError) as err:
+        load_config(recipe, parse_overrides(["--finetuning_type", "freeze"])[0], "sft", 1)
+    assert str(err.value).startswith(f"{recipe}: peft.method (finetuning_type) freeze: llmtune trains a chosen part "
+                                     "of the weights with train.trainable_modules")
+
+
+def test_a_global_batch_on_the_command_line_replaces_the_recipes_accumulation(tmp_path):
+    recipe = write_recipe(tmp_path, train={"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4})
+    config = load_config(recipe, parse_overrides(["--global_batch_size", "32"])[0], "sft", 2)
+    assert (config.train.global_batch_size, config.train.gradient_accumulation_steps) == (32, 8)
+    # Both in the recipe, disagreeing, are still refused: nothing says which is meant.
+    both = write_recipe(tmp_path, train={"per_device_train_batch_size": 2, "global_batch_size": 32,
+                                         "gradient_accumulation_steps": 2})
+    with pytest.raises(UserError, match="set only one of them"):
+        load_config(both, [], "sft", 2)

@@ -1,0 +1,92 @@
+"""How a command ends when its user ends it: Ctrl-C before training exits 130 with one line and leaves nothing
+half-written; a reader of stdout that goes away (`| head`) ends it quietly."""
+
+import logging
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from llmtune.cli import main as cli_main
+from tests.helpers import REPO
+
+
+@pytest.fixture
+def recipe(tmp_path, tiny_model, sft_file) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"name_or_path": str(tiny_model)},
+        "data": {"train_files": [str(sft_file)], "chat_template": "basic", "max_seq_len": 64},
+        "train": {"output_dir": str(tmp_path / "out"), "max_steps": 2, "per_device_train_batch_size": 2},
+    }))
+    return str(path)
+
+
+def test_ctrl_c_while_the_data_cache_is_written_exits_130_and_leaves_no_partial_entry(
+        tmp_path, recipe, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LLMTUNE_CACHE", str(cache))
+    import datasets
+
+    save = datasets.Dataset.save_to_disk
+
+    def interrupted(self, path, *args, **kwargs):
+        save(self, path, *args, **kwargs)  # one split written whole, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", interrupted)
+    assert cli_main(["sft", recipe]) == 130
+    err = capsys.readouterr().err  # datasets' progress bars, then llmtune's line
+    assert err.strip().splitlines()[-1] == "llmtune: interrupted (Ctrl-C)" and "Traceback" not in err
+    assert not list((cache / "data").iterdir()), "no entry, whole or partial, is left in the cache"
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", save)
+    assert cli_main(["sft", recipe, "--overwrite_output_dir", "true"]) == 0, "the next run builds the entry afresh"
+
+
+def test_ctrl_c_before_the_first_step_exits_130_without_a_traceback(tmp_path, recipe):
+    process = subprocess.Popen([str(REPO / "bin" / "llmtune"), "sft", recipe], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # Python is up (its SIGINT handler set) and still importing: training is seconds away
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "llmtune: interrupted (Ctrl-C)" and "Traceback" not in err, err
+    assert not (tmp_path / "out" / "checkpoints").exists() and not (tmp_path / "out" / "hf").exists()
+
+
+@pytest.mark.parametrize("command", [["sft", "--help"], ["data", "RECIPE", "--n", "50"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(recipe, command):
+    """The read end is closed before the command writes a byte: its first write meets a closed pipe, as when
+    `llmtune sft --help | head -1` has read its line."""
+    args = [recipe if word == "RECIPE" else word for word in command]
+    read, write = os.pipe()
+    os.close(read)
+    process = subprocess.Popen([str(REPO / "bin" / "llmtune"), *args], cwd=REPO, stdout=write,
+                               stderr=subprocess.PIPE, text=True)
+    os.close(write)
+    _, err = process.communicate(timeout=300)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert process.returncode == 128 + signal.SIGPIPE, err
+
+
+def test_the_summary_of_a_stop_between_two_records_names_the_step_it_stopped_at(tmp_path, recipe, monkeypatch,
+                                                                                    capsys, caplog):
+    """A stop by a signal after step 3, records every 5 steps: the last line and the summary both say step 3."""
+    from llmtune.stop_signals import StopSignals
+
+    asked = []
+
+    def agreed(self, state):
+        asked.append(1)
+        return "SIGTERM" if len(asked) == 3 else None
+
+    monkeypatch.setattr(StopSignals, "agreed", agreed)
+    caplog.set_level(logging.INFO, logger="llmtune")
+    assert cli_main(["sft", recipe, "--max_steps", "10", "--logging_steps", "5"]) == 75
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("llmtune: stopped by SIGTERM after step 3 of 10")
+    summary = caplog.records[-1].getMessage()
+    assert summary.startswith("run stopped by a signal at step 3 of 10"), summary
