@@ -130,6 +130,9 @@ class DataConfig:
                                    "used when val_files is empty.")
     format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_completion | prompt_response "
                                  "| tokenized; auto: detected from the columns of each source (see Data formats).")
+    text_sample_by: str = _field("line", ".txt sources, what one document is: line (as datasets and LLaMA-Factory "
+                                         "read them), paragraph (blank-line separated) or document (a whole file); "
+                                         "blank lines are no documents.")
     chat_template: str | None = _field(None, "Chat template: a built-in name (basic) or a .jinja file; default: the "
                                              "tokenizer's own. sft renders with it; it is saved with the exported "
                                              "tokenizer (pt too).")
@@ -168,7 +171,8 @@ class DataConfig:
             out.append("data.dataset_info: data.datasets / data.val_datasets name entries of a LLaMA-Factory "
                        "dataset_info.json; set data.dataset_info to it (or to the folder holding it)")
         for key, value, choices in (("format", self.format, DATA_FORMATS), ("truncation", self.truncation, TRUNCATIONS),
-                                    ("pt_remainder", self.pt_remainder, REMAINDERS)):
+                                    ("pt_remainder", self.pt_remainder, REMAINDERS),
+                                    ("text_sample_by", self.text_sample_by, ("line", "paragraph", "document"))):
             if value not in choices:
                 out.append(_choice_problem(f"data.{key}", value, choices))
         if self.max_seq_len < 2:

@@ -23,7 +23,8 @@ import pyarrow.compute as pc
 
 from llmtune.data import packing, pretrain, sft
 from llmtune.data.files import is_saved_dataset, resolve_data_files
-from llmtune.data.formats import canonical_columns, check_columns, detect_format, to_canonical
+from llmtune.data.formats import (KTO_LABEL, canonical_columns, check_columns, detect_format, not_sft_error,
+                                  not_sft_reason, to_canonical)
 from llmtune.data.registry import Source, split_sources
 from llmtune.data.sources import load_source, undecodable_error
 from llmtune.errors import UserError
@@ -90,10 +91,23 @@ def map_options(dataset, num_proc: int, desc: str) -> dict:
     return {"num_proc": num_proc if num_proc > 1 else None, "desc": desc}
 
 
+def boolean_label(rows) -> bool:
+    """Whether the rows' label column holds true/false (TRL's KTO form). Its type tells where the reader typed it;
+    CSV columns are all read as text (sources.py) and a stream need not know its types: there the first row tells."""
+    feature = (rows.features or {}).get(KTO_LABEL)
+    if feature is not None and feature != datasets.Value("string"):
+        return feature == datasets.Value("bool")
+    value = next(iter(rows), {}).get(KTO_LABEL)
+    return isinstance(value, bool) or str(value).lower() in ("true", "false")
+
+
 def canonical_rows(source: Source, task: str, data_cfg, streaming: bool):
     """(the source's rows in canonical form, its form)."""
-    rows = load_source(source.pattern, source.key, streaming)
+    rows = load_source(source.pattern, source.key, streaming, data_cfg.text_sample_by)
     columns = rows.column_names or list(next(iter(rows)).keys())
+    # Before the form is detected: preference rows would be read as a conversation, or dropped with no label.
+    if reason := not_sft_reason(columns, KTO_LABEL in columns and boolean_label(rows)):
+        raise not_sft_error(source.pattern, reason, source.key)
     if source.row_format:
         row_format = source.row_format
         check_columns(row_format, columns, source.pattern, f"its {source.key} entry ({row_format.form})")

@@ -44,6 +44,15 @@ SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human"
                  "observation_tag": "observation", "function_tag": FUNCTION_CALL, "system_tag": "system"}
 TAG_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "observation_tag": "tool",
              "function_tag": FUNCTION_CALL, "system_tag": "system"}
+# Rows llmtune does not train, told by their columns (TRL's preference forms, LLaMA-Factory's dpo and kto files and
+# its v1 chosen_messages/rejected_messages), whether given by path or as the column roles of a LLaMA-Factory
+# dataset_info.json entry (registry.py). TRL's KTO form names its column `label`, as other data does: only true/false
+# values mark it.
+PREFERENCE = "preference data (chosen/rejected columns) is for DPO or reward training, not sft or pt"
+KTO = "KTO data (kto_tag, or a true/false label column) is for KTO training, not sft or pt"
+NOT_SFT_COLUMNS = {"chosen": PREFERENCE, "rejected": PREFERENCE, "chosen_messages": PREFERENCE,
+                   "rejected_messages": PREFERENCE, "kto_tag": KTO}
+KTO_LABEL = "label"
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,17 @@ def detect_format(columns: list[str], task: str, requested: str, source: str) ->
     expected = " or ".join("/".join(FORMS[form][0][role] for role in FORMS[form][1]) for form in forms)
     raise UserError(f"{source}: cannot tell the {task} format from the columns {', '.join(columns)}; expected "
                     f"{expected}, or set data.format")
+
+
+def not_sft_reason(columns: list[str], boolean_label: bool) -> str | None:
+    """Why rows with these columns are neither sft nor pt data, or None; `boolean_label`: their label column holds
+    true/false."""
+    named = [NOT_SFT_COLUMNS[column] for column in columns if column in NOT_SFT_COLUMNS]
+    return named[0] if named else KTO if boolean_label else None
+
+
+def not_sft_error(where: str, reason: str, key: str) -> UserError:
+    return UserError(f"{where}: {reason}; llmtune trains sft and pt, leave it out of {key}")
 
 
 def check_columns(row_format: RowFormat, columns: list[str], source: str, named_by: str) -> None:

@@ -14,16 +14,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmtune.data.formats import FORMS, SHAREGPT_TAGS, RowFormat
+from llmtune.data.formats import FORMS, NOT_SFT_COLUMNS, SHAREGPT_TAGS, RowFormat, not_sft_error
 from llmtune.errors import UserError
 
 REGISTRY_FILE = "dataset_info.json"
 FORMATTINGS = ("alpaca", "sharegpt")
 ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "file_sha1")
-NOT_SFT = {"ranking": "preference data (ranking: true) is for reward or DPO training, not sft",
-           "chosen": "preference data (chosen/rejected columns) is not sft",
-           "rejected": "preference data (chosen/rejected columns) is not sft",
-           "kto_tag": "KTO data (kto_tag column) is not sft",
+NOT_SFT = {"ranking": "preference data (ranking: true) is for reward or DPO training, not sft", **NOT_SFT_COLUMNS,
            "images": "multimodal data (images) is not supported", "videos": "multimodal data (videos) is not supported",
            "audios": "multimodal data (audios) is not supported"}
 ELSEWHERE = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
@@ -83,7 +80,7 @@ def registry_source(entries: dict, name: str, path: Path, key: str, task: str) -
             raise UserError(f"{where}: {field_name} must map names to strings")
     for reason_key, reason in NOT_SFT.items():
         if entry.get(reason_key) or columns.get(reason_key):
-            raise UserError(f"{where}: {reason}; llmtune trains sft and pt, leave it out of {key}")
+            raise not_sft_error(where, reason, key)
     hosted = [k for k in ELSEWHERE if k in entry]
     if hosted and "file_name" not in entry:
         raise UserError(f"{where}: {hosted[0]} is not read from dataset_info.json; download the files and set "

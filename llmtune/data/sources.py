@@ -15,18 +15,19 @@ from llmtune.data.files import is_saved_dataset, resolve_data_files
 from llmtune.errors import UserError
 from llmtune.hub import HubDataset, dataset_source, fetch
 
-# .txt: one document per blank-line-separated paragraph, so a file can hold many documents.
 BUILDERS = {
     ".jsonl": ("json", {}),
     ".json": ("json", {}),
     ".parquet": ("parquet", {}),
     ".csv": ("csv", {"keep_default_na": False}),
-    ".txt": ("text", {"sample_by": "paragraph"}),
+    ".txt": ("text", {}),
 }
 
 
-def load_source(pattern: str, key: str, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
-    """All rows of one source, in file order."""
+def load_source(pattern: str, key: str, streaming: bool = False,
+                text_sample_by: str = "line") -> datasets.Dataset | datasets.IterableDataset:
+    """All rows of one source, in file order. `text_sample_by`: what one document of a .txt file is (datasets' text
+    builder's sample_by: line, paragraph or document)."""
     if hub_source := dataset_source(pattern, key):
         return load_hub_source(hub_source, key, streaming)
     if is_saved_dataset(pattern):
@@ -40,8 +41,11 @@ def load_source(pattern: str, key: str, streaming: bool = False) -> datasets.Dat
         name, options = BUILDERS[builder]
         if builder == ".csv":
             options = {**options, "features": _text_columns(group[0])}
+        if builder == ".txt":
+            options = {**options, "sample_by": text_sample_by}
         try:
-            parts.append(datasets.load_dataset(name, data_files=group, split="train", streaming=streaming, **options))
+            part = datasets.load_dataset(name, data_files=group, split="train", streaming=streaming, **options)
+            parts.append(_without_blank_documents(part) if builder == ".txt" else part)
         except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as err:
             raise UserError(_read_error(group, err)) from None
     if len(parts) == 1:
@@ -77,6 +81,11 @@ def load_hub_source(source: HubDataset, key: str, streaming: bool) -> datasets.D
     except datasets.exceptions.DatasetGenerationError as err:
         raise UserError(f"{key}: could not read {source.repo}: {' '.join(str(err.__cause__ or err).split())}") from None
     return builder.as_dataset(split=source.split)
+
+
+def _without_blank_documents(documents):
+    """A blank line (or paragraph) is read as a document of no text: it would train a lone EOS (and BOS)."""
+    return documents.filter(lambda text: bool(text.strip()), input_columns="text")
 
 
 def _text_columns(csv_file: str) -> datasets.Features:

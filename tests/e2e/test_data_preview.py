@@ -154,3 +154,14 @@ def test_the_statistics_count_samples_and_packed_rows_under_their_own_names(prev
     assert len(train) < samples <= len(sft_file.read_text().splitlines()), "packing put several samples in a row"
     line = next(line for line in result.stdout.splitlines() if line.startswith("data: "))
     assert line.startswith(f"data: {samples} samples packed into {len(train)} rows of up to 64 tokens, "), line
+
+
+def test_preference_rows_are_refused_in_one_line(assets, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "What is 2 plus 3?", "chosen": "It is 5.", "rejected": "It is 6."}\n')
+    refused = run_cli("data", write_recipe(tmp_path, assets, pairs))
+    # The lines before it are datasets' progress bars.
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"llmtune: error: {pairs}: preference data (chosen/rejected columns) is for DPO or reward training, not sft "
+        "or pt; llmtune trains sft and pt, leave it out of data.train_files")

@@ -86,6 +86,16 @@ def test_choices_and_required_fields(tmp_path):
     assert "train.output_dir: not set" in message
 
 
+def test_text_sample_by_takes_the_text_builders_choices_and_reads_lines_by_default(tmp_path):
+    recipe = write_recipe(tmp_path, data={"text_sample_by": "sentence"})
+    with pytest.raises(UserError) as err:
+        load_config(recipe, [], "pt", 1)
+    assert str(err.value) == "data.text_sample_by: 'sentence' is not valid; valid: line, paragraph, document"
+    assert load_config(recipe, parse_overrides(["--text_sample_by", "paragraph"])[0], "pt", 1).data.text_sample_by \
+        == "paragraph"
+    assert load_config(write_recipe(tmp_path), [], "pt", 1).data.text_sample_by == "line"
+
+
 def test_stop_signals_and_the_collective_timeout_are_checked(tmp_path):
     recipe = write_recipe(tmp_path, train={"save_on_signals": ["SIGTERM", "SIGKILL", "SIGTREM"]},
                           parallel={"timeout_minutes": 0})

@@ -8,7 +8,9 @@ lines, so every character encodes and offsets exist, as for the tokenizers users
 """
 
 import json
+import re
 
+import datasets
 import pytest
 
 from llmtune.config import DataConfig
@@ -196,6 +198,76 @@ def test_dataset_info_registry_with_column_and_tag_mappings(tmp_path, chat_token
         build_datasets("sft", DataConfig(dataset_info=str(tmp_path), datasets=["pairs"]), chat_tokenizer, 0)
     with pytest.raises(UserError, match=r"no dataset 'cals' in .*dataset_info.json; did you mean calls"):
         build_datasets("sft", DataConfig(dataset_info=str(tmp_path), datasets=["cals"]), chat_tokenizer, 0)
+
+
+def write_rows(path, rows):
+    """`rows` as a data file of path's kind: a JSON array, JSON lines, Parquet or CSV (as pandas writes it)."""
+    if path.suffix in (".json", ".jsonl"):
+        path.write_text(json.dumps(rows) if path.suffix == ".json" else "".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".parquet":
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    else:
+        datasets.Dataset.from_list(rows).to_csv(str(path), index=False)
+    return str(path)
+
+
+USER = {"role": "user", "content": "What is 2 plus 3?"}
+RIGHT, WRONG = {"role": "assistant", "content": "It is 5."}, {"role": "assistant", "content": "It is 6."}
+PAIR = {"prompt": "What is 2 plus 3?", "chosen": "It is 5.", "rejected": "It is 6."}
+KTO_ROWS = [{"prompt": "What is 2 plus 3?", "completion": "It is 5.", "label": True},
+            {"prompt": "What is 2 plus 3?", "completion": "It is 6.", "label": False}]
+PREFERENCE = "preference data (chosen/rejected columns) is for DPO or reward training, not sft or pt"
+KTO = "KTO data (kto_tag, or a true/false label column) is for KTO training, not sft or pt"
+
+
+@pytest.mark.parametrize("task, name, rows, data_format, reason", [
+    ("sft", "trl_explicit_prompt.jsonl", [PAIR], "auto", PREFERENCE),
+    ("sft", "trl_implicit_prompt.json", [{"chosen": [USER, RIGHT], "rejected": [USER, WRONG]}], "auto", PREFERENCE),
+    ("sft", "dpo_en_demo.json", [{"conversations": [{"from": "human", "value": "What is 2 plus 3?"}],
+                                  "chosen": {"from": "gpt", "value": "It is 5."},
+                                  "rejected": {"from": "gpt", "value": "It is 6."}}], "sharegpt", PREFERENCE),
+    ("sft", "v1_dpo_demo.jsonl", [{"chosen_messages": [USER, RIGHT], "rejected_messages": [USER, WRONG]}], "auto",
+     PREFERENCE),
+    ("sft", "pairs.csv", [PAIR], "auto", PREFERENCE),
+    ("sft", "trl_kto.parquet", KTO_ROWS, "auto", KTO),
+    ("sft", "trl_kto.csv", KTO_ROWS, "prompt_completion", KTO),
+    ("sft", "kto_en_demo.json", [{"messages": [USER, RIGHT], "label": True},
+                                 {"messages": [USER, WRONG], "label": False}], "messages", KTO),
+    ("pt", "trl_kto.jsonl", KTO_ROWS, "auto", KTO),
+])
+def test_preference_and_kto_rows_given_by_path_are_refused_with_the_reason(tmp_path, chat_tokenizer, task, name,
+                                                                          rows, data_format, reason):
+    path = write_rows(tmp_path / name, rows)
+    config = DataConfig(train_files=[path], format=data_format, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(UserError) as err:
+        build_datasets(task, config, chat_tokenizer, 0)
+    assert str(err.value) == f"{path}: {reason}; llmtune trains sft and pt, leave it out of data.train_files"
+
+
+def test_a_validation_source_and_a_dataset_info_entry_of_kto_rows_give_the_same_reason(tmp_path, chat_tokenizer):
+    train = write_rows(tmp_path / "qa.jsonl", [{"messages": [USER, RIGHT]}] * 4)
+    kto = write_rows(tmp_path / "kto.json", [{"messages": [USER, RIGHT], "label": True}])
+    with pytest.raises(UserError, match=re.escape(f"{kto}: {KTO}; llmtune trains sft and pt, leave it out of "
+                                                  "data.val_files")):
+        build_datasets("sft", DataConfig(train_files=[train], val_files=[kto], cache_dir=str(tmp_path / "c")),
+                       chat_tokenizer, 0)
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"kto": {
+        "file_name": "kto.json", "formatting": "sharegpt", "columns": {"messages": "messages", "kto_tag": "label"}}}))
+    with pytest.raises(UserError, match=re.escape(f"'kto' in {tmp_path / 'dataset_info.json'}: {KTO}; llmtune trains "
+                                                  "sft and pt, leave it out of data.datasets")):
+        build_datasets("sft", DataConfig(dataset_info=str(tmp_path), datasets=["kto"]), chat_tokenizer, 0)
+
+
+@pytest.mark.parametrize("task, name, rows", [
+    ("pt", "topics.jsonl", [{"text": "What is 2 plus 3? It is 5.", "label": "sums"}] * 4),
+    ("pt", "topics.csv", [{"text": "What is 2 plus 3? It is 5.", "label": "true story"}] * 4),
+    ("sft", "graded.parquet", [{"prompt": "What is 2 plus 3?", "completion": "It is 5.", "label": 1}] * 4),
+])
+def test_a_label_column_that_is_not_true_or_false_is_not_read_as_kto(tmp_path, chat_tokenizer, task, name, rows):
+    config = DataConfig(train_files=[write_rows(tmp_path / name, rows)], pt_remainder="pad",
+                        cache_dir=str(tmp_path / "c"))
+    train, _, _ = build_datasets(task, config, chat_tokenizer, 0)
+    assert len(train)
 
 
 def rewritten_conversation(reasoning):

@@ -59,6 +59,29 @@ def test_pt_blocks_restart_positions_and_mask_labels_at_document_starts(tmp_path
     assert [t for row in padded["input_ids"] for t in row] == stream
 
 
+LINES = ["The sum of 1 and 2 is 3.", "The sum of 2 and 3 is 5.", "The sum of 3 and 4 is 7."]
+TEXT = f"{LINES[0]}\n{LINES[1]}\n\n{LINES[2]}\n"
+PARAGRAPHS = [f"{LINES[0]}\n{LINES[1]}", f"{LINES[2]}\n"]
+
+
+def test_a_txt_file_is_one_document_per_line_unless_text_sample_by_says_otherwise(tmp_path, tokenizer, state):
+    path = tmp_path / "docs.txt"
+    path.write_text(TEXT)
+    # One cache folder for the three: each setting must build its own entry.
+    for changes, documents in (({}, LINES), ({"text_sample_by": "paragraph"}, PARAGRAPHS),
+                               ({"text_sample_by": "document"}, [TEXT])):
+        data = config(tmp_path, [str(path)], max_seq_len=256, pt_remainder="pad", **changes)
+        train, _, stats = load_or_build("pt", data, tokenizer, 0, 4, state)
+        # The blank line is no document: it adds no token (no BOS and EOS of an empty one).
+        stream = [t for ids in tokenizer(documents)["input_ids"] for t in ids + [tokenizer.eos_token_id]]
+        assert [t for row in train["input_ids"] for t in row] == stream, changes
+        assert (stats.samples, stats.tokens) == (len(documents), len(stream)), changes
+    streamed = build_stream("pt", config(tmp_path, [str(path)], max_seq_len=256, pt_remainder="pad", streaming=True),
+                            tokenizer, 0)
+    line_stream = [t for ids in tokenizer(LINES)["input_ids"] for t in ids + [tokenizer.eos_token_id]]
+    assert [t for row in streamed for t in row["input_ids"]] == line_stream
+
+
 def test_sources_of_every_kind_and_mixing_weights(tmp_path, tokenizer):
     rows = QA[:10]
     jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
