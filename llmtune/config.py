@@ -728,7 +728,9 @@ def recipe_help() -> str:
             current = section
         option = key if len(names[key]) == 1 else f"{section}.{key}"
         lines.append(f"  --{option} (default: {default})")
-        lines += textwrap.wrap(help, width=110, initial_indent="      ", subsequent_indent="      ")
+        # Not broken at hyphens: "blank-line" split over two lines reads as two words.
+        lines += textwrap.wrap(help, width=110, initial_indent="      ", subsequent_indent="      ",
+                               break_on_hyphens=False)
     lines += ["", "names of the HF Trainer and LLaMA-Factory, also read (config.yaml holds llmtune's):"]
     lines += [f"  {alias} (--{alias.partition('.')[2]}) = {target}" for alias, target in KEY_ALIASES.items()]
     lines += ["  lr_scheduler_type: " + ", ".join(f"{hf} = {ours}" for hf, ours in SCHEDULER_ALIASES.items()),
