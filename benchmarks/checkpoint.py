@@ -19,8 +19,8 @@ from transformers import AutoTokenizer, LlamaConfig
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.config import load_config
 from llmtune.demo.assets import write_demo_assets
-from llmtune.parallel import ParallelState
-from llmtune.worker import build_trainer
+from llmtune.run.parallel import ParallelState
+from llmtune.run.worker import build_trainer
 
 
 class RssPeak:

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from llmtune.features.base import Features
-from llmtune.loss import LossOptions, cross_entropy_sum, shift_labels
-from llmtune.model import CausalLMForTraining
+from llmtune.model.build import CausalLMForTraining
+from llmtune.model.loss import LossOptions, cross_entropy_sum, shift_labels
 
 
 def parse_args(argv=None) -> argparse.Namespace:

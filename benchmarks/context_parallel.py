@@ -17,7 +17,7 @@ read 0.65 when the tensors said 0.54.
 
 --doc-len N packs documents of N tokens into each sequence (position_ids restart at each): attention must
 keep them apart. A mask over the whole sequence would grow with its square; llmtune attends span by span on
-every layout (llmtune/attention.py), so memory should grow linearly: for each length twice another, the
+every layout (llmtune/model/attention.py), so memory should grow linearly: for each length twice another, the
 last lines give each cp's peak over twice its peak at half the length (1.0 is linear).
 """
 
@@ -40,9 +40,9 @@ def step_case(model_dir: str, length: int, doc_len: int, out: str) -> None:
     from llmtune.config import (CheckpointConfig, Config, DataConfig, ModelConfig, MonitorConfig, ParallelConfig,
                                 PeftConfig, TrainConfig)
     from llmtune.features.registry import enabled_features
-    from llmtune.loss import shift_labels
-    from llmtune.model import build_model, load_model_config
-    from llmtune.parallel import ParallelState
+    from llmtune.model.loss import shift_labels
+    from llmtune.model.build import build_model, load_model_config
+    from llmtune.run.parallel import ParallelState
 
     cp = int(os.environ["WORLD_SIZE"])
     state = ParallelState.initialize(cp)

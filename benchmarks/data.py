@@ -29,7 +29,7 @@ from llmtune.config import DataConfig
 from llmtune.data.build import build_datasets, load_or_build
 from llmtune.data.templates import apply_recipe_template, render
 from llmtune.demo.assets import write_demo_assets
-from llmtune.parallel import ParallelState
+from llmtune.run.parallel import ParallelState
 
 CITIES = ("Paris", "Lagos", "Osaka", "Lima", "Oslo", "Denver")
 CURRENCIES = ("EUR", "USD", "JPY", "GBP", "BRL")

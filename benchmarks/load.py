@@ -74,8 +74,8 @@ def llmtune_case(folder: str, out: str) -> None:
     """Under torchrun: the model as `llmtune sft` builds it from model.name_or_path, each rank reading its rows."""
     from llmtune.config import ModelConfig, TrainConfig
     from llmtune.features.base import Features
-    from llmtune.model import build_model, load_model_config
-    from llmtune.parallel import ParallelState
+    from llmtune.model.build import build_model, load_model_config
+    from llmtune.run.parallel import ParallelState
 
     state = ParallelState.initialize()
     model_cfg = ModelConfig(name_or_path=folder)

@@ -45,9 +45,9 @@ def case(folder: str, seq: int, out: str) -> None:
     from llmtune.config import (CheckpointConfig, Config, DataConfig, ModelConfig, MonitorConfig, ParallelConfig,
                                 PeftConfig, TrainConfig)
     from llmtune.features.registry import enabled_features
-    from llmtune.model import build_model, load_model_config
-    from llmtune.model_state import local_rows
-    from llmtune.parallel import ParallelState
+    from llmtune.model.build import build_model, load_model_config
+    from llmtune.model.state import local_rows
+    from llmtune.run.parallel import ParallelState
 
     state = ParallelState.initialize()
     config = Config(task="pt", model=ModelConfig(name_or_path=folder), data=DataConfig(), train=TrainConfig(),

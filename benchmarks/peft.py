@@ -61,8 +61,8 @@ def worker(variant: str, root: Path) -> None:
     import torch.distributed as dist
 
     from llmtune.config import load_config
-    from llmtune.parallel import ParallelState
-    from llmtune.worker import build_trainer
+    from llmtune.run.parallel import ParallelState
+    from llmtune.run.worker import build_trainer
 
     state = ParallelState.initialize()
     try:

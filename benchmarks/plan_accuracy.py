@@ -66,11 +66,11 @@ def measure(config) -> int:
 
     from llmtune.data.collate import MicroBatch
     from llmtune.features.registry import enabled_features
-    from llmtune.loss import shift_labels
-    from llmtune.model import build_model, load_model_config
-    from llmtune.optim import build_optimizer, build_scheduler
-    from llmtune.parallel import ParallelState
-    from llmtune.trainer import Trainer
+    from llmtune.model.build import build_model, load_model_config
+    from llmtune.model.loss import shift_labels
+    from llmtune.run.parallel import ParallelState
+    from llmtune.training.optim import build_optimizer, build_scheduler
+    from llmtune.training.trainer import Trainer
 
     state = ParallelState.initialize(config.parallel.cp_size)
     features = enabled_features(config)
@@ -105,8 +105,8 @@ def measure(config) -> int:
 
 
 def predicted(config, world_size: int) -> int:
-    from llmtune.model import load_model_config
-    from llmtune.plan import plan_memory
+    from llmtune.model.build import load_model_config
+    from llmtune.run.plan import plan_memory
 
     return plan_memory(config, load_model_config(config.model), world_size).peak
 

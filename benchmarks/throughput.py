@@ -189,8 +189,8 @@ def llmtune_step(workload: Workload, settings: dict, state, out: Path):
     token counting, forward/backward, clipping, optimizer, monitor) and returns the step's non-pad tokens on all
     ranks, which the trainer has counted already: its train_step is wrapped to catch them."""
     from llmtune.config import load_config
-    from llmtune.trainer import Trainer
-    from llmtune.worker import build_trainer
+    from llmtune.run.worker import build_trainer
+    from llmtune.training.trainer import Trainer
 
     config = load_config(str(llmtune_recipe(workload, settings, out)), [], workload.task, state.world_size)
     trainer, _ = build_trainer(config, state)
@@ -232,7 +232,7 @@ def run_contender(name: str, workload: Workload, out: Path) -> tuple[dict, bool]
         clock = StepClock(workload.warmup)
         train_hf(workload, contender.settings, clock, str(out))
         return {name: clock.result()}, True
-    from llmtune.parallel import ParallelState
+    from llmtune.run.parallel import ParallelState
 
     state = ParallelState.initialize()
     build = {"llmtune": lambda: llmtune_step(workload, contender.settings, state, out),
@@ -273,7 +273,7 @@ def write_sft_samples(path: Path, count: int, seed: int = 0):
     import numpy as np
 
     from llmtune.demo.assets import EOS_ID, VOCAB_SIZE
-    from llmtune.loss import IGNORE_INDEX
+    from llmtune.model.loss import IGNORE_INDEX
 
     rng = np.random.default_rng(seed)
     lengths = np.clip(np.rint(rng.lognormal(SFT_LENGTHS["mu"], SFT_LENGTHS["sigma"], count)),

@@ -1,3 +1,3 @@
-from llmtune.cli import entry_point
+from llmtune.run.cli import entry_point
 
 entry_point()

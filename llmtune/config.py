@@ -5,6 +5,7 @@ recipe table is rendered from them, so the two cannot drift. All problems of a r
 reported together, before anything expensive (torch import, process group) happens.
 """
 
+import copy
 import dataclasses
 import difflib
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from llmtune.atomic import write_text
 from llmtune.errors import UserError
 
 TASKS = ("pt", "sft")
@@ -55,6 +57,8 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_atten
 CATCHABLE_SIGNALS = {sig.name for sig in signal.Signals} - {"SIGKILL", "SIGSTOP"}
 # Values of checkpoint.resume_from_checkpoint that mean the newest good checkpoint of output_dir (else a fresh start).
 RESUME_NEWEST = ("auto", "latest")
+# The files a data source may name (data.train_files, validation_files, a dataset_info.json entry's file_name).
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 # transformers' pattern for a Hub kernel (transformers.integrations.hub_kernels.is_kernel): org/name[@rev][:fn].
 HUB_KERNEL = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")
 PEFT_METHODS = ("none", "lora", "dora")
@@ -447,11 +451,8 @@ class Config:
         return recipe
 
     def write(self, path: Path) -> None:
-        """Under a temporary name first: a run stopped while writing leaves the earlier file or none, never half."""
         header = f"# resolved recipe of this run: llmtune {self.task} {path.name}\n"
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
-        partial.replace(path)
+        write_text(path, header + yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 def parse_overrides(tokens: list[str]) -> tuple[list[str], int | None]:
@@ -504,12 +505,15 @@ def qualified(key: str) -> str:
     return next(iter(names[key]))
 
 
-def load_config(recipe: str, overrides: list[str], task: str, world_size: int) -> Config:
-    """Read the recipe, apply `section.key=value` overrides, check types and cross-field rules.
+def load_config(recipe: str | Path | dict, overrides: list[str], task: str, world_size: int) -> Config:
+    """Read the recipe (a YAML file's path, or its mapping as a dict), apply `section.key=value` overrides, check types
+    and cross-field rules.
 
     Raises UserError listing every problem found (one per line).
     """
-    raw = _read_recipe(Path(recipe))
+    raw = _read_recipe(recipe)
+    if isinstance(recipe, dict):
+        recipe = "recipe"  # the name the messages give it
     problems: list[str] = []
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -590,7 +594,13 @@ def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
             monitor["report_to"] = [name for name in trackers if name != "none"]
 
 
-def _read_recipe(path: Path) -> dict:
+def _read_recipe(recipe: str | Path | dict) -> dict:
+    if isinstance(recipe, dict):
+        raw = copy.deepcopy(recipe)  # the caller's dict stays as it was given
+        if not all(isinstance(section, str) for section in raw):
+            raise UserError("recipe: a recipe is a mapping of sections (model, data, train, ...) named by strings")
+        return raw
+    path = Path(recipe)
     if not path.is_file():
         raise UserError(f"{path}: recipe file not found; pass the path of a YAML recipe")
     try:

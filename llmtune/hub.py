@@ -14,7 +14,7 @@ from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidation
                                     LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
 from huggingface_hub.utils import validate_repo_id
 
-from llmtune.data.files import DATA_SUFFIXES
+from llmtune.config import DATA_SUFFIXES
 from llmtune.errors import UserError
 
 # What llmtune reads of a model repository: config and generation config, the safetensors weights with their

@@ -3,7 +3,7 @@ their index, config.json, generation_config.json and the tokenizer (with its cha
 files the run's features add.
 
 Two sources share one writer: the FSDP model at the end of training, gathered to rank 0 one decoder layer at a
-time, and a DCP checkpoint of any world size, offline. The writer saves each safetensors shard as soon as it is
+time, and a DCP checkpoint of any world size, offline (`llmtune export`: run/export.py). The writer saves each safetensors shard as soon as it is
 full, so rank 0 holds at most one shard (max_shard_size) and one layer in the export dtype, never the whole model.
 """
 
@@ -13,20 +13,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.core_model_loading import revert_weight_conversion
 
-from llmtune.checkpoint.publish import write_folder
-from llmtune.checkpoint.validate import check_base, check_complete, saved_model_shapes
-from llmtune.config import load_config, parse_size
-from llmtune.errors import UserError
+from llmtune.atomic import write_folder
+from llmtune.config import parse_size
 from llmtune.features.adapters import Adapters, merge_adapters
 from llmtune.features.base import Features
-from llmtune.features.registry import enabled_features
-from llmtune.model import decoder_layers
-from llmtune.model_state import saved_tensors, whole
+from llmtune.model.build import decoder_layers
+from llmtune.model.state import saved_tensors, whole
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -117,65 +112,3 @@ def export_trained(hf_model, tokenizer, output_dir: Path, checkpoint_cfg, state,
         for _ in chunks:  # the gathers rank 0 is taking part in
             pass
     state.barrier()
-
-
-def checkpoint_model(checkpoint: Path, run, trainer_state: dict, adapters: Adapters | None):
-    """The checkpoint's HF model on the CPU in fp32, adapters in their layers: the parameters the run trained from
-    the checkpoint, the frozen ones (a run that trained adapters or some modules only) re-read from its base model,
-    which must be the one it was trained on."""
-    from llmtune.inputs import fetch_hub_inputs, local_inputs
-    from llmtune.model import base_record, load_model_config
-    from llmtune.pretrained import load_weights
-
-    config = AutoConfig.from_pretrained(checkpoint / "hf_config")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    features = Features([adapters] if adapters else [])
-    features.build(model, None)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    if trainer_state.get("base"):
-        local = local_inputs(run, fetch_hub_inputs(run))
-        base_config = load_model_config(local.model)
-        check_base(checkpoint, base_record(run, local.model, base_config))
-        if local.model.name_or_path:
-            load_weights(model, Path(local.model.name_or_path), features.pretrained_tensors(model))
-        else:  # trained from model.config: the frozen weights are its seeded initialisation
-            torch.manual_seed(run.train.seed)
-            initialised = AutoModelForCausalLM.from_config(base_config, dtype=torch.float32)
-            model.load_state_dict(initialised.state_dict(), strict=False)
-    saved = saved_model_shapes(checkpoint, "model.hf_model.")
-    dcp.load({f"model.hf_model.{name}": tensor.data for name, tensor in saved_tensors(model).items() if name in saved},
-             checkpoint_id=str(checkpoint), no_dist=True)
-    return model
-
-
-def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, overwrite: bool, merge: bool,
-                      verify: bool = False) -> None:
-    """Offline, one process: a DCP checkpoint (any world size) -> the same HF folder as the end of training; for a
-    run that trained adapters, their adapter folder, or (merge) the HF folder with them merged.
-    dtype_name None: the run's checkpoint.export_dtype. verify: check every file's checksum first."""
-    check_complete(checkpoint, verify)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise UserError(f"{out_dir}: exists and is not empty; choose another folder or pass --overwrite")
-    saved = json.loads((checkpoint / "trainer_state.json").read_text())
-    run = load_config(str(checkpoint / "config.yaml"), [], saved["task"], saved["world_size"])
-    dtype_name = dtype_name or run.checkpoint.export_dtype
-    if dtype_name not in EXPORT_DTYPES:
-        raise UserError(f"--dtype: {dtype_name!r} is not one of {', '.join(EXPORT_DTYPES)}")
-    features = enabled_features(run)
-    adapters = features.find(Adapters)
-    if merge and not adapters:
-        raise UserError(f"--merge: {checkpoint} has no adapters to merge (peft.method is none); leave --merge out")
-    dtype = EXPORT_DTYPES[dtype_name]
-    model = checkpoint_model(checkpoint, run, saved, adapters)
-    source = checkpoint / "hf_config"
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    if adapters and not merge:
-        adapters.export_adapter(model, tokenizer, out_dir, dtype, is_main=True)
-        return
-    if adapters:
-        merge_adapters(model)
-    generation = GenerationConfig.from_pretrained(source) if (source / "generation_config.json").is_file() else None
-    write_hf_folder(gather_weights(model, dtype, True), model, generation, tokenizer, out_dir,
-                    parse_size(run.checkpoint.max_shard_size), dtype, features)

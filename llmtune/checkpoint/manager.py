@@ -12,7 +12,6 @@ and nothing else is ever loaded or counted.
 
 import json
 import logging
-import os
 import random
 import shutil
 import time
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from llmtune.atomic import write_text
 from llmtune.checkpoint.folders import LATEST, complete_checkpoints
 from llmtune.checkpoint.manifest import files_written_by, write_manifest
 from llmtune.checkpoint.validate import check_base, check_complete, check_model_matches
@@ -200,9 +200,7 @@ class CheckpointManager:
         write_manifest(partial, per_rank)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
-        tmp = self.root / ".latest.tmp"
-        tmp.write_text(final.name)
-        os.replace(tmp, self.root / LATEST)
+        write_text(self.root / LATEST, final.name)
 
     def _retain(self, newest: Path) -> None:
         limit = self.cfg.save_total_limit

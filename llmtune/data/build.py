@@ -29,7 +29,7 @@ from llmtune.data.registry import Source, split_sources
 from llmtune.data.sources import load_source, undecodable_error
 from llmtune.errors import UserError
 from llmtune.hub import dataset_source, fetch
-from llmtune.loss import IGNORE_INDEX
+from llmtune.model.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmtune.loss import IGNORE_INDEX, shift_labels
+from llmtune.model.loss import IGNORE_INDEX, shift_labels
 
 
 @dataclass

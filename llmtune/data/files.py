@@ -5,9 +5,8 @@ import glob
 from functools import partial
 from pathlib import Path
 
+from llmtune.config import DATA_SUFFIXES
 from llmtune.errors import UserError
-
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 
 
 def is_saved_dataset(path: str) -> bool:

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Sampler
 from llmtune.data.build import build_stream, load_or_build, load_or_build_stream_validation
 from llmtune.data.collate import collate, pad_token_id
 from llmtune.errors import UserError
-from llmtune.loss import IGNORE_INDEX
+from llmtune.model.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

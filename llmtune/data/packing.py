@@ -7,7 +7,7 @@ and independent of the number of ranks.
 
 import datasets
 
-from llmtune.loss import IGNORE_INDEX
+from llmtune.model.loss import IGNORE_INDEX
 
 # Samples and documents are packed within windows of this many, so memory stays bounded; for pt
 # what is left at the end of a window is dropped or kept as a shorter block (data.pt_remainder),

@@ -12,13 +12,10 @@ import sys
 import numpy as np
 import pyarrow.compute as pc
 
-from llmtune.config import load_config
-from llmtune.console import configure_logging
 from llmtune.data.build import OneProcess, load_or_build
 from llmtune.data.templates import recipe_tokenizer
 from llmtune.errors import UserError
-from llmtune.inputs import check_inputs, fetch_hub_inputs, local_inputs
-from llmtune.loss import IGNORE_INDEX
+from llmtune.model.loss import IGNORE_INDEX
 
 GREEN, RESET = "\033[32m", "\033[0m"
 OPEN, CLOSE = "[[", "]]"
@@ -26,21 +23,20 @@ HISTOGRAM_BINS = 10
 BAR_WIDTH = 40
 
 
-def preview(recipe: str, overrides: list[str], task: str, count: int) -> None:
-    """Print `count` training samples of the recipe with their trained tokens marked, then the data statistics."""
-    config = load_config(recipe, overrides, task, world_size=1)
+def check_previewable(config) -> None:
+    """A stream is tokenized as training reads it: there is no built dataset, and no statistics, to show."""
     if config.data.streaming:
-        # A stream is tokenized as training reads it: there is no built dataset, and no statistics, to show.
         raise UserError("data.streaming: a streaming run builds no dataset ahead, so llmtune data has nothing to show; "
                         "add data.streaming=false to preview the samples (it tokenizes the whole training set)")
-    local = local_inputs(config, fetch_hub_inputs(config))
-    check_inputs(local)
-    # The run's logging setup (worker.py), so that the cache entry's "data: built" or "data: cache hit" shows.
-    configure_logging()
-    tokenizer = recipe_tokenizer(task, local.model, config.data.chat_template)
+
+
+def preview(task: str, local, count: int) -> None:
+    """Print `count` training samples with their trained tokens marked, then the data statistics. `local`: the recipe
+    with its Hub ids fetched and its inputs checked (run/inputs.py)."""
+    tokenizer = recipe_tokenizer(task, local.model, local.data.chat_template)
     # The arguments of build_data (manager.py): the same cache key, so the run and this command share one entry.
-    train, _, stats = load_or_build(task, local.data, tokenizer, config.train.seed,
-                                    config.train.per_device_train_batch_size, OneProcess())
+    train, _, stats = load_or_build(task, local.data, tokenizer, local.train.seed,
+                                    local.train.per_device_train_batch_size, OneProcess())
     color = sys.stdout.isatty()
     for number, (ids, trained, continued) in enumerate(first_samples(train, count), 1):
         note = " (continues a document of the previous row)" if continued else ""

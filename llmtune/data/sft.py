@@ -3,7 +3,7 @@
 import datasets
 
 from llmtune.data.templates import LabelRules, encode_sample
-from llmtune.loss import IGNORE_INDEX
+from llmtune.model.loss import IGNORE_INDEX
 
 KEPT, TRUNCATED, TOO_LONG, NO_LABELS = 0, 1, 2, 3
 

@@ -14,7 +14,7 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 from llmtune.errors import UserError
-from llmtune.loss import IGNORE_INDEX
+from llmtune.model.loss import IGNORE_INDEX
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

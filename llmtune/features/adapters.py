@@ -21,8 +21,8 @@ import torch
 
 from llmtune.errors import UserError
 from llmtune.features.base import Feature
-from llmtune.model import meta_model
-from llmtune.model_state import copy_rows, whole
+from llmtune.model.build import meta_model
+from llmtune.model.state import copy_rows, whole
 
 ADAPTER = "default"  # peft's name of a model's only adapter
 ADAPTER_CONFIG = "adapter_config.json"
@@ -203,7 +203,7 @@ class Adapters(Feature):
         modules trained in full, under peft's keys (a module tied to another, the embeddings and the lm_head, under
         both names, so that peft's separate copies both take the trained values), with the adapter_config.json that
         names them and the run's base model, and the tokenizer. Every rank calls it (the adapters are gathered)."""
-        from llmtune.checkpoint.publish import write_folder
+        from llmtune.atomic import write_folder
         from safetensors.torch import save_file
 
         gathered: dict[int, str] = {}  # parameter -> the key it was saved under first

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from llmtune.model_state import saved_tensors
+from llmtune.model.state import saved_tensors
 
 
 class Feature:

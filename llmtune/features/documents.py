@@ -1,5 +1,5 @@
 """Packed documents kept apart by the attention without a mask of the whole row, on one rank per sequence
-(llmtune/attention.py; under context parallelism, features/ulysses.py does the same around its all-to-all).
+(llmtune/model/attention.py; under context parallelism, features/ulysses.py does the same around its all-to-all).
 
 A feature on when cp_size is 1, acting at two points:
 - build: with sdpa or eager, installs `attention.document_attention` around the backend, so that transformers
@@ -15,8 +15,8 @@ from functools import partial
 import torch
 from transformers import AttentionInterface
 
-from llmtune.attention import DOCUMENTS, document_attention, document_positions, is_varlen, varlen_kwargs
 from llmtune.features.base import Feature
+from llmtune.model.attention import DOCUMENTS, document_attention, document_positions, is_varlen, varlen_kwargs
 
 
 class PackedDocuments(Feature):

@@ -5,7 +5,7 @@ the optimizer, the clipping or the checkpoint (which records the base model inst
 import re
 
 from llmtune.features.base import Feature
-from llmtune.model import meta_model
+from llmtune.model.build import meta_model
 
 
 def trainable_names(names: list[str], trainable: list[str], frozen: list[str]) -> set[str]:

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from llmtune.features.base import Feature
-from llmtune.loss import IGNORE_INDEX
+from llmtune.model.loss import IGNORE_INDEX
 
 
 class RouterLoss(Feature):

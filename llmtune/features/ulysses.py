@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from llmtune import attention
-from llmtune.attention import attend, backend_function, document_positions, is_varlen, varlen_kwargs
 from llmtune.features.base import Feature
-from llmtune.loss import IGNORE_INDEX
+from llmtune.model import attention
+from llmtune.model.attention import attend, backend_function, document_positions, is_varlen, varlen_kwargs
+from llmtune.model.loss import IGNORE_INDEX
 
 ATTENTION = "llmtune_ulysses"
 

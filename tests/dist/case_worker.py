@@ -15,10 +15,10 @@ import torch
 
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.config import load_config
-from llmtune import attention
-from llmtune.parallel import ParallelState
-from llmtune.process_exit import run_and_exit
-from llmtune.worker import build_trainer
+from llmtune.model import attention
+from llmtune.run.parallel import ParallelState
+from llmtune.run.process_exit import run_and_exit
+from llmtune.run.worker import build_trainer
 
 
 def run_case(recipe: str, overrides: list[str], world_size: int, keep_process_group: bool = False, task: str = "sft",

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from llmtune.process_exit import run_and_exit
+from llmtune.run.process_exit import run_and_exit
 
 
 class SlowToFinalize:

@@ -16,10 +16,10 @@ import time
 
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from llmtune import cli
+from llmtune.run import cli
 from llmtune.data import build
-from llmtune.process_exit import run_and_exit
-from llmtune.trainer import Trainer
+from llmtune.run.process_exit import run_and_exit
+from llmtune.training.trainer import Trainer
 
 
 def crash_after(step: int) -> None:

@@ -8,12 +8,12 @@ import sys
 import time
 from pathlib import Path
 
-from llmtune import inputs
+from llmtune.run import inputs
 from llmtune.config import load_config
 from llmtune.errors import UserError
-from llmtune.parallel import ParallelState
-from llmtune.process_exit import run_and_exit
-from llmtune.worker import fetch_in_turn
+from llmtune.run.parallel import ParallelState
+from llmtune.run.process_exit import run_and_exit
+from llmtune.run.worker import fetch_in_turn
 
 # A download takes a while: long enough that a rank not waiting for it would be seen starting before it ends.
 DOWNLOAD_SECONDS = 1.0

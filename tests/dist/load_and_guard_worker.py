@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 from llmtune.config import load_config
 from llmtune.errors import TrainingStopped
 from llmtune.features.base import Features
-from llmtune.model import build_model, load_model_config
-from llmtune.parallel import ParallelState
-from llmtune.process_exit import run_and_exit
-from llmtune.worker import build_trainer
+from llmtune.model.build import build_model, load_model_config
+from llmtune.run.parallel import ParallelState
+from llmtune.run.process_exit import run_and_exit
+from llmtune.run.worker import build_trainer
 
 NAN_STEPS = {2, 4, 5, 6}  # step 2 alone, then three in a row: max_skipped_steps=3 stops the run at step 6
 

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmtune import pretrained
+from llmtune.model import pretrained
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.config import load_config
 from llmtune.features.base import Features
-from llmtune.model import build_model, load_model_config
-from llmtune.model_state import saved_tensors, whole
-from llmtune.parallel import ParallelState
-from llmtune.process_exit import run_and_exit
+from llmtune.model.build import build_model, load_model_config
+from llmtune.model.state import saved_tensors, whole
+from llmtune.run.parallel import ParallelState
+from llmtune.run.process_exit import run_and_exit
 
 
 def counting_reads(tally: list[int]):

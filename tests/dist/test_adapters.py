@@ -25,8 +25,8 @@ from llmtune.checkpoint.validate import saved_model_shapes
 from llmtune.config import load_config
 from llmtune.errors import UserError
 from llmtune.features.adapters import lora_layers
-from llmtune.parallel import ParallelState
-from llmtune.worker import build_trainer
+from llmtune.run.parallel import ParallelState
+from llmtune.run.worker import build_trainer
 from tests.dist.case_worker import run_case
 from tests.helpers import REPO, kill_tree, read_metrics, run_cli, save_tiny_model, start_cli
 

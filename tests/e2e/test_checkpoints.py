@@ -9,14 +9,14 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from llmtune.checkpoint.hf_export import export_checkpoint
 from llmtune.checkpoint.manager import resolve_resume
 from llmtune.checkpoint.validate import check_complete
-from llmtune.cli import main as cli_main
 from llmtune.config import load_config
 from llmtune.errors import UserError
-from llmtune.parallel import ParallelState
-from llmtune.worker import build_trainer, run
+from llmtune.run.cli import main as cli_main
+from llmtune.run.export import export_checkpoint
+from llmtune.run.parallel import ParallelState
+from llmtune.run.worker import build_trainer, run
 
 
 def recipe(root, model: str, sft_file, **checkpoint) -> str:

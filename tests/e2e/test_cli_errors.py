@@ -99,7 +99,7 @@ def test_missing_recipe_file():
 
 def test_recipe_errors_are_found_before_torch_is_imported(tmp_path, recipe):
     """No process group can exist yet: torch itself has not been imported when the error is raised."""
-    code = ("import sys; from llmtune.cli import main; "
+    code = ("import sys; from llmtune.run.cli import main; "
             f"assert main(['sft', {recipe(train__max_stepz=3)!r}]) == 2; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
@@ -121,7 +121,7 @@ def test_optional_sink_without_its_package_is_refused_up_front(tmp_path, recipe,
     """The tests' environment has every tracker's package: this one is hidden from the CLI's check."""
     import importlib.util
 
-    from llmtune import cli
+    from llmtune.run import cli
 
     find = importlib.util.find_spec
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == tracker else find(name, *a))
@@ -135,7 +135,7 @@ def test_peft_without_its_package_is_refused_up_front(tmp_path, recipe):
     """peft is a dependency, but an environment can lack it: the CLI's check, with peft hidden from it."""
     code = ("import importlib.util, sys; find = importlib.util.find_spec; "
             "importlib.util.find_spec = lambda name, *a: None if name == 'peft' else find(name, *a); "
-            f"from llmtune.cli import main; sys.exit(main(['sft', {recipe(peft__method='lora')!r}]))")
+            f"from llmtune.run.cli import main; sys.exit(main(['sft', {recipe(peft__method='lora')!r}]))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [

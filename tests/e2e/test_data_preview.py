@@ -39,7 +39,7 @@ def run_inputs(recipe: str):
     """(the recipe as the run reads it, the run's tokenizer)."""
     from llmtune.config import load_config
     from llmtune.data.templates import recipe_tokenizer
-    from llmtune.inputs import fetch_hub_inputs, local_inputs
+    from llmtune.run.inputs import fetch_hub_inputs, local_inputs
 
     config = load_config(recipe, [], "sft", world_size=1)
     local = local_inputs(config, fetch_hub_inputs(config))
@@ -123,9 +123,9 @@ def test_shares_the_training_cache_entry(previewed, assets, sft_file, tmp_path, 
 
 def test_no_process_group(previewed):
     recipe, _ = previewed
-    code = ("import sys; from llmtune.cli import main; assert main(['data', sys.argv[1], '--n', '1']) == 0; "
+    code = ("import sys; from llmtune.run.cli import main; assert main(['data', sys.argv[1], '--n', '1']) == 0; "
             "torch = sys.modules.get('torch'); "
-            "print('parallel', 'llmtune.parallel' in sys.modules); "
+            "print('parallel', 'llmtune.run.parallel' in sys.modules); "
             "print('group', bool(torch) and torch.distributed.is_available() and torch.distributed.is_initialized())")
     result = subprocess.run([sys.executable, "-c", code, recipe], cwd=REPO, capture_output=True, text=True,
                             timeout=300)

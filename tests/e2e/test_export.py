@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.config import load_config
-from llmtune.inputs import check_inputs
-from llmtune.parallel import ParallelState
-from llmtune.worker import build_trainer
+from llmtune.run.inputs import check_inputs
+from llmtune.run.parallel import ParallelState
+from llmtune.run.worker import build_trainer
 from tests.helpers import read_metrics
 
 

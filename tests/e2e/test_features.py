@@ -14,14 +14,14 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from llmtune.checkpoint.hf_export import export_trained
-from llmtune.cli import main as cli_main
 from llmtune.config import load_config
 from llmtune.features import registry
 from llmtune.features.base import Feature
-from llmtune.loss import IGNORE_INDEX
-from llmtune.model_state import whole
-from llmtune.parallel import ParallelState
-from llmtune.worker import build_trainer
+from llmtune.model.loss import IGNORE_INDEX
+from llmtune.model.state import whole
+from llmtune.run.cli import main as cli_main
+from llmtune.run.parallel import ParallelState
+from llmtune.run.worker import build_trainer
 from tests.helpers import read_metrics
 
 STEPS, ACCUMULATION = 3, 2

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from llmtune.config import load_config
 from llmtune.data.build import load_or_build
-from llmtune.monitor import peak_tflops
-from llmtune.parallel import ParallelState
-from llmtune.worker import build_trainer
+from llmtune.monitor.metrics import peak_tflops
+from llmtune.run.parallel import ParallelState
+from llmtune.run.worker import build_trainer
 from tests.helpers import read_metrics
 
 FIELDS = {"step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "samples_per_s", "step_time_s",

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from llmtune.checkpoint.manager import resolve_resume
-from llmtune.cli import main as cli_main
+from llmtune.run.cli import main as cli_main
 from tests.helpers import REPO
 
 
@@ -125,7 +125,7 @@ def test_an_output_dir_without_write_permission_is_refused_before_any_work(tiny_
         shutil.copy(sft_file, root / "train.jsonl")
         path = recipe(root, root / "model", root / "train.jsonl", max_steps=2, output_dir=str(locked / "out"))
         unprivileged = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
-        result = subprocess.run([*unprivileged, sys.executable, "-c", "import sys; from llmtune.cli import main; "
+        result = subprocess.run([*unprivileged, sys.executable, "-c", "import sys; from llmtune.run.cli import main; "
                                  f"sys.exit(main(['sft', {path!r}]))"], cwd=REPO, capture_output=True, text=True,
                                 env={**os.environ, "HOME": tmp}, timeout=300)
     assert result.returncode == 2, result.stderr

@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from llmtune.cli import main as cli_main
+from llmtune.run.cli import main as cli_main
 from tests.helpers import REPO
 
 
@@ -76,7 +76,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(recipe, command):
 def test_the_summary_of_a_stop_between_two_records_names_the_step_it_stopped_at(tmp_path, recipe, monkeypatch,
                                                                                     capsys, caplog):
     """A stop by a signal after step 3, records every 5 steps: the last line and the summary both say step 3."""
-    from llmtune.stop_signals import StopSignals
+    from llmtune.training.stop_signals import StopSignals
 
     asked = []
 

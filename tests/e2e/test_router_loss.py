@@ -9,9 +9,9 @@ import yaml
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from llmtune.config import load_config
-from llmtune.loss import IGNORE_INDEX
-from llmtune.parallel import ParallelState
-from llmtune.worker import build_trainer
+from llmtune.model.loss import IGNORE_INDEX
+from llmtune.run.parallel import ParallelState
+from llmtune.run.worker import build_trainer
 
 
 @pytest.fixture(scope="module")

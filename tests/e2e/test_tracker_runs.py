@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from llmtune.config import load_config
-from llmtune.trackers import flat_params
-from llmtune.worker import run
+from llmtune.monitor.trackers import flat_params
+from llmtune.run.worker import run
 from tests.helpers import offline_trackers, read_metrics
 
 

@@ -10,8 +10,8 @@ import torch
 import yaml
 
 from llmtune.config import load_config
-from llmtune.parallel import ParallelState
-from llmtune.worker import build_trainer
+from llmtune.run.parallel import ParallelState
+from llmtune.run.worker import build_trainer
 from tests.helpers import read_metrics
 
 

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from llmtune.attention import attend, backend_function, document_windows
+from llmtune.model.attention import attend, backend_function, document_windows
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 # Two rows of packed documents; the second ends with a pad "document" (positions restart, as collate makes it).
@@ -73,7 +73,7 @@ def test_auto_picks_flash_attention_only_where_it_can_train(monkeypatch):
     import transformers.utils as hf_utils
     from transformers import Qwen2Config
 
-    from llmtune.attention import resolve_backend
+    from llmtune.model.attention import resolve_backend
 
     config = LlamaConfig()
     assert resolve_backend("auto", config, cuda=False, bf16=True) is None  # transformers' pick: sdpa
@@ -90,7 +90,7 @@ def test_auto_picks_flash_attention_only_where_it_can_train(monkeypatch):
 def test_backend_problems_name_what_is_missing(monkeypatch):
     import transformers.utils as hf_utils
 
-    from llmtune.attention import backend_problems
+    from llmtune.model.attention import backend_problems
 
     assert backend_problems("sdpa", cuda=False, bf16=False) == []
     assert backend_problems("flex_attention", cuda=True, bf16=True) == []

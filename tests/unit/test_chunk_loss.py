@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from llmtune.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum
+from llmtune.model.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum
 
 H, V = 8, 37
 # backward runs from loss * GRAD_SCALE, so a gradient not scaled by grad_output fails every test

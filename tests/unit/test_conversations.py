@@ -16,7 +16,7 @@ import pytest
 from llmtune.config import DataConfig
 from llmtune.data.build import build_datasets
 from llmtune.errors import UserError
-from llmtune.loss import IGNORE_INDEX
+from llmtune.model.loss import IGNORE_INDEX
 from tests.helpers import segment_ids as expected
 
 # A ChatML template in the style of Qwen2.5's: tools in the system block, tool calls after the content, tool

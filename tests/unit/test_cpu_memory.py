@@ -1,4 +1,4 @@
-"""On CPU, the memory a freed tensor held stays in the process for the next tensors (llmtune/cpu_memory.py):
+"""On CPU, the memory a freed tensor held stays in the process for the next tensors (llmtune/run/cpu_memory.py):
 resident memory does not drop when a large tensor is freed, as it does with glibc's defaults."""
 
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 PROBE = """
 import sys
 import torch
-from llmtune.cpu_memory import keep_freed_memory
+from llmtune.run.cpu_memory import keep_freed_memory
 
 def resident_mib():
     with open("/proc/self/statm") as f:

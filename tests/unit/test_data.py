@@ -13,8 +13,8 @@ from llmtune.data.collate import collate
 from llmtune.data.manager import DataManager, StreamingDataManager, Validation, build_data
 from llmtune.data.templates import apply_recipe_template
 from llmtune.errors import UserError
-from llmtune.loss import IGNORE_INDEX
-from llmtune.parallel import ParallelState
+from llmtune.model.loss import IGNORE_INDEX
+from llmtune.run.parallel import ParallelState
 
 QA = [{"prompt": f"What is {i} + {2 * i}?" + " Think." * (i % 5), "response": str(3 * i)} for i in range(40)]
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
-from llmtune.monitor import flops_per_token, peak_tflops
+from llmtune.monitor.metrics import flops_per_token, peak_tflops
 from tests.model_matrix import FAMILIES
 
 VOCAB, SEQUENCE = 300, 48

@@ -14,8 +14,8 @@ from transformers.models.llama import modeling_llama
 from llmtune.config import TrainConfig
 from llmtune.features.base import Features
 from llmtune.features.fused_kernels import FusedKernels
-from llmtune.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum, shift_labels
-from llmtune.model import CausalLMForTraining
+from llmtune.model.build import CausalLMForTraining
+from llmtune.model.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum, shift_labels
 from tests.helpers import run_cli
 
 needs_cuda_and_liger = pytest.mark.skipif(

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmtune import cli, config as config_module
+from llmtune import config as config_module
+from llmtune.run import cli
 from llmtune.config import KEY_ALIASES, load_config, parse_overrides, recipe_keys
 from llmtune.errors import UserError
 from tests.helpers import REPO

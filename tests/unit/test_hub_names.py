@@ -22,7 +22,7 @@ from llmtune.data.sources import load_source
 from llmtune import hub
 from llmtune.errors import UserError
 from llmtune.hub import HubRepo, dataset_source, is_hub_id, model_repo
-from llmtune.inputs import hub_inputs, local_inputs
+from llmtune.run.inputs import hub_inputs, local_inputs
 from tests.helpers import add_to_hub_cache
 
 

@@ -4,7 +4,7 @@ checkpoint's step (the interrupted run's later records are logged again), and on
 import json
 
 from llmtune.config import MonitorConfig
-from llmtune.monitor import TrainMonitor
+from llmtune.monitor.metrics import TrainMonitor
 
 
 def monitor(output_dir, rank=0) -> TrainMonitor:

@@ -3,7 +3,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, get_scheduler
 
 from llmtune.config import TrainConfig, load_config
-from llmtune.optim import build_optimizer, build_scheduler
+from llmtune.training.optim import build_optimizer, build_scheduler
 from tests.unit.test_config import write_recipe
 
 

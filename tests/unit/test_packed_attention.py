@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
 
-from llmtune import attention
-from llmtune.attention import varlen_kwargs
 from llmtune.features import documents, ulysses
 from llmtune.features.documents import PackedDocuments
+from llmtune.model import attention
+from llmtune.model.attention import varlen_kwargs
 
 # Two rows of packed documents; the second ends with a pad "document" (positions restart, as collate makes it).
 DOCUMENTS = [[5, 23, 2, 30, 4], [40, 1, 10, 9, 4]]

@@ -12,8 +12,8 @@ from llmtune.config import DataConfig
 from llmtune.data.build import build_datasets
 from llmtune.data.collate import collate
 from llmtune.features.base import Features
-from llmtune.loss import LossOptions
-from llmtune.model import CausalLMForTraining
+from llmtune.model.build import CausalLMForTraining
+from llmtune.model.loss import LossOptions
 
 QA = [{"prompt": f"What is {i} + {i * 7}?" + " Be quick." * (i % 4), "response": str(8 * i)} for i in range(24)]
 

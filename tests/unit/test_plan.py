@@ -7,9 +7,9 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
-from llmtune import cli
-from llmtune.model import decoder_layers
-from llmtune.plan import loss_bytes, saved_activations, shard_bytes
+from llmtune.model.build import decoder_layers
+from llmtune.run import cli
+from llmtune.run.plan import loss_bytes, saved_activations, shard_bytes
 
 LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)

@@ -15,9 +15,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image
 
-from llmtune.cli import main
 from llmtune.errors import UserError
-from llmtune.plots import DPI, FIGSIZE, cumulative_tokens, plot_run, read_records, write_plots
+from llmtune.monitor.plots import DPI, FIGSIZE, cumulative_tokens, plot_run, read_records, write_plots
+from llmtune.run.cli import main
 
 NAMES = ["loss.png", "loss_tokens.png", "lr.png", "grad_norm.png", "tokens_per_s.png"]
 TRAIN, EVAL = (31, 119, 180), (255, 127, 14)  # matplotlib's tab:blue and tab:orange

@@ -17,9 +17,9 @@ from llmtune.config import load_config
 from llmtune.features.adapters import lora_config
 from llmtune.features.registry import check_features
 from llmtune.features.ulysses import layout_problems
-from llmtune.model import decoder_layers
-from llmtune.model_state import saved_tensors
-from llmtune.pretrained import Converted, weight_sources
+from llmtune.model.build import decoder_layers
+from llmtune.model.pretrained import Converted, weight_sources
+from llmtune.model.state import saved_tensors
 from tests.real_shapes import REAL_MODELS
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

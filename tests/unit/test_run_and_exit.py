@@ -10,7 +10,7 @@ from tests.helpers import REPO
 
 PROGRAM = """
 import atexit, sys, threading, time
-from llmtune.process_exit import run_and_exit
+from llmtune.run.process_exit import run_and_exit
 
 def main():
     atexit.register(lambda: print("exit handler ran", flush=True))

@@ -4,7 +4,7 @@ learns the signal (here a world of one); the handlers it replaced come back afte
 import os
 import signal
 
-from llmtune.stop_signals import StopSignals
+from llmtune.training.stop_signals import StopSignals
 
 
 class OneRank:

@@ -11,8 +11,8 @@ import yaml
 
 from llmtune.config import TRACKERS, MonitorConfig
 from llmtune.errors import Preempted
-from llmtune.monitor import StepRecord, TrainMonitor
-from llmtune.trackers import TRACKER_TYPES, tracker_metrics
+from llmtune.monitor.metrics import StepRecord, TrainMonitor
+from llmtune.monitor.trackers import TRACKER_TYPES, tracker_metrics
 from tests.helpers import offline_trackers
 
 # The data file's name makes a param longer than MLflow takes (6000 characters); the 150 options more params than

@@ -10,21 +10,21 @@ from transformers import enable_full_determinism, set_seed
 from llmtune.checkpoint.folders import remove_earlier_run
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
-from llmtune.console import configure_logging
-from llmtune.cpu_memory import keep_freed_memory
 from llmtune.data.manager import build_data
 from llmtune.data.templates import recipe_tokenizer
 from llmtune.errors import Preempted, TrainingStopped
 from llmtune.features.registry import enabled_features
-from llmtune.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
-from llmtune.model import base_record, build_model, check_vocab, load_model_config
-from llmtune.monitor import TrainMonitor, flops_per_token
-from llmtune.optim import build_optimizer, build_scheduler
-from llmtune.parallel import ParallelState
-from llmtune.plots import plot_run
-from llmtune.preflight import check_run
-from llmtune.summary import run_summary
-from llmtune.trainer import Trainer
+from llmtune.model.build import base_record, build_model, check_vocab, load_model_config
+from llmtune.monitor.console import configure_logging
+from llmtune.monitor.metrics import TrainMonitor, flops_per_token
+from llmtune.monitor.plots import plot_run
+from llmtune.run.cpu_memory import keep_freed_memory
+from llmtune.run.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
+from llmtune.run.parallel import ParallelState
+from llmtune.run.preflight import check_run
+from llmtune.run.summary import RunResult, run_result, run_summary
+from llmtune.training.optim import build_optimizer, build_scheduler
+from llmtune.training.trainer import Trainer
 
 log = logging.getLogger("llmtune")
 
@@ -84,12 +84,13 @@ def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, ob
     return trainer, tokenizer
 
 
-def run(config, local=None, resume: str = "the same command with checkpoint.resume_from_checkpoint=auto") -> None:
-    """local: the recipe with its Hub ids fetched and checked, or None to fetch them here (fetch_in_turn). resume: the
-    command that continues this run, for the summary that ends it and the message of a stop by a signal."""
+def run(config, local=None, resume: str = "the same command with checkpoint.resume_from_checkpoint=auto") -> RunResult:
+    """The run's result, on every rank. local: the recipe with its Hub ids fetched and checked, or None to fetch them
+    here (fetch_in_turn). resume: the command that continues this run, for the summary that ends it and the message
+    of a stop by a signal."""
     configure_logging()
     state = ParallelState.initialize(config.parallel.cp_size, config.parallel.timeout_minutes)
-    started, trainer, outcome = time.perf_counter(), None, "failed"
+    started, trainer, outcome, result = time.perf_counter(), None, "failed", None
     try:
         trainer, tokenizer = build_trainer(config, state, local or fetch_in_turn(config, state))
         trainer.train()
@@ -115,6 +116,9 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
                 plot_run(Path(config.train.output_dir))
             else:
                 log.info("plots: draw them with: llmtune plot %s", config.train.output_dir)
-            log.info("%s", run_summary(Path(config.train.output_dir), trainer.step, trainer.total_steps,
-                                       time.perf_counter() - started, outcome, resume))
+            result = run_result(Path(config.train.output_dir), trainer.step, trainer.total_steps)
+            log.info("%s", run_summary(result, time.perf_counter() - started, outcome, resume))
+        if outcome == "finished":  # a failed run raises on every rank: no rank waits for this
+            result = state.broadcast_object(result)
         state.close()
+    return result

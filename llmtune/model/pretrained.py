@@ -22,11 +22,19 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (Concatenate, Interleave, MergeModulelist, Transpose, WeightConverter,
-                                             WeightRenaming, dot_natural_key, rename_source_key)
+from transformers.core_model_loading import (
+    Concatenate,
+    Interleave,
+    MergeModulelist,
+    Transpose,
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+)
 
 from llmtune.errors import UserError
-from llmtune.model_state import local_rows, shard_start
+from llmtune.model.state import local_rows, shard_start
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

@@ -26,35 +26,27 @@ TASK_DESCRIPTIONS = {"pt": "Pre-training: packed blocks of text, every token tra
 
 
 def train_command(task: str, recipe: str, rest: list[str]) -> int:
-    from llmtune import launch
     from llmtune.config import load_config, parse_overrides
-    from llmtune.inputs import fetch_hub_inputs, hub_inputs, local_inputs
-    from llmtune.preflight import check_run
+    from llmtune.run import launch
+    from llmtune.run.preflight import checked_inputs
 
     overrides, nproc = parse_overrides(rest)
     if nproc and launch.launched_by_torchrun():
         raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
     world_size = nproc or launch.world_size_from_env()
     config = load_config(recipe, overrides, task, world_size)
-    resume = resume_command(task, recipe, overrides)
-    if launch.launched_by_torchrun() and hub_inputs(config):
-        from llmtune.worker import run
-
-        run(config, None, resume)
-        return 0
-    local = local_inputs(config, fetch_hub_inputs(config))
-    check_run(local, world_size)
+    local = checked_inputs(config, world_size)
     if nproc and nproc > 1:
         return launch.launch_local(nproc, [task, recipe, *overrides])
-    from llmtune.worker import run
+    from llmtune.run.worker import run
 
-    run(config, local, resume)
+    run(config, local, resume_command(task, recipe, overrides))
     return 0
 
 
 def resume_command(task: str, recipe: str, overrides: list[str]) -> str:
     """The command line that continues this run from its newest good checkpoint."""
-    from llmtune import launch
+    from llmtune.run import launch
 
     kept = [o for o in overrides if not o.startswith("checkpoint.resume_from_checkpoint=")]
     words = [task, recipe, *kept, "checkpoint.resume_from_checkpoint=auto"]
@@ -94,10 +86,20 @@ def data_command(args: list[str]) -> int:
         raise UserError(f"--n: {count!r} is not a positive number of samples")
     if task not in ("pt", "sft"):
         raise UserError(f"--task: {task!r} is not a task; use pt or sft")
-    # Imported after the checks above: datasets and transformers take seconds to import.
-    from llmtune.data.preview import preview
+    from llmtune.config import load_config
+    from llmtune.run.inputs import check_inputs, fetch_hub_inputs, local_inputs
 
-    preview(recipe, overrides, task, int(count))
+    config = load_config(recipe, overrides, task, world_size=1)
+    # Imported after the checks above: datasets and transformers take seconds to import.
+    from llmtune.data.preview import check_previewable, preview
+    from llmtune.monitor.console import configure_logging
+
+    check_previewable(config)
+    local = local_inputs(config, fetch_hub_inputs(config))
+    check_inputs(local)
+    # The run's logging setup (worker.py), so that the cache entry's "data: built" or "data: cache hit" shows.
+    configure_logging()
+    preview(task, local, int(count))
     return 0
 
 
@@ -115,7 +117,7 @@ def export_command(args: list[str]) -> int:
     parsed = parser.parse_args(args)
     from pathlib import Path
 
-    from llmtune.checkpoint.hf_export import export_checkpoint
+    from llmtune.run.export import export_checkpoint
 
     export_checkpoint(Path(parsed.checkpoint), Path(parsed.out_dir), parsed.dtype, parsed.overwrite, parsed.merge,
                       parsed.verify)
@@ -147,7 +149,7 @@ def plan_command(args: list[str]) -> int:
     if device_gib is not None and device_gib <= 0:
         raise UserError(f"--device-memory: {memory!r} is not a positive number of GiB (e.g. 80 for an H100 80GB)")
     world_size = nproc or int(nnodes or 1) * int(per_node or 1)
-    from llmtune.plan import plan_recipe
+    from llmtune.run.plan import plan_recipe
 
     print(plan_recipe(recipe, overrides, task, world_size, device_gib))
     return 0
@@ -161,7 +163,7 @@ def plot_command(args: list[str]) -> int:
     parsed = parser.parse_args(args)
     from pathlib import Path
 
-    from llmtune.plots import write_plots
+    from llmtune.monitor.plots import write_plots
 
     for path in write_plots(Path(parsed.output_dir)):
         print(path)
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     except (TrainingStopped, Preempted) as err:
         # Every rank stops with the same message (the reasons are agreed over ranks): rank 0 says it.
-        from llmtune.launch import rank_from_env
+        from llmtune.run.launch import rank_from_env
 
         if rank_from_env() == 0:
             print(f"llmtune: {'error: ' if isinstance(err, TrainingStopped) else ''}{err}", file=sys.stderr)
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C where train.save_on_signals does not catch it (before training starts, or when it lists no SIGINT):
         # what was being written (the data cache, a checkpoint, the export) goes under a temporary name, so nothing is
         # left half-written under its own.
-        from llmtune.launch import rank_from_env
+        from llmtune.run.launch import rank_from_env
 
         if rank_from_env() == 0:
             print("llmtune: interrupted (Ctrl-C)", file=sys.stderr)
@@ -220,6 +222,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry_point() -> None:
     """The `llmtune` command and `python -m llmtune`: main(), then the process ends as process_exit says."""
-    from llmtune.process_exit import run_and_exit
+    from llmtune.run.process_exit import run_and_exit
 
     run_and_exit(main)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmtune.console import Console
-from llmtune.trackers import Trackers
+from llmtune.monitor.console import Console
+from llmtune.monitor.trackers import Trackers
 
 # Dense (no sparsity) bf16 peak TFLOP/s of one device, from the vendors' datasheets (NVIDIA's list "with sparsity",
 # halved here; AMD's dense figure), by a substring of torch.cuda.get_device_name(): "NVIDIA H100 80GB HBM3" (SXM),

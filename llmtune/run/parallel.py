@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmtune.errors import UserError
-from llmtune.launch import launched_by_torchrun
+from llmtune.run.launch import launched_by_torchrun
 
 LONG_WAIT = timedelta(hours=24)
 

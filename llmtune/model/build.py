@@ -18,12 +18,11 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from llmtune.attention import backend_problems, resolve_backend
 from llmtune.errors import UserError
-from llmtune.features.base import Features
-from llmtune.loss import LossOptions, cross_entropy_sum
-from llmtune.model_state import saved_tensors
-from llmtune.pretrained import checkpoint_index, load_weights, weight_sources
+from llmtune.model.attention import backend_problems, resolve_backend
+from llmtune.model.loss import LossOptions, cross_entropy_sum
+from llmtune.model.pretrained import checkpoint_index, load_weights, weight_sources
+from llmtune.model.state import saved_tensors
 
 
 class CausalLMForTraining(nn.Module):
@@ -32,9 +31,12 @@ class CausalLMForTraining(nn.Module):
     Its forward runs the decoder and then the loss from the last hidden states and the lm_head
     weight, plus the features' loss terms. Being the root, FSDP has unsharded the embeddings and
     lm_head exactly where the loss needs them, and the HF model class is never edited.
+
+    `features`: the run's Features (features/base.py), passed in rather than imported: the features are the layer
+    above the model, they build on it.
     """
 
-    def __init__(self, hf_model: PreTrainedModel, loss_options: LossOptions, features: Features):
+    def __init__(self, hf_model: PreTrainedModel, loss_options: LossOptions, features):
         super().__init__()
         self.hf_model = hf_model
         self.loss_options = loss_options
@@ -118,8 +120,9 @@ def decoder_layers(hf_model: PreTrainedModel) -> list[nn.Module]:
     return layers
 
 
-def build_model(model_config, model_cfg, train_cfg, state, features: Features) -> CausalLMForTraining:
-    """`model_config`: the HF config (load_model_config); the features change the model before it is sharded."""
+def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLMForTraining:
+    """`model_config`: the HF config (load_model_config); `features`: the run's Features, which change the model before
+    it is sharded."""
     config = copy.deepcopy(model_config)  # the model keeps and changes its config (its attention implementation)
     backend = resolve_backend(model_cfg.attn_implementation, config, state.device.type == "cuda", train_cfg.bf16)
     kwargs = dict(attn_implementation=backend, trust_remote_code=model_cfg.trust_remote_code, dtype=torch.float32)

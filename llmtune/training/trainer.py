@@ -8,9 +8,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from llmtune.errors import Preempted, TrainingStopped
-from llmtune.loss import IGNORE_INDEX
-from llmtune.monitor import StepRecord
-from llmtune.stop_signals import StopSignals
+from llmtune.model.loss import IGNORE_INDEX
+from llmtune.monitor.metrics import StepRecord
+from llmtune.training.stop_signals import StopSignals
 
 
 class Trainer:

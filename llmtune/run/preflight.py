@@ -4,7 +4,18 @@ output folder (writable, no other run's checkpoints or export) and the inputs (p
 torch-free so that a wrong path is reported before torch is imported; then, against the model's transformers
 config, the enabled features' checks and the model's own (built on the meta device)."""
 
-from llmtune.inputs import check_inputs, check_output_dir
+from llmtune.run.inputs import check_inputs, check_output_dir, fetch_hub_inputs, hub_inputs, local_inputs
+from llmtune.run.launch import launched_by_torchrun
+
+
+def checked_inputs(config, world_size: int):
+    """The recipe as the run reads it, its Hub ids fetched and every check passed; None under torchrun with Hub ids,
+    whose workers fetch and check them in turn once the process group exists (worker.fetch_in_turn)."""
+    if launched_by_torchrun() and hub_inputs(config):
+        return None
+    local = local_inputs(config, fetch_hub_inputs(config))
+    check_run(local, world_size)
+    return local
 
 
 def check_run(local, world_size: int) -> None:
@@ -12,7 +23,7 @@ def check_run(local, world_size: int) -> None:
     check_output_dir(local.train, local.checkpoint.resume_from_checkpoint)
     check_inputs(local)
     from llmtune.features.registry import check_features
-    from llmtune.model import check_model, load_model_config
+    from llmtune.model.build import check_model, load_model_config
 
     model_config = load_model_config(local.model)
     check_features(local, model_config, world_size)

@@ -137,7 +137,7 @@ def shard_bytes(param: torch.Tensor, world_size: int, itemsize: int) -> int:
 
 
 def loss_bytes(tokens: int, hidden: int, vocab: int, chunk: int, compute: int, head_trains: bool) -> int:
-    """The loss's buffers at its peak (llmtune/loss.py): chunked, the gradients w.r.t. the hidden states
+    """The loss's buffers at its peak (llmtune/model/loss.py): chunked, the gradients w.r.t. the hidden states
     [tokens, H] and, when lm_head trains, the fp32 one w.r.t. its weight [V, H] with its copy in the weight's dtype,
     plus one [chunk, V] block of fp32 logits (and of the compute dtype's matmul output); full logits (chunk 0):
     [tokens, V] logits in the compute dtype, their fp32 copy and its gradient."""
@@ -153,7 +153,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     from llmtune.features.adapters import Adapters
     from llmtune.features.freezing import Freezing
     from llmtune.features.registry import enabled_features
-    from llmtune.model import decoder_layers, meta_model
+    from llmtune.model.build import decoder_layers, meta_model
 
     train = config.train
     compute = 2 if train.bf16 else 4
@@ -285,7 +285,7 @@ def plan_recipe(recipe: str, overrides: list[str], task: str, world_size: int, d
     from llmtune.config import load_config
     from llmtune.errors import UserError
     from llmtune.features.registry import check_features
-    from llmtune.model import check_model, load_model_config
+    from llmtune.model.build import check_model, load_model_config
 
     config = load_config(recipe, overrides, task, world_size)
     try:

@@ -1,7 +1,15 @@
-"""Folders that appear whole or not at all."""
+"""Files and folders that appear whole or not at all: written under a temporary name, then swapped in, so that a run
+stopped while writing leaves the earlier version or none, never half of one."""
 
 import shutil
 from pathlib import Path
+
+
+def write_text(path: Path, text: str) -> None:
+    """`path` holds `text` whole, or what it held before (os.replace is atomic within a folder)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def write_folder(out_dir: Path, fill) -> None:

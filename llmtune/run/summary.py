@@ -1,0 +1,59 @@
+"""What a run leaves: its result (what `llmtune.train` returns) and the paragraph that ends every run on rank 0 (how
+far it got, what it cost, what it left where, and the commands that go on from there). Read from the run's own
+records (metrics.jsonl, the checkpoints folder, the export), so that it counts the steps of earlier attempts that a
+resumed run continues."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmtune.checkpoint.folders import EXPORTS, complete_checkpoints
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The run as its records tell it. Losses are the logged ones (the mean over the tokens of the steps each
+    record covers); None where the run logged none."""
+
+    output_dir: Path
+    steps: int  # the optimizer steps taken, earlier attempts that a resumed run continues included
+    total_steps: int
+    tokens: int  # input tokens trained on, over every rank
+    loss: float | None  # the last logged training loss
+    eval_loss: float | None  # the last evaluation's
+    best_eval_loss: float | None
+    checkpoint: Path | None  # the newest complete checkpoint
+    export: Path | None  # output_dir/hf: the HF folder (adapter runs: merged, when checkpoint.export_merged)
+    adapter: Path | None  # output_dir/adapter: the adapter folder of a run that trained adapters
+
+
+def run_result(output_dir: Path, step: int, total_steps: int) -> RunResult:
+    """step: the last optimizer step taken (a stop can come between two logged records)."""
+    metrics = output_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    evals = [record["eval_loss"] for record in records if "eval_loss" in record]
+    checkpoints = complete_checkpoints(output_dir / "checkpoints")
+    # Export folders appear whole or not at all (llmtune/atomic.py).
+    hf, adapter = (output_dir / name if (output_dir / name).is_dir() else None for name in EXPORTS)
+    return RunResult(output_dir, step, total_steps, sum(record["input_tokens"] for record in records),
+                     records[-1]["loss"] if records else None, evals[-1] if evals else None,
+                     min(evals) if evals else None, checkpoints[-1] if checkpoints else None, hf, adapter)
+
+
+def run_summary(result: RunResult, seconds: float, outcome: str, resume: str) -> str:
+    """outcome: how the run ended ("finished", "stopped by SIGTERM", ...); resume: the command that continues it."""
+    parts = [f"run {outcome} at step {result.steps} of {result.total_steps}: {result.tokens:,} tokens, {seconds:,.0f} "
+             "s in this process"]
+    if result.loss is not None:
+        parts.append(f"last logged loss {result.loss:.4f}")
+    if result.eval_loss is not None:
+        parts.append(f"eval loss {result.eval_loss:.4f} at the end, best {result.best_eval_loss:.4f}")
+    if result.checkpoint:
+        parts.append(f"newest checkpoint {result.checkpoint} (export it with: llmtune export {result.checkpoint} "
+                     f"OUT_DIR; go on from it with: {resume})")
+    else:
+        parts.append("no checkpoint saved (checkpoint.save_steps or save_epochs turn saving on)")
+    exported = [path for path in (result.export, result.adapter) if path]
+    if exported:
+        parts.append("exported to " + " and ".join(str(path) for path in exported))
+    return "; ".join(parts) + "."
