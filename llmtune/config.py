@@ -1,7 +1,7 @@
 """Recipe YAML + command-line overrides -> a validated, typed Config.
 
-Every section is a dataclass whose fields carry their default and a one-line help; the README's
-recipe table is rendered from them, so the two cannot drift. All problems of a recipe are
+Every section is a dataclass whose fields carry their default and a one-line help; the recipe
+reference (docs/recipe.md) and --help are rendered from them, so the two cannot drift. All problems of a recipe are
 reported together, before anything expensive (torch import, process group) happens.
 """
 
@@ -715,11 +715,14 @@ def recipe_keys():
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            yield section, f.name, yaml.safe_dump(default).strip().removesuffix("...").strip(), f.metadata["help"]
+            # Flow style: a list or mapping default on one line, as a table cell and a --help line hold it.
+            text = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+            yield section, f.name, text, f.metadata["help"]
 
 
 def reference_table() -> str:
-    """The README's recipe reference: every field, its default and its meaning."""
+    """The recipe reference (docs/recipe.md, written by docs/recipe_table.py): every field, its default and its
+    meaning."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     rows += [f"| `{section}.{key}` | `{default}` | {help.replace('|', '/')} |"
              for section, key, default, help in recipe_keys()]

@@ -22,16 +22,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (
-    Concatenate,
-    Interleave,
-    MergeModulelist,
-    Transpose,
-    WeightConverter,
-    WeightRenaming,
-    dot_natural_key,
-    rename_source_key,
-)
+from transformers.core_model_loading import (Concatenate, Interleave, MergeModulelist, Transpose, WeightConverter,
+                                             WeightRenaming, dot_natural_key, rename_source_key)
 
 from llmtune.errors import UserError
 from llmtune.model.state import local_rows, shard_start

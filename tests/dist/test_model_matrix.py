@@ -7,7 +7,7 @@ A backend the recipe names that the class cannot run is refused up front; `auto`
 
 Mixture-of-experts families load from the per-expert layout save_pretrained writes and export it back; their pt
 runs log aux_loss and expert_load where the model has a router loss. The cp comparison runs them with the router
-loss off: it is computed per cp slice (README, "Mixture-of-experts"), so it is not cp-invariant."""
+loss off: it is computed per cp slice (docs/moe.md), so it is not cp-invariant."""
 
 import json
 import shutil

@@ -1,5 +1,5 @@
 """`llmtune plan` against the run: the peak it predicts for a training step per rank is within 25% of the peak
-the step measures (tensor bytes, counted as benchmarks/plan_accuracy.py counts them; its table in the README has
+the step measures (tensor bytes, counted as benchmarks/plan_accuracy.py counts them; its table in docs/plan.md has
 more layouts), on 1 and 2 ranks, with checkpointing and with context parallelism."""
 
 import pytest

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -47,10 +48,24 @@ def test_ctrl_c_while_the_data_cache_is_written_exits_130_and_leaves_no_partial_
     assert cli_main(["sft", recipe, "--overwrite_output_dir", "true"]) == 0, "the next run builds the entry afresh"
 
 
+def importing_torch(pid: int) -> bool:
+    """Whether process `pid` (bin/llmtune, exec'd into python) has got as far as loading torch's library: llmtune's
+    command is running, its SIGINT handler set long before, and training is seconds away. Read from /proc."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def test_ctrl_c_before_the_first_step_exits_130_without_a_traceback(tmp_path, recipe):
+    # SIGINT's default action in the child whatever this process's is: a suite started in the background by a
+    # shell without job control ignores SIGINT, a setting its children inherit and Python then keeps.
     process = subprocess.Popen([str(REPO / "bin" / "llmtune"), "sft", recipe], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)  # Python is up (its SIGINT handler set) and still importing: training is seconds away
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while not importing_torch(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 130, err[-2000:]
