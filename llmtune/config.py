@@ -409,6 +409,8 @@ class MonitorConfig:
                                              "known GPUs (none on CPU, so mfu is null).")
     profile_steps: list[int] = _field([], "[start, end]: torch.profiler traces of these steps, per rank, in "
                                           "output_dir/profile.")
+    plots: bool = _field(True, "Draw the curves into output_dir/plots when the run ends (needs the plots extra); "
+                               "false leaves them to llmtune plot.")
 
     def problems(self) -> list[str]:
         out = [_choice_problem("monitor.report_to", name, TRACKERS) for name in self.report_to if name not in TRACKERS]

@@ -7,6 +7,16 @@ import pytest
 
 from tests.helpers import save_tiny_model
 
+DIST = Path(__file__).parent / "dist"
+
+
+def pytest_collection_modifyitems(items):
+    """The 2- and 4-process tests are slow by nature (each launch starts processes that import torch): marked here
+    once rather than in every file, so that a new one cannot be left out of the mark."""
+    for item in items:
+        if DIST in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Path:

@@ -10,12 +10,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def without_plots(args) -> list[str]:
+    """Overrides, or a command line, with monitor.plots=false added unless they set monitor.plots: drawing the curves
+    at a run's end takes a second, which only the tests that read the plots spend."""
+    return list(args) if any("monitor.plots" in arg for arg in args) else [*args, "monitor.plots=false"]
+
+
+def cli_words(args) -> list[str]:
+    """A command line as the tests give bin/llmtune: a training command without plots (without_plots)."""
+    return without_plots(args) if tuple(args[:1]) in (("pt",), ("sft",)) else list(args)
+
+
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """bin/llmtune as a user runs it, from the repository root; env: variables to add (None: to remove)."""
+    """bin/llmtune as a user runs it, from the repository root (no plots: without_plots); env: variables to add
+    (None: to remove)."""
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}
-    return subprocess.run([str(REPO / "bin" / "llmtune"), *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([str(REPO / "bin" / "llmtune"), *cli_words(args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -56,10 +68,10 @@ def add_to_hub_cache(hf_home: Path, repo_id: str, kind: str, files: Path, commit
 
 
 def start_cli(*args: str) -> subprocess.Popen:
-    """bin/llmtune in the background."""
+    """bin/llmtune in the background (no plots: without_plots)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.Popen([str(REPO / "bin" / "llmtune"), *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    return subprocess.Popen([str(REPO / "bin" / "llmtune"), *cli_words(args)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def descendants(pid: int) -> list[int]:

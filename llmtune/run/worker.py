@@ -112,9 +112,9 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
             # plot_run never raises: the run's outcome and error stay as they are. torchrun ends every process soon
             # after one exits with an error: on several processes, a run that did not finish leaves its plots (a
             # second or two) to `llmtune plot`, lest its summary and error be cut off.
-            if outcome == "finished" or state.world_size == 1:
+            if config.monitor.plots and (outcome == "finished" or state.world_size == 1):
                 plot_run(Path(config.train.output_dir))
-            else:
+            elif config.monitor.plots:
                 log.info("plots: draw them with: llmtune plot %s", config.train.output_dir)
             result = run_result(Path(config.train.output_dir), trainer.step, trainer.total_steps)
             log.info("%s", run_summary(result, time.perf_counter() - started, outcome, resume))

@@ -17,6 +17,7 @@ from llmtune.run.cli import main as cli_main
 from llmtune.run.export import export_checkpoint
 from llmtune.run.parallel import ParallelState
 from llmtune.run.worker import build_trainer, run
+from tests.helpers import without_plots
 
 
 def recipe(root, model: str, sft_file, **checkpoint) -> str:
@@ -32,7 +33,7 @@ def recipe(root, model: str, sft_file, **checkpoint) -> str:
 
 
 def train(path: str, *overrides: str) -> None:
-    run(load_config(path, list(overrides), "sft", world_size=1))
+    run(load_config(path, without_plots(overrides), "sft", world_size=1))
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -164,7 +165,7 @@ def test_resume_with_another_model_says_which_shapes_differ(saved, tmp_path, tin
 
 def test_resume_latest_without_checkpoint_starts_fresh(tmp_path, tiny_model, sft_file, caplog):
     train(recipe(tmp_path, str(tiny_model), sft_file, save_steps=0), "checkpoint.resume_from_checkpoint=latest",
-          "train.max_steps=2")
+          "train.max_steps=2", "monitor.plots=true")
     assert "has no checkpoint yet; starting fresh" in caplog.text
     assert (tmp_path / "out" / "hf").is_dir()
     assert len(list((tmp_path / "out" / "plots").glob("*.png"))) == 5, "the run's end draws its curves"
@@ -175,3 +176,4 @@ def test_save_epochs_saves_at_each_epoch_end_and_at_the_end(tmp_path, tiny_model
     train(path, "data.packing=false", "train.per_device_train_batch_size=16", "train.max_steps=5")
     names = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
     assert names == ["global_step_4", "global_step_5", "latest"], "64 samples = 4 steps an epoch, then the end"
+    assert not (tmp_path / "out" / "plots").exists(), "monitor.plots=false draws none"
