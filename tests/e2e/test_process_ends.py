@@ -22,6 +22,7 @@ def recipe(tmp_path, tiny_model, sft_file) -> str:
         "model": {"name_or_path": str(tiny_model)},
         "data": {"train_files": [str(sft_file)], "chat_template": "basic", "max_seq_len": 64},
         "train": {"output_dir": str(tmp_path / "out"), "max_steps": 2, "per_device_train_batch_size": 2},
+        "monitor": {"plots": False},  # no test here reads them
     }))
     return str(path)
 

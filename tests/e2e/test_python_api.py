@@ -19,6 +19,7 @@ def recipe(tiny_model, sft_file, output_dir) -> dict:
         "train": {"output_dir": str(output_dir), "max_steps": 8, "per_device_train_batch_size": 4,
                   "logging_steps": 1, "learning_rate": 2e-3},
         "checkpoint": {"save_steps": 4},
+        "monitor": {"plots": False},  # no test here reads them
     }
 
 

@@ -24,7 +24,7 @@ def runs(tiny_model, sft_file, tmp_path_factory):
         "data": {"train_files": [str(sft_file)], "chat_template": "basic", "max_seq_len": 64},
         "train": {"output_dir": str(out), "max_steps": 4, "per_device_train_batch_size": 2, "logging_steps": 1},
         "checkpoint": {"save_steps": 2},
-        "monitor": {"report_to": ["tensorboard", "wandb", "mlflow"]},
+        "monitor": {"report_to": ["tensorboard", "wandb", "mlflow"], "plots": False},
     }))
     with pytest.MonkeyPatch.context() as patch:
         offline_trackers(patch, root)
