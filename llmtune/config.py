@@ -5,9 +5,9 @@ reference (docs/recipe.md) and --help are rendered from them, so the two cannot 
 reported together, before anything expensive (torch import, process group) happens.
 """
 
-import copy
 import dataclasses
 import difflib
+import os
 import re
 import signal
 import textwrap
@@ -596,9 +596,21 @@ def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
             monitor["report_to"] = [name for name in trackers if name != "none"]
 
 
+def plain(value):
+    """A recipe value given from Python, as YAML would give it: paths (os.PathLike) as strings, tuples as lists,
+    within lists and mappings too."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    return value
+
+
 def _read_recipe(recipe: str | Path | dict) -> dict:
     if isinstance(recipe, dict):
-        raw = copy.deepcopy(recipe)  # the caller's dict stays as it was given
+        raw = plain(recipe)  # a copy: the caller's dict stays as it was given
         if not all(isinstance(section, str) for section in raw):
             raise UserError("recipe: a recipe is a mapping of sections (model, data, train, ...) named by strings")
         return raw

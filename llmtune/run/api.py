@@ -3,7 +3,7 @@ fetched and every preflight check made as the CLI makes them, then the same work
 
 import yaml
 
-from llmtune.config import SECTIONS, TASKS, load_config, qualified
+from llmtune.config import SECTIONS, TASKS, load_config, plain, qualified
 from llmtune.errors import UserError
 from llmtune.run.launch import world_size_from_env
 from llmtune.run.preflight import checked_inputs
@@ -14,7 +14,7 @@ RESUME_CALL = 'the same llmtune.train call with resume_from_checkpoint="auto"'
 
 def yaml_text(value) -> str:
     """`value` as the YAML text an override carries: the CLI's `key=text` reads it back as the same value."""
-    return yaml.safe_dump(value, default_flow_style=True, width=float("inf")).removesuffix("\n...\n").strip()
+    return yaml.safe_dump(plain(value), default_flow_style=True, width=float("inf")).removesuffix("\n...\n").strip()
 
 
 def override_items(overrides: dict) -> list[str]:

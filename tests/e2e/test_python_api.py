@@ -7,16 +7,17 @@ import pytest
 import yaml
 
 import llmtune
+from llmtune.config import plain
 from llmtune.errors import UserError
 from tests.helpers import read_metrics, run_cli
 
 
 def recipe(tiny_model, sft_file, output_dir) -> dict:
+    """Paths as Python gives them (pathlib), where a YAML recipe has strings."""
     return {
-        "model": {"name_or_path": str(tiny_model)},
-        "data": {"train_files": [str(sft_file)], "val_files": [str(sft_file)], "chat_template": "basic",
-                 "max_seq_len": 64},
-        "train": {"output_dir": str(output_dir), "max_steps": 8, "per_device_train_batch_size": 4,
+        "model": {"name_or_path": tiny_model},
+        "data": {"train_files": [sft_file], "val_files": (sft_file,), "chat_template": "basic", "max_seq_len": 64},
+        "train": {"output_dir": output_dir, "max_steps": 8, "per_device_train_batch_size": 4,
                   "logging_steps": 1, "learning_rate": 2e-3},
         "checkpoint": {"save_steps": 4},
         "monitor": {"plots": False},  # no test here reads them
@@ -54,7 +55,7 @@ def test_the_result_is_the_runs_records(api_run):
 def test_the_cli_trains_the_same_run(api_run, tmp_path):
     """The same recipe and overrides through bin/llmtune: the same losses step by step."""
     given, _, out = api_run
-    cli_recipe = copy.deepcopy(given)
+    cli_recipe = plain(given)
     cli_recipe["train"]["output_dir"] = str(tmp_path / "cli")
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(cli_recipe))
@@ -72,7 +73,7 @@ def test_a_recipe_path_resumes_from_the_newest_checkpoint(api_run, tmp_path):
     """A recipe given by path; resume_from_checkpoint="auto" continues the run the first call left at step 6."""
     given, _, out = api_run
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(given))
+    path.write_text(yaml.safe_dump(plain(given)))
     result = llmtune.train("sft", path, resume_from_checkpoint="auto", max_steps=8, eval_steps=2,
                            checkpoint={"save_steps": 3})
     assert (result.steps, result.checkpoint) == (8, out / "checkpoints" / "global_step_8")
@@ -84,7 +85,7 @@ def test_bad_input_raises_the_clis_error_with_its_message(tiny_model, sft_file, 
     bad = recipe(tiny_model, sft_file, tmp_path / "run")
     bad[section].update(value)
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(bad))
+    path.write_text(yaml.safe_dump(plain(bad)))
     done = run_cli("sft", str(path))
     assert done.returncode == UserError.exit_code
     with pytest.raises(UserError) as raised:
