@@ -2,6 +2,7 @@
 a cp=1 checkpoint on cp=2 on the same curve (1e-5), with gradient accumulation, validation and export."""
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -21,20 +22,30 @@ def args(tiny_model, sft_file, output_dir, cp, *extra):
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, sft_file, tmp_path_factory):
+    """cpN: a run on cp=N; cpN_resumed: a copy of it resumed on the other layout from its step-2 checkpoint."""
     out = {}
     for cp in (1, 2):
-        straight = tmp_path_factory.mktemp(f"cp{cp}")
-        result = run_cli(*args(tiny_model, sft_file, straight, cp))
+        out[f"cp{cp}"] = tmp_path_factory.mktemp(f"cp{cp}")
+        out[f"cp{cp}_resumed"] = tmp_path_factory.mktemp(f"cp{cp}_resumed_on_cp{3 - cp}") / "run"
+
+    def train(cp, output_dir, *extra):
+        result = run_cli(*args(tiny_model, sft_file, output_dir, cp, *extra))
         assert result.returncode == 0, result.stderr[-3000:]
-        out[f"cp{cp}"] = straight
-        other = 3 - cp
-        resumed = tmp_path_factory.mktemp(f"cp{cp}_resumed_on_cp{other}") / "run"
-        shutil.copytree(straight, resumed)
-        shutil.rmtree(resumed / "hf")
-        checkpoint = resumed / "checkpoints" / "global_step_2"
-        result = run_cli(*args(tiny_model, sft_file, resumed, other, "--resume_from_checkpoint", str(checkpoint)))
-        assert result.returncode == 0, result.stderr[-3000:]
-        out[f"cp{cp}_resumed"] = resumed
+
+    def straight(cp):
+        train(cp, out[f"cp{cp}"])
+
+    def resumed(cp):
+        folder = out[f"cp{cp}_resumed"]
+        shutil.copytree(out[f"cp{cp}"], folder)
+        shutil.rmtree(folder / "hf")
+        train(3 - cp, folder, "--resume_from_checkpoint", str(folder / "checkpoints" / "global_step_2"))
+
+    # The cp=1 and cp=2 runs of each stage side by side: most of a run is its start-up (importing torch,
+    # transformers, datasets), one core's work.
+    with ThreadPoolExecutor() as pool:
+        for stage in (straight, resumed):
+            list(pool.map(stage, (1, 2)))  # list(): waits for both and raises a failed run's error
     return out
 
 

@@ -20,7 +20,10 @@ def reports(tiny_model, sft_file, tmp_path_factory):
     config = LlamaConfig(vocab_size=16000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                          num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(root / "big")
+    big = LlamaForCausalLM(config)
+    fp32_mib = sum(p.numel() for p in big.parameters()) * 4 / 2**20
+    big.to(torch.bfloat16).save_pretrained(root / "big")
+    del big  # 250 MiB, not needed while the workers run
     recipe = root / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "model": {"name_or_path": str(tiny_model)},
@@ -33,7 +36,6 @@ def reports(tiny_model, sft_file, tmp_path_factory):
                              str(REPO / "tests" / "dist" / "load_and_guard_worker.py"), str(root / "big"), str(recipe),
                              str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    fp32_mib = sum(p.numel() for p in LlamaForCausalLM(config).parameters()) * 4 / 2**20
     return [json.loads(line) for line in out.read_text().splitlines()], fp32_mib, root
 
 

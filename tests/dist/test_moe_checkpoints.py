@@ -17,7 +17,8 @@ import yaml
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
-from tests.helpers import REPO, run_cli
+from llmtune.run.cli import main as cli_main
+from tests.helpers import REPO
 
 MODELS = ["qwen3_moe", "mixtral", "deepseek_v3"]
 SHAPES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -94,20 +95,23 @@ def test_the_export_is_the_per_expert_folder_tensor_for_tensor(loaded, name):
     assert reloaded.model.layers[1].mlp.experts.gate_up_proj.shape[0] == (3 if name == "qwen3_moe" else 4)
 
 
-def refusal(model, assets, tmp_path) -> str:
-    """`llmtune pt` on `model` stops before any process starts, with one line (returned); nothing is written."""
+def refusal(model, assets, tmp_path, capsys) -> str:
+    """`llmtune pt` on `model` stops before any process starts, with one line (returned); nothing is written.
+    Through the CLI's main in this process: a bin/llmtune process would add seconds of start-up and nothing that
+    these checks decide (tests/e2e/test_cli_errors.py checks what the process adds)."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"model": {"name_or_path": str(model)},
                                       "data": {"train_files": [str(assets / "data" / "pt.jsonl")]},
                                       "train": {"output_dir": str(tmp_path / "out")}}))
-    result = run_cli("pt", str(recipe))
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    capsys.readouterr()  # what came before, as the progress bar of the model's save_pretrained: not the CLI's
+    code, stderr = cli_main(["pt", str(recipe)]), capsys.readouterr().err
+    assert code == 2, stderr[-2000:]
+    assert stderr.strip().splitlines() == [stderr.strip()]
     assert not (tmp_path / "out").exists()
-    return result.stderr
+    return stderr
 
 
-def test_a_conversion_llmtune_cannot_apply_rank_by_rank_is_refused_up_front(bare_tokenizer, assets, tmp_path):
+def test_a_conversion_llmtune_cannot_apply_rank_by_rank_is_refused_up_front(bare_tokenizer, assets, tmp_path, capsys):
     """HRM-Text stores gate and up projections fused, split on dim 0 when loaded (Chunk): a rank's rows of the
     split weight are not rows of one stored tensor."""
     config = AutoConfig.for_model("hrm_text", vocab_size=len(bare_tokenizer), hidden_size=32, intermediate_size=64,
@@ -115,16 +119,16 @@ def test_a_conversion_llmtune_cannot_apply_rank_by_rank_is_refused_up_front(bare
                                   L_cycles=1, L_bp_cycles=[1])
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hrm")
     bare_tokenizer.save_pretrained(tmp_path / "hrm")
-    error = refusal(tmp_path / "hrm", assets, tmp_path)
+    error = refusal(tmp_path / "hrm", assets, tmp_path, capsys)
     assert "HrmTextForCausalLM is not supported" in error and "Chunk(dim=0)" in error
 
 
-def test_a_quantized_checkpoint_is_refused_up_front(loaded, assets, tmp_path):
+def test_a_quantized_checkpoint_is_refused_up_front(loaded, assets, tmp_path, capsys):
     """gpt-oss and DeepSeek-V3 are published quantized (MXFP4, FP8): their config says so."""
     root, _, _ = loaded
     shutil.copytree(root / "mixtral", tmp_path / "quantized")
     config = json.loads((tmp_path / "quantized" / "config.json").read_text())
     (tmp_path / "quantized" / "config.json").write_text(json.dumps({**config, "quantization_config": {
         "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}))
-    error = refusal(tmp_path / "quantized", assets, tmp_path)
+    error = refusal(tmp_path / "quantized", assets, tmp_path, capsys)
     assert "quantized weights (mxfp4)" in error and "dequantized" in error

@@ -1,51 +1,81 @@
 """Bad input: one line naming the key or path, exit code 2, before torch is even imported (so before any
-process group exists), and nothing written."""
+process group exists), and nothing written.
 
+Most refusals go through the CLI's main in pytest's process (in_process), which spares each a process's start-up
+(seconds, for a refusal made against the model). What bin/llmtune adds, the process's end (the exit code, nothing on
+stderr but the message: no traceback, no library's warning), is checked through it once per kind of refusal: found
+before torch is imported (test_missing_recipe_file), against the model (the `process` case of
+test_bad_input_is_one_line_and_exit_2), by the worker of a one-process run (the dataset_info test) and under
+torchrun (two_process_refusals)."""
+
+import functools
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import yaml
 
+from llmtune.run.cli import main as cli_main
 from tests.helpers import REPO, run_cli
+
+
+def write_recipe(folder, tiny_model, sft_file, **changes) -> str:
+    """folder/recipe.yaml, a one-step sft run writing to folder/out; changes: section__key=value."""
+    recipe = {"model": {"name_or_path": str(tiny_model)},
+              "data": {"train_files": [str(sft_file)], "chat_template": "basic"},
+              "train": {"output_dir": str(folder / "out"), "max_steps": 1}}
+    for key, value in changes.items():
+        section, name = key.split("__")
+        recipe.setdefault(section, {})[name] = value
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
 
 
 @pytest.fixture
 def recipe(tmp_path, tiny_model, sft_file):
-    def write(**changes):
-        recipe = {"model": {"name_or_path": str(tiny_model)}, "data": {"train_files": [str(sft_file)], "chat_template": "basic"},
-                  "train": {"output_dir": str(tmp_path / "out"), "max_steps": 1}}
-        for key, value in changes.items():
-            section, name = key.split("__")
-            recipe.setdefault(section, {})[name] = value
-        path = tmp_path / "recipe.yaml"
-        path.write_text(yaml.safe_dump(recipe))
-        return str(path)
-    return write
+    return functools.partial(write_recipe, tmp_path, tiny_model, sft_file)
 
 
-@pytest.mark.parametrize("changes, overrides, expected", [
-    ({"train__learnig_rate": 1e-4}, [], "train.learnig_rate: unknown key in section 'train'; did you mean 'learning_rate'?"),
-    ({}, ["train.per_device_train_batch_size=two"], "train.per_device_train_batch_size: 'two' is not a valid integer"),
-    ({"data__train_files": ["no/such/file.jsonl"]}, [], "data.train_files: 'no/such/file.jsonl' matches no data file"),
-    ({"model__name_or_path": "no/such/model"}, [], "model.name_or_path: no/such/model is not a HF model folder"),
-    ({}, ["--nproc", "0"], "--nproc: '0' is not a positive number of processes"),
-    ({"data__chat_template": None}, [], "data.chat_template: the tokenizer in "),
+def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`llmtune ARGS` through the CLI's main in this process: its exit code and what it printed. A refusal made by
+    a launched process instead of this one would not be read here."""
+    capsys.readouterr()  # what came before: not the CLI's
+    code = cli_main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+# process: through bin/llmtune (a refusal made against the model, with torch, transformers and peft imported and the
+# model built on the meta device), else in_process.
+@pytest.mark.parametrize("changes, overrides, expected, process", [
+    ({"train__learnig_rate": 1e-4}, [],
+     "train.learnig_rate: unknown key in section 'train'; did you mean 'learning_rate'?", False),
+    ({}, ["train.per_device_train_batch_size=two"], "train.per_device_train_batch_size: 'two' is not a valid integer",
+     False),
+    ({"data__train_files": ["no/such/file.jsonl"]}, [], "data.train_files: 'no/such/file.jsonl' matches no data file",
+     False),
+    ({"model__name_or_path": "no/such/model"}, [], "model.name_or_path: no/such/model is not a HF model folder", False),
+    ({}, ["--nproc", "0"], "--nproc: '0' is not a positive number of processes", False),
+    ({"data__chat_template": None}, [], "data.chat_template: the tokenizer in ", False),
     ({}, ["--resume_from_checkpoint", "no/such/global_step_5"],
-     "checkpoint.resume_from_checkpoint: no/such/global_step_5 is not a checkpoint folder"),
-    ({"peft__method": "lora", "peft__r": 0}, [], "peft.r: 0 must be a positive rank (at least 1)"),
+     "checkpoint.resume_from_checkpoint: no/such/global_step_5 is not a checkpoint folder", False),
+    ({"peft__method": "lora", "peft__r": 0}, [], "peft.r: 0 must be a positive rank (at least 1)", False),
     ({"peft__method": "lora", "peft__target_modules": ["qkv_proj"]}, [],
      "peft.target_modules: ['qkv_proj'] matches no layer of the model; name layers of the model (down_proj, "
-     "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj) or use all-linear"),
+     "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj) or use all-linear", True),
     ({"peft__method": "lora", "peft__modules_to_save": ["embeddings"]}, [],
-     "peft.modules_to_save: embeddings match no module of the model"),
+     "peft.modules_to_save: embeddings match no module of the model", False),
     ({"peft__method": "lora", "peft__adapter_path": "no/such/adapter"}, [],
-     "peft.adapter_path: no/such/adapter lacks adapter_config.json and adapter_model.safetensors"),
-    ({"train__frozen_modules": [r"layers\.9\."]}, [], r"train.frozen_modules: 'layers\\.9\\.' matches no parameter"),
+     "peft.adapter_path: no/such/adapter lacks adapter_config.json and adapter_model.safetensors", False),
+    ({"train__frozen_modules": [r"layers\.9\."]}, [], r"train.frozen_modules: 'layers\\.9\\.' matches no parameter",
+     False),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, changes, overrides, expected):
-    result = run_cli("sft", recipe(**changes), *overrides, "--nproc", "2")
+def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, capsys, changes, overrides, expected, process):
+    args = ("sft", recipe(**changes), *overrides, "--nproc", "2")
+    result = run_cli(*args) if process else in_process(capsys, *args)
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
@@ -62,8 +92,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, changes, overrides, 
     ("kernels-community/flash-attn2", "model.attn_implementation: kernels-community/flash-attn2 needs a CUDA device"),
     ("flex_attention", "model.attn_implementation: flex_attention cannot train on CPU"),
 ])
-def test_an_attention_backend_this_machine_cannot_train_with_is_refused_up_front(tmp_path, recipe, backend, expected):
-    result = run_cli("sft", recipe(model__attn_implementation=backend), "--nproc", "2")
+def test_an_attention_backend_this_machine_cannot_train_with_is_refused_up_front(tmp_path, recipe, capsys, backend,
+                                                                               expected):
+    result = in_process(capsys, "sft", recipe(model__attn_implementation=backend), "--nproc", "2")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"llmtune: error: {expected}"), result.stderr
@@ -78,12 +109,13 @@ def test_an_attention_backend_this_machine_cannot_train_with_is_refused_up_front
     ("pt", "empty.txt", "", "is empty"),
     ("pt", "blank.txt", "\n\n \n", "holds only blank lines"),
 ])
-def test_a_data_file_without_rows_is_named_before_any_process_starts(tmp_path, recipe, task, name, content, problem):
+def test_a_data_file_without_rows_is_named_before_any_process_starts(tmp_path, recipe, capsys, task, name, content,
+                                                                     problem):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "good.jsonl").write_text('{"prompt": "1 + 1?", "response": "2", "text": "1 + 1 = 2"}\n')
     empty = tmp_path / "data" / name
     empty.write_text(content)
-    result = run_cli(task, recipe(data__train_files=[str(tmp_path / "data")]), "--nproc", "2")
+    result = in_process(capsys, task, recipe(data__train_files=[str(tmp_path / "data")]), "--nproc", "2")
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
         f"llmtune: error: data.train_files: {empty} {problem}; add rows to it or take it out of data.train_files"]
@@ -107,13 +139,34 @@ def test_recipe_errors_are_found_before_torch_is_imported(tmp_path, recipe):
     assert "train.max_stepz: unknown key" in result.stderr
 
 
-def test_bad_data_row_on_two_processes_exits_2_naming_file_and_line(tmp_path, recipe):
-    bad = tmp_path / "bad.jsonl"
+@pytest.fixture(scope="module")
+def two_process_refusals(tmp_path_factory, tiny_model, sft_file) -> dict:
+    """name: (its folder, bin/llmtune's result) of the refusals made under torchrun, launched side by side: most of a
+    launch is its processes' start-up (importing torch, transformers, datasets), one core's work.
+    bad_row: a data file whose second row is not JSON; incomplete: resuming from a checkpoint folder that holds only
+    config.yaml."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("bad_row", "incomplete")}
+    bad = folders["bad_row"] / "bad.jsonl"
     bad.write_text('{"prompt": "1 + 1?", "response": "2"}\n{"prompt": "2 + 2?", "response": 4\n')
-    result = run_cli("sft", recipe(data__train_files=[str(bad)]), "--nproc", "2")
+    checkpoint = folders["incomplete"] / "global_step_3"
+    checkpoint.mkdir()
+    (checkpoint / "config.yaml").write_text("{}\n")
+    commands = {
+        "bad_row": ["sft", write_recipe(folders["bad_row"], tiny_model, sft_file, data__train_files=[str(bad)]),
+                    "--nproc", "2"],
+        "incomplete": ["sft", write_recipe(folders["incomplete"], tiny_model, sft_file), "data.packing=false",
+                       "train.per_device_train_batch_size=2", "--resume_from_checkpoint", str(checkpoint),
+                       "--nproc", "2"]}
+    with ThreadPoolExecutor() as pool:
+        results = list(pool.map(lambda command: run_cli(*command), commands.values()))
+    return {name: (folders[name], result) for name, result in zip(commands, results)}
+
+
+def test_bad_data_row_on_two_processes_exits_2_naming_file_and_line(two_process_refusals):
+    folder, result = two_process_refusals["bad_row"]
     assert result.returncode == 2, result.stderr[-2000:]
-    assert f"llmtune: error: {bad}:2: not valid JSON" in result.stderr
-    assert not (tmp_path / "out" / "hf").exists()
+    assert f"llmtune: error: {folder / 'bad.jsonl'}:2: not valid JSON" in result.stderr
+    assert not (folder / "out" / "hf").exists()
 
 
 @pytest.mark.parametrize("tracker", ["tensorboard", "wandb", "mlflow"])
@@ -131,12 +184,13 @@ def test_optional_sink_without_its_package_is_refused_up_front(tmp_path, recipe,
     assert not (tmp_path / "out").exists()
 
 
-def test_peft_without_its_package_is_refused_up_front(tmp_path, recipe):
+def test_peft_without_its_package_is_refused_up_front(tmp_path, recipe, monkeypatch, capsys):
     """peft is a dependency, but an environment can lack it: the CLI's check, with peft hidden from it."""
-    code = ("import importlib.util, sys; find = importlib.util.find_spec; "
-            "importlib.util.find_spec = lambda name, *a: None if name == 'peft' else find(name, *a); "
-            f"from llmtune.run.cli import main; sys.exit(main(['sft', {recipe(peft__method='lora')!r}]))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "peft" else find(name, *a))
+    result = in_process(capsys, "sft", recipe(peft__method="lora"))
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
         "llmtune: error: peft.method: lora needs the peft package, which is not installed; pip install peft, or "
@@ -144,21 +198,20 @@ def test_peft_without_its_package_is_refused_up_front(tmp_path, recipe):
     assert not (tmp_path / "out").exists()
 
 
-def test_an_incomplete_checkpoint_to_resume_from_stops_every_rank_with_its_name(tmp_path, recipe):
+def test_an_incomplete_checkpoint_to_resume_from_stops_every_rank_with_its_name(two_process_refusals):
     """Checked on rank 0 alone and the verdict shared: no rank goes on to wait for the others."""
-    checkpoint = tmp_path / "global_step_3"
-    checkpoint.mkdir()
-    (checkpoint / "config.yaml").write_text("{}\n")
-    result = run_cli("sft", recipe(), "data.packing=false", "train.per_device_train_batch_size=2",
-                     "--resume_from_checkpoint", str(checkpoint), "--nproc", "2")
+    folder, result = two_process_refusals["incomplete"]
+    checkpoint = folder / "global_step_3"
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"llmtune: error: {checkpoint}: incomplete checkpoint, missing .metadata, trainer_state.json" in result.stderr
-    assert not (tmp_path / "out" / "hf").exists()
+    assert not (folder / "out" / "hf").exists()
 
 
-def test_a_dataset_info_entry_naming_a_missing_file_and_a_tool_result_without_a_call_exit_2(tmp_path, recipe):
+def test_a_dataset_info_entry_naming_a_missing_file_and_a_tool_result_without_a_call_exit_2(tmp_path, recipe, capsys):
+    """The missing file is found before the run starts, the tool result by the worker of the one-process run."""
     (tmp_path / "dataset_info.json").write_text('{"calls": {"file_name": "calls.json", "formatting": "sharegpt"}}')
-    result = run_cli("sft", recipe(data__train_files=[], data__dataset_info=str(tmp_path), data__datasets=["calls"]))
+    result = in_process(capsys, "sft", recipe(data__train_files=[], data__dataset_info=str(tmp_path),
+                                               data__datasets=["calls"]))
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
         f"llmtune: error: data.datasets: 'calls' in {tmp_path / 'dataset_info.json'}: file_name 'calls.json' does not "

@@ -13,7 +13,7 @@ import termios
 import pytest
 import yaml
 
-from tests.helpers import REPO
+from tests.helpers import REPO, cli_words
 
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
 STEPS = 6
@@ -34,11 +34,12 @@ def recipe(assets, tmp_path_factory) -> str:
 
 
 def run_on_terminal(*args: str) -> tuple[int, str]:
-    """`bin/llmtune ARGS` with stdout and stderr on a pseudo-terminal: its exit code and all it wrote."""
+    """`bin/llmtune ARGS` (no plots: cli_words) with stdout and stderr on a pseudo-terminal: its exit code and all
+    it wrote."""
     pid, terminal = pty.fork()
     if pid == 0:
         fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))  # a terminal's size: 40 x 200
-        os.execv(str(REPO / "bin" / "llmtune"), ["llmtune", *args])
+        os.execv(str(REPO / "bin" / "llmtune"), ["llmtune", *cli_words(args)])
     chunks = []
     while True:
         try:
@@ -52,8 +53,20 @@ def run_on_terminal(*args: str) -> tuple[int, str]:
     return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace")
 
 
-def test_on_a_terminal_the_bar_moves_every_step_and_lines_stay_whole(recipe):
-    code, output = run_on_terminal("pt", recipe)
+@pytest.fixture(scope="module")
+def runs(recipe, tmp_path_factory) -> tuple[tuple[int, str], subprocess.CompletedProcess]:
+    """(the run on a terminal: run_on_terminal, the run on a pipe), side by side, each in its own output folder:
+    most of a run is its start-up (importing torch, transformers, datasets), one core's work."""
+    command = [str(REPO / "bin" / "llmtune"), *cli_words(["pt", recipe]),
+               f"train.output_dir={tmp_path_factory.mktemp('console_pipe')}"]
+    on_pipe = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    on_terminal = run_on_terminal("pt", recipe)
+    stdout, stderr = on_pipe.communicate(timeout=600)
+    return on_terminal, subprocess.CompletedProcess(command, on_pipe.returncode, stdout, stderr)
+
+
+def test_on_a_terminal_the_bar_moves_every_step_and_lines_stay_whole(runs):
+    code, output = runs[0]
     assert code == 0, output[-3000:]
     # The bar redraws itself after a carriage return; each drawing shows the step count and the step's figures.
     parts = [part for line in output.split("\n") for part in line.split("\r")]
@@ -69,8 +82,8 @@ def test_on_a_terminal_the_bar_moves_every_step_and_lines_stay_whole(recipe):
     assert any(re.match(fr"{STAMP} INFO llmtune: run finished", part) for part in parts), parts
 
 
-def test_on_a_pipe_there_is_no_bar_and_the_lines_are_plain(recipe):
-    result = subprocess.run([str(REPO / "bin" / "llmtune"), "pt", recipe], capture_output=True, text=True, timeout=600)
+def test_on_a_pipe_there_is_no_bar_and_the_lines_are_plain(runs):
+    result = runs[1]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "\r" not in result.stdout + result.stderr and "train: " not in result.stderr
     steps = [line for line in result.stdout.splitlines() if " step " in line]

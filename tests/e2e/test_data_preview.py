@@ -1,5 +1,9 @@
 """`llmtune data`: the samples it prints are the training split's documents with exactly the trained tokens marked,
-it shares the training run's tokenization cache entry, and it runs on one process without a process group."""
+it shares the training run's tokenization cache entry, and it runs on one process without a process group.
+
+One preview runs in a process of its own (previewed), which then says what the preview left in it; the others go
+through the CLI's main in pytest's process, without a process's start-up (seconds of importing torch, transformers
+and datasets). bin/llmtune's end of a refused `llmtune data` is checked once (test_overrides_and_refused_nproc)."""
 
 import itertools
 import logging
@@ -11,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from llmtune.run.cli import main as cli_main
 from tests.helpers import REPO, run_cli
 
 HEADER = re.compile(r"^sample (\d+): (\d+) tokens, (\d+) trained.*\n", re.M)
@@ -28,9 +33,15 @@ def write_recipe(folder, assets, sft_file) -> str:
 
 @pytest.fixture(scope="module")
 def previewed(assets, sft_file, tmp_path_factory):
-    """(recipe, the finished `llmtune data RECIPE --n 3`), which built the recipe's cache entry."""
+    """(recipe, the finished `llmtune data RECIPE --n 3`), which built the recipe's cache entry: the CLI's main in a
+    fresh python, which then prints, last, whether it imported llmtune.run.parallel and started a process group."""
     recipe = write_recipe(tmp_path_factory.mktemp("preview"), assets, sft_file)
-    result = run_cli("data", recipe, "--n", "3")
+    code = ("import sys; from llmtune.run.cli import main; assert main(['data', sys.argv[1], '--n', '3']) == 0; "
+            "torch = sys.modules.get('torch'); "
+            "print('parallel', 'llmtune.run.parallel' in sys.modules); "
+            "print('group', bool(torch) and torch.distributed.is_available() and torch.distributed.is_initialized())")
+    result = subprocess.run([sys.executable, "-c", code, recipe], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr
     return recipe, result
 
@@ -99,7 +110,7 @@ def test_marked_spans_are_the_trained_tokens(previewed):
     assert result.stdout.count("\ndata: ") == 1 and " tokens | " in result.stdout
 
 
-def test_shares_the_training_cache_entry(previewed, assets, sft_file, tmp_path, caplog):
+def test_shares_the_training_cache_entry(previewed, assets, sft_file, tmp_path, caplog, capsys):
     """Either way round: llmtune data then the run's load_or_build, and the run's build_data then llmtune data."""
     recipe, result = previewed
     assert "data: built" in result.stderr
@@ -116,29 +127,23 @@ def test_shares_the_training_cache_entry(previewed, assets, sft_file, tmp_path, 
     one_rank = SimpleNamespace(local_rank=0, first_error=lambda error, group: error, wait_group=None, is_main=True,
                                dp_size=1, dp_rank=0)
     build_data(local, tokenizer, one_rank)
-    second = run_cli("data", fresh, "--n", "1")
-    assert second.returncode == 0, second.stderr
-    assert "data: cache hit" in second.stderr and "data: built" not in second.stderr
+    caplog.clear()  # build_data's "data: built"
+    # In this process the preview's log lines reach caplog, not stderr.
+    assert cli_main(["data", fresh, "--n", "1"]) == 0, capsys.readouterr().err
+    assert "data: cache hit" in caplog.text and "data: built" not in caplog.text
 
 
 def test_no_process_group(previewed):
-    recipe, _ = previewed
-    code = ("import sys; from llmtune.run.cli import main; assert main(['data', sys.argv[1], '--n', '1']) == 0; "
-            "torch = sys.modules.get('torch'); "
-            "print('parallel', 'llmtune.run.parallel' in sys.modules); "
-            "print('group', bool(torch) and torch.distributed.is_available() and torch.distributed.is_initialized())")
-    result = subprocess.run([sys.executable, "-c", code, recipe], cwd=REPO, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr
+    _, result = previewed
     assert "sample 1:" in result.stdout
     assert result.stdout.splitlines()[-2:] == ["parallel False", "group False"]
 
 
-def test_overrides_and_refused_nproc(previewed):
+def test_overrides_and_refused_nproc(previewed, capsys):
     recipe, result = previewed
-    short = run_cli("data", recipe, "--n", "3", "data.max_seq_len=32")
-    assert short.returncode == 0, short.stderr
-    counts = [tokens for tokens, _, _ in printed_samples(short.stdout)]
+    code, short = cli_main(["data", recipe, "--n", "3", "data.max_seq_len=32"]), capsys.readouterr()
+    assert code == 0, short.err
+    counts = [tokens for tokens, _, _ in printed_samples(short.out)]
     assert len(counts) == 3 and max(counts) <= 32
     assert counts != [tokens for tokens, _, _ in printed_samples(result.stdout)]
     refused = run_cli("data", recipe, "--nproc", "2")
@@ -156,12 +161,12 @@ def test_the_statistics_count_samples_and_packed_rows_under_their_own_names(prev
     assert line.startswith(f"data: {samples} samples packed into {len(train)} rows of up to 64 tokens, "), line
 
 
-def test_preference_rows_are_refused_in_one_line(assets, tmp_path):
+def test_preference_rows_are_refused_in_one_line(assets, tmp_path, capsys):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text('{"prompt": "What is 2 plus 3?", "chosen": "It is 5.", "rejected": "It is 6."}\n')
-    refused = run_cli("data", write_recipe(tmp_path, assets, pairs))
+    code, stderr = cli_main(["data", write_recipe(tmp_path, assets, pairs)]), capsys.readouterr().err
     # The lines before it are datasets' progress bars.
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert refused.stderr.strip().splitlines()[-1] == (
+    assert code == 2 and "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (
         f"llmtune: error: {pairs}: preference data (chosen/rejected columns) is for DPO or reward training, not sft "
         "or pt; llmtune trains sft and pt, leave it out of data.train_files")

@@ -16,7 +16,7 @@ from llmtune.features.base import Features
 from llmtune.features.fused_kernels import FusedKernels
 from llmtune.model.build import CausalLMForTraining
 from llmtune.model.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum, shift_labels
-from tests.helpers import run_cli
+from llmtune.run.cli import main as cli_main
 
 needs_cuda_and_liger = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
@@ -142,13 +142,15 @@ def test_a_missing_liger_kernel_is_refused(monkeypatch):
 
 
 @no_cuda
-def test_the_cli_refuses_fused_kernels_before_any_process_starts(tmp_path, tiny_model, sft_file):
+def test_the_cli_refuses_fused_kernels_before_any_process_starts(tmp_path, tiny_model, sft_file, capsys):
+    """Through the CLI's main in this process, which makes the refusal itself (one that a launched process made
+    would not be read here); tests/e2e/test_cli_errors.py checks what a bin/llmtune process adds."""
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump({
         "model": {"name_or_path": str(tiny_model)},
         "data": {"train_files": [str(sft_file)], "chat_template": "basic"},
         "train": {"output_dir": str(tmp_path / "out"), "max_steps": 1, "fused_kernels": True}}))
-    result = run_cli("sft", str(recipe_file), "--nproc", "2")
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [f"llmtune: error: {NO_CUDA}"]
+    code, stderr = cli_main(["sft", str(recipe_file), "--nproc", "2"]), capsys.readouterr().err
+    assert code == 2, stderr
+    assert stderr.strip().splitlines() == [f"llmtune: error: {NO_CUDA}"]
     assert not (tmp_path / "out").exists()
