@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,16 +26,17 @@ from safetensors.torch import load_file
 
 from llmtune.checkpoint.validate import check_complete
 from tests.dist.test_resume import STEPS, args, wait_for
-from tests.helpers import REPO, descendants, read_metrics, run_cli
+from tests.helpers import REPO, cli_words, descendants, read_metrics, run_cli
 
 RESUME = "checkpoint.resume_from_checkpoint=auto"
 
 
 def torchrun(faults: str, recipe_args: list[str], *torchrun_options: str) -> subprocess.CompletedProcess:
-    """tests/dist/fault_worker.py on 2 processes; recipe_args: llmtune's arguments without --nproc."""
+    """tests/dist/fault_worker.py on 2 processes; recipe_args: llmtune's arguments without --nproc (made a command
+    line as the tests give bin/llmtune: cli_words, no plots)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               *torchrun_options, str(REPO / "tests" / "dist" / "fault_worker.py"), faults, *recipe_args]
+               *torchrun_options, str(REPO / "tests" / "dist" / "fault_worker.py"), faults, *cli_words(recipe_args)]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -59,7 +61,8 @@ def worker_pids(process: subprocess.Popen) -> dict[int, int]:
 
 def preempted_run(tiny_model, sft_file, output_dir) -> dict:
     """SIGTERM to rank 1 once step 3 is logged; SIGTERM and SIGINT to both ranks again while the save is written."""
-    process = subprocess.Popen([str(REPO / "bin" / "llmtune"), *args(tiny_model, sft_file, output_dir, 2)], cwd=REPO,
+    command = [str(REPO / "bin" / "llmtune"), *cli_words(args(tiny_model, sft_file, output_dir, 2))]
+    process = subprocess.Popen(command, cwd=REPO,
                                env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: (output_dir / "metrics.jsonl").is_file() and 3 in [m["step"] for m in read_metrics(output_dir)],
@@ -83,30 +86,19 @@ def preempted_run(tiny_model, sft_file, output_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, sft_file, tmp_path_factory):
+def runs(straight_run, tiny_model, sft_file, tmp_path_factory):
     out = {}
-    straight = tmp_path_factory.mktemp("straight")
-    out["straight_result"] = run_cli(*args(tiny_model, sft_file, straight, 2))
-    assert out["straight_result"].returncode == 0, out["straight_result"].stderr[-3000:]
-    out["straight"] = straight
+    out["straight"], out["straight_result"] = straight_run
 
     preempted = tmp_path_factory.mktemp("preempted")
     out["preempted"] = preempted_run(tiny_model, sft_file, preempted)
     out["preempted_latest"] = (preempted / "checkpoints" / "latest").read_text()
     out["preempted_metrics"] = [m["step"] for m in read_metrics(preempted)]
-    resumed = run_cli(*args(tiny_model, sft_file, preempted, 2, RESUME))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    out["preempted_resumed"] = preempted
-
-    restarted = tmp_path_factory.mktemp("restarted")
-    out["restarted_result"] = torchrun("crash@5", without_nproc(args(tiny_model, sft_file, restarted, 2, RESUME)),
-                                       "--max-restarts", "1")
-    out["restarted"] = restarted
 
     # The three newest checkpoints damaged, each in a file rank 1 wrote: a flipped byte, a truncated shard, a
     # missing RNG state.
     flipped = tmp_path_factory.mktemp("flipped") / "run"
-    shutil.copytree(straight, flipped)
+    shutil.copytree(out["straight"], flipped)
     checkpoints = flipped / "checkpoints"
     data = bytearray((checkpoints / "global_step_8" / "__1_0.distcp").read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -116,20 +108,33 @@ def runs(tiny_model, sft_file, tmp_path_factory):
     (checkpoints / "global_step_4" / "extra_state" / "rank_1.pt").unlink()
     (flipped / "hf").rename(flipped / "hf_before")
     # A fresh data cache, built by local rank 0 in 20 s while rank 1 waits, with collectives that time out after 15 s.
-    out["flipped_result"] = torchrun(
-        "slow_build@20",
-        without_nproc(args(tiny_model, sft_file, flipped, 2, RESUME, "checkpoint.verify_checksums=true",
-                           "parallel.timeout_minutes=0.25", f"data.cache_dir={flipped / 'fresh_cache'}")))
-    out["flipped"] = flipped
+    # The runs below go on meanwhile, one at a time, in the time the build sleeps (none is signalled at a chosen
+    # moment). Their load slows both of its ranks alike, so its collectives still meet well within the 15 s.
+    with ThreadPoolExecutor(1) as background:
+        flipped_result = background.submit(torchrun, "slow_build@20", without_nproc(args(
+            tiny_model, sft_file, flipped, 2, RESUME, "checkpoint.verify_checksums=true",
+            "parallel.timeout_minutes=0.25", f"data.cache_dir={flipped / 'fresh_cache'}")))
 
-    full = tmp_path_factory.mktemp("disk_full")
-    out["full_result"] = torchrun("disk_full@4", without_nproc(args(tiny_model, sft_file, full, 2)))
-    out["full_listing"] = sorted(p.name for p in (full / "checkpoints").iterdir())
-    out["full_latest"] = (full / "checkpoints" / "latest").read_text()
-    check_complete(full / "checkpoints" / "global_step_2", checksums=True)
-    resumed = run_cli(*args(tiny_model, sft_file, full, 2, RESUME))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    out["full"] = full
+        resumed = run_cli(*args(tiny_model, sft_file, preempted, 2, RESUME))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        out["preempted_resumed"] = preempted
+
+        restarted = tmp_path_factory.mktemp("restarted")
+        out["restarted_result"] = torchrun("crash@5", without_nproc(args(tiny_model, sft_file, restarted, 2, RESUME)),
+                                           "--max-restarts", "1")
+        out["restarted"] = restarted
+
+        full = tmp_path_factory.mktemp("disk_full")
+        out["full_result"] = torchrun("disk_full@4", without_nproc(args(tiny_model, sft_file, full, 2)))
+        out["full_listing"] = sorted(p.name for p in (full / "checkpoints").iterdir())
+        out["full_latest"] = (full / "checkpoints" / "latest").read_text()
+        check_complete(full / "checkpoints" / "global_step_2", checksums=True)
+        resumed = run_cli(*args(tiny_model, sft_file, full, 2, RESUME))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        out["full"] = full
+
+        out["flipped_result"] = flipped_result.result()
+    out["flipped"] = flipped
     return out
 
 

@@ -3,14 +3,19 @@ an uninterrupted run, also when the kill lands while a checkpoint is being writt
 resumes across world sizes (2 -> 1, 1 -> 2) on the same curve within 1e-5. Every resume lands in
 epoch 1 (an epoch is 4 steps here)."""
 
+import contextlib
+import os
 import shutil
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import kill_tree, read_metrics, run_cli, start_cli
+from llmtune.run.cli import main as cli_main
+from tests.helpers import cli_words, descendants, kill_tree, read_metrics, run_cli, start_cli
 
 STEPS = 8
 
@@ -36,11 +41,24 @@ def killed_run(tiny_model, sft_file, output_dir, nproc, condition):
     kill_tree(process)
 
 
+def signal_tree(process, sig) -> None:
+    """sig to a run's launcher and every process below it."""
+    for pid in [process.pid, *descendants(process.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def resume(tiny_model, sft_file, output_dir, nproc, *extra) -> str:
     """The resumed run's log."""
     result = run_cli(*args(tiny_model, sft_file, output_dir, nproc, "--resume_from_checkpoint", "latest", *extra))
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stderr
+
+
+def run_here(*argv: str) -> None:
+    """A run on one process in pytest's own, through the CLI's code: a process of its own would first spend ~6 s
+    importing torch. For runs that no test kills or reads the log of."""
+    assert cli_main(cli_words(argv)) == 0
 
 
 def logged_steps(output_dir):
@@ -49,38 +67,45 @@ def logged_steps(output_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, sft_file, tmp_path_factory):
-    out = {}
-    straight = tmp_path_factory.mktemp("straight")
-    assert run_cli(*args(tiny_model, sft_file, straight, 2)).returncode == 0
-    out["straight"] = straight
+def runs(straight_run, tiny_model, sft_file, tmp_path_factory):
+    out = {"straight": straight_run[0]}
 
-    after_step_5 = tmp_path_factory.mktemp("killed")
-    killed_run(tiny_model, sft_file, after_step_5, 2, lambda d: 5 in logged_steps(d))
-    out["latest_at_kill"] = (after_step_5 / "checkpoints" / "latest").read_text()
-    for name, nproc in (("resumed", 2), ("resumed_on_1", 1)):
-        copy = tmp_path_factory.mktemp(name) / "run"
-        shutil.copytree(after_step_5, copy)
-        resume(tiny_model, sft_file, copy, nproc)
-        out[name] = copy
+    # One 2-process run makes both kills (a launch costs ~10 s). Once step 5 is logged, its processes are stopped
+    # (SIGSTOP) and its folder copied: the files a SIGKILL would leave then, since a stopped process writes nothing
+    # more and a killed one's written data stays. Let go on, it is killed while global_step_6 is written.
+    killed = tmp_path_factory.mktemp("killed")
+    process = start_cli(*args(tiny_model, sft_file, killed, 2))
+    wait_for(lambda: 5 in logged_steps(killed), process)
+    signal_tree(process, signal.SIGSTOP)
+    for name in ("resumed", "resumed_on_1"):
+        out[name] = tmp_path_factory.mktemp(name) / "run"
+        shutil.copytree(killed, out[name])
+    signal_tree(process, signal.SIGCONT)
+    wait_for(lambda: (killed / "checkpoints" / ".global_step_6.partial").exists(), process)
+    kill_tree(process)
+    out["latest_at_kill"] = (out["resumed"] / "checkpoints" / "latest").read_text()
+    out["partial_left"] = (killed / "checkpoints" / ".global_step_6.partial").exists()
+    out["latest_mid_save"] = (killed / "checkpoints" / "latest").read_text()
+    out["resumed_mid_save"] = killed
 
-    mid_save = tmp_path_factory.mktemp("killed_mid_save")
-    killed_run(tiny_model, sft_file, mid_save, 2, lambda d: (d / "checkpoints" / ".global_step_6.partial").exists())
-    out["partial_left"] = (mid_save / "checkpoints" / ".global_step_6.partial").exists()
-    out["latest_mid_save"] = (mid_save / "checkpoints" / "latest").read_text()
-    resume(tiny_model, sft_file, mid_save, 2)
-    out["resumed_mid_save"] = mid_save
-
-    one_proc = tmp_path_factory.mktemp("one_proc")
-    killed_run(tiny_model, sft_file, one_proc, 1, lambda d: 5 in logged_steps(d))
-    out["log_resumed_on_2"] = resume(tiny_model, sft_file, one_proc, 2)
-    out["resumed_on_2"] = one_proc
+    out["resumed_on_2"] = tmp_path_factory.mktemp("one_proc")
+    killed_run(tiny_model, sft_file, out["resumed_on_2"], 1, lambda d: 5 in logged_steps(d))
 
     # A recipe that sets the accumulation, not the global batch: 4 x 1 rank x 4 = 16 samples a step, then 32 on 2.
     accumulated = tmp_path_factory.mktemp("accumulated")
     no_global = ("train.global_batch_size=null", "train.gradient_accumulation_steps=4")
-    assert run_cli(*args(tiny_model, sft_file, accumulated, 1, *no_global, "train.max_steps=2")).returncode == 0
-    out["log_accumulated_on_2"] = resume(tiny_model, sft_file, accumulated, 2, *no_global, "train.max_steps=3")
+
+    # Nothing below is stopped at a chosen moment, so the runs share the CPU: two launches at a time (one alone leaves
+    # a core idle while its launcher imports torch), and the one-process runs in this process meanwhile.
+    with ThreadPoolExecutor(2) as pool:
+        logs = {name: pool.submit(resume, tiny_model, sft_file, out[name], 2)
+                for name in ("resumed", "resumed_mid_save", "resumed_on_2")}
+        run_here(*args(tiny_model, sft_file, out["resumed_on_1"], 1, "--resume_from_checkpoint", "latest"))
+        run_here(*args(tiny_model, sft_file, accumulated, 1, *no_global, "train.max_steps=2"))
+        logs["accumulated_on_2"] = pool.submit(resume, tiny_model, sft_file, accumulated, 2, *no_global,
+                                               "train.max_steps=3")
+        logs = {name: run.result() for name, run in logs.items()}
+    out["log_resumed_on_2"], out["log_accumulated_on_2"] = logs["resumed_on_2"], logs["accumulated_on_2"]
     return out
 
 
