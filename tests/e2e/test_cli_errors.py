@@ -63,9 +63,10 @@ def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     ({}, ["--resume_from_checkpoint", "no/such/global_step_5"],
      "checkpoint.resume_from_checkpoint: no/such/global_step_5 is not a checkpoint folder", False),
     ({"peft__method": "lora", "peft__r": 0}, [], "peft.r: 0 must be a positive rank (at least 1)", False),
-    ({"peft__method": "lora", "peft__target_modules": ["qkv_proj"]}, [],
-     "peft.target_modules: ['qkv_proj'] matches no layer of the model; name layers of the model (down_proj, "
-     "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj) or use all-linear", True),
+    pytest.param({"peft__method": "lora", "peft__target_modules": ["qkv_proj"]}, [],
+                 "peft.target_modules: ['qkv_proj'] matches no layer of the model; name layers of the model "
+                 "(down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj) or use all-linear", True,
+                 marks=pytest.mark.slow),
     ({"peft__method": "lora", "peft__modules_to_save": ["embeddings"]}, [],
      "peft.modules_to_save: embeddings match no module of the model", False),
     ({"peft__method": "lora", "peft__adapter_path": "no/such/adapter"}, [],
@@ -162,6 +163,7 @@ def two_process_refusals(tmp_path_factory, tiny_model, sft_file) -> dict:
     return {name: (folders[name], result) for name, result in zip(commands, results)}
 
 
+@pytest.mark.slow
 def test_bad_data_row_on_two_processes_exits_2_naming_file_and_line(two_process_refusals):
     folder, result = two_process_refusals["bad_row"]
     assert result.returncode == 2, result.stderr[-2000:]
@@ -198,6 +200,7 @@ def test_peft_without_its_package_is_refused_up_front(tmp_path, recipe, monkeypa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_an_incomplete_checkpoint_to_resume_from_stops_every_rank_with_its_name(two_process_refusals):
     """Checked on rank 0 alone and the verdict shared: no rank goes on to wait for the others."""
     folder, result = two_process_refusals["incomplete"]
@@ -207,6 +210,7 @@ def test_an_incomplete_checkpoint_to_resume_from_stops_every_rank_with_its_name(
     assert not (folder / "out" / "hf").exists()
 
 
+@pytest.mark.slow
 def test_a_dataset_info_entry_naming_a_missing_file_and_a_tool_result_without_a_call_exit_2(tmp_path, recipe, capsys):
     """The missing file is found before the run starts, the tool result by the worker of the one-process run."""
     (tmp_path / "dataset_info.json").write_text('{"calls": {"file_name": "calls.json", "formatting": "sharegpt"}}')

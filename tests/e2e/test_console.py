@@ -19,6 +19,9 @@ STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
 STEPS = 6
 
 
+pytestmark = pytest.mark.slow  # the runs these tests read are processes of their own
+
+
 @pytest.fixture(scope="module")
 def recipe(assets, tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("console")

@@ -31,6 +31,9 @@ def write_recipe(folder, assets, sft_file) -> str:
     return str(recipe)
 
 
+pytestmark = pytest.mark.slow  # the runs these tests read are processes of their own
+
+
 @pytest.fixture(scope="module")
 def previewed(assets, sft_file, tmp_path_factory):
     """(recipe, the finished `llmtune data RECIPE --n 3`), which built the recipe's cache entry: the CLI's main in a

@@ -77,6 +77,7 @@ def runs(hf_home, tmp_path_factory):
     return root, one, two
 
 
+@pytest.mark.slow
 def test_a_hub_model_and_hub_datasets_train_offline_and_export(runs):
     root, one, _ = runs
     assert one.returncode == 0, one.stderr[-3000:]

@@ -58,6 +58,7 @@ def importing_torch(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_ctrl_c_before_the_first_step_exits_130_without_a_traceback(tmp_path, recipe):
     # SIGINT's default action in the child whatever this process's is: a suite started in the background by a
     # shell without job control ignores SIGINT, a setting its children inherit and Python then keeps.
@@ -74,7 +75,8 @@ def test_ctrl_c_before_the_first_step_exits_130_without_a_traceback(tmp_path, re
     assert not (tmp_path / "out" / "checkpoints").exists() and not (tmp_path / "out" / "hf").exists()
 
 
-@pytest.mark.parametrize("command", [["sft", "--help"], ["data", "RECIPE", "--n", "50"]])
+@pytest.mark.parametrize("command", [["sft", "--help"],
+                                     pytest.param(["data", "RECIPE", "--n", "50"], marks=pytest.mark.slow)])
 def test_a_reader_that_goes_away_ends_the_command_quietly(recipe, command):
     """The read end is closed before the command writes a byte: its first write meets a closed pipe, as when
     `llmtune sft --help | head -1` has read its line."""

@@ -52,6 +52,7 @@ def test_the_result_is_the_runs_records(api_run):
     assert result.adapter is None
 
 
+@pytest.mark.slow
 def test_the_cli_trains_the_same_run(api_run, tmp_path):
     """The same recipe and overrides through bin/llmtune: the same losses step by step."""
     given, _, out = api_run

@@ -3,11 +3,13 @@ train.eval_steps and at the end."""
 
 import math
 
+import pytest
 import yaml
 
 from tests.helpers import read_metrics, run_cli
 
 
+@pytest.mark.slow
 def test_streaming_run_logs_the_validation_loss_at_the_eval_steps(tmp_path, tiny_model, sft_file, assets):
     val = tmp_path / "val.jsonl"
     val.write_text("\n".join((assets / "data" / "sft_eval.jsonl").read_text().splitlines()[:12]) + "\n")

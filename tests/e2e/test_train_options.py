@@ -51,6 +51,7 @@ def test_option_gives_the_same_losses_and_weights(train, plain, option):
         torch.testing.assert_close(value, plain[1][key], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compile_gives_the_same_losses(train, plain):
     assert train("train.compile=true", "train.chunk_loss_size=0")[0] == pytest.approx(plain[0], rel=1e-5)
 
