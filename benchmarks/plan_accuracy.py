@@ -5,14 +5,16 @@ measures, on CPU, for layouts of 1 and 2 ranks, activation checkpointing on and 
 
 (as a module: run as a file, its folder would come first on sys.path, where benchmarks/peft.py stands in for peft)
 
-Each case runs in fresh processes (torchrun): llmtune's model, optimizer and Trainer.train_step on random
-tokens, two steps to warm up (the second has AdamW's moments), then one measured step. Its peak is counted in
-tensors, as benchmarks/context_parallel.py counts it: the bytes live before the step (every storage of the
-parameters, buffers and optimizer state) plus the profiler's highest total of bytes allocated during the step.
-The largest rank is shown. tests/dist/test_plan.py holds two of these cases to 25%.
+Each case: llmtune's model, optimizer and Trainer.train_step on random tokens, two steps to warm up (the second
+has AdamW's moments), then one measured step. Its peak is counted in tensors, as benchmarks/context_parallel.py
+counts it: the bytes live before the step (every storage of the parameters, buffers and optimizer state) plus the
+profiler's highest total of bytes allocated during the step (less what earlier cases left in that total). The
+largest rank is shown. The cases of one rank count run one after another in one launch (torchrun, whose start-up
+takes seconds), those of one rank in this process. tests/dist/test_plan_peaks.py holds three of these cases to 25%.
 """
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -60,8 +62,9 @@ def case_config(model_dir: str, seq_len: int, overrides: list[str], world_size: 
         return load_config(str(recipe), overrides, "pt", world_size)
 
 
-def measure(config) -> int:
-    """Under torchrun (or one process): the peak bytes of this rank in one steady training step of `config`."""
+def measure(config, keep_process_group: bool = False) -> int:
+    """Under torchrun (or one process): the peak bytes of this rank in one steady training step of `config`.
+    keep_process_group: leave the process group for the next case (a torchrun worker cannot join a second)."""
     import torch
 
     from llmtune.data.collate import MicroBatch
@@ -94,14 +97,29 @@ def measure(config) -> int:
     for tensor in tensors:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         held[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    # The profiler's total starts from what earlier profilers of this process saw allocated and not freed while they
+    # ran (an earlier case's tensors; nothing in a fresh process), read from one allocation profiled alone; the garbage
+    # of an earlier case is collected first, lest the step free some of it while it is profiled.
+    gc.collect()
+    first = profiled_memory(lambda: torch.empty(1))[0]
+    earlier = first["Total Allocated"] - first["Bytes"]
+    during = max((m["Total Allocated"] for m in profiled_memory(lambda: trainer.train_step(batches))),
+                 default=earlier) - earlier
+    if not keep_process_group:
+        state.close()
+    return sum(held.values()) + during
+
+
+def profiled_memory(work) -> list[dict]:
+    """The profiler's memory events (their args) while work() runs."""
+    import torch
+
     with tempfile.TemporaryDirectory() as tmp:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            trainer.train_step(batches)
+            work()
         prof.export_chrome_trace(f"{tmp}/trace.json")
         events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
-    during = max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"), default=0)
-    state.close()
-    return sum(held.values()) + during
+    return [e["args"] for e in events if e.get("name") == "[memory]"]
 
 
 def predicted(config, world_size: int) -> int:
@@ -111,28 +129,50 @@ def predicted(config, world_size: int) -> int:
     return plan_memory(config, load_model_config(config.model), world_size).peak
 
 
-def run_case(model_dir: Path, seq_len: int, overrides: list[str], ranks: int, out: Path) -> int:
-    """The measured peak of the case: the largest over its ranks."""
+def measure_cases(model_dir: Path, seq_len: int, cases: list[tuple[list[str], int]], folder: Path) -> list[int]:
+    """The measured peak of each (overrides, ranks) case, the largest over its ranks. The cases of one rank count
+    share one launch, where they run one after another; those of one rank run in this process, which a launch would
+    only add its start-up to. folder: where the ranks write their peaks."""
+    peaks = {}
+    for ranks in sorted({ranks for _, ranks in cases}):
+        numbers = [number for number, (_, r) in enumerate(cases) if r == ranks]
+        overrides = [cases[number][0] for number in numbers]
+        if ranks == 1:
+            found = [measure(case_config(str(model_dir), seq_len, o, 1)) for o in overrides]
+        else:
+            found = launched_cases(model_dir, seq_len, overrides, ranks, folder / f"peaks_{ranks}.jsonl")
+        peaks.update(zip(numbers, found))
+    return [peaks[number] for number in range(len(cases))]
+
+
+def launched_cases(model_dir: Path, seq_len: int, cases: list[list[str]], ranks: int, out: Path) -> list[int]:
+    """The measured peaks of cases (overrides) on `ranks` processes of one torchrun launch."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "-m", "benchmarks.plan_accuracy", "--case", str(model_dir), str(seq_len), str(out), *overrides]
+               "-m", "benchmarks.plan_accuracy", "--cases", str(model_dir), str(seq_len), str(out), json.dumps(cases)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(result.stderr[-3000:])
-    return max(json.loads(line)["peak"] for line in out.read_text().splitlines())
+    peaks = [0] * len(cases)
+    for line in out.read_text().splitlines():
+        record = json.loads(line)
+        peaks[record["case"]] = max(peaks[record["case"]], record["peak"])
+    return peaks
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--case", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--cases", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.case:
-        model_dir, seq_len, out, *overrides = args.case
-        config = case_config(model_dir, int(seq_len), overrides, int(os.environ["WORLD_SIZE"]))
-        peak = measure(config)
-        with open(out, "a") as f:
-            f.write(json.dumps({"peak": peak}) + "\n")
+    if args.cases:
+        model_dir, seq_len, out, cases = args.cases
+        cases = json.loads(cases)
+        for number, overrides in enumerate(cases):
+            config = case_config(model_dir, int(seq_len), overrides, int(os.environ["WORLD_SIZE"]))
+            peak = measure(config, keep_process_group=number < len(cases) - 1)
+            with open(out, "a") as f:
+                f.write(json.dumps({"case": number, "peak": peak}) + "\n")
         return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
@@ -141,8 +181,9 @@ def main() -> None:
               "accumulation 2, chunked loss 512; MiB per rank")
         print(f"| {'layout':<30} | {'predicted':>9} | {'measured':>9} | {'predicted / measured':>20} |")
         print(f"|{'-' * 32}|{'-' * 11}:|{'-' * 11}:|{'-' * 22}:|")
-        for i, (name, overrides, ranks) in enumerate(CASES):
-            measured = run_case(model_dir, args.seq_len, overrides, ranks, Path(tmp) / f"case{i}.jsonl")
+        measured_peaks = measure_cases(model_dir, args.seq_len, [(overrides, ranks) for _, overrides, ranks in CASES],
+                                       Path(tmp))
+        for (name, overrides, ranks), measured in zip(CASES, measured_peaks):
             plan = predicted(case_config(str(model_dir), args.seq_len, overrides, ranks), ranks)
             print(f"| {name:<30} | {plan / 2**20:9.1f} | {measured / 2**20:9.1f} | {plan / measured:20.2f} |",
                   flush=True)

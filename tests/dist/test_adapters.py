@@ -6,7 +6,8 @@ loss in 32-token chunks), 2-process runs in one torchrun launch against one-proc
   adapters alone, and a checkpoint is refused on a base model with other weights;
 - the adapter folder, loaded by peft on the base, and the merged folder, loaded by transformers, give the trained
   model's logits (1e-5), as does a run that continues from the adapter folder; a tied lm_head trained through
-  modules_to_save included; the offline export writes the same folders.
+  modules_to_save included; the offline export writes the same folders (`llmtune export`, in this process: it is one
+  process, which a launch would only add its start-up to).
 """
 
 import json
@@ -25,6 +26,7 @@ from llmtune.checkpoint.validate import saved_model_shapes
 from llmtune.config import load_config
 from llmtune.errors import UserError
 from llmtune.features.adapters import lora_layers
+from llmtune.run.cli import main as cli_main
 from llmtune.run.parallel import ParallelState
 from llmtune.run.worker import build_trainer
 from tests.dist.case_worker import run_case
@@ -170,19 +172,20 @@ def test_a_run_continues_from_the_adapter_folder(runs):
 
 def test_offline_export_writes_the_same_folders(runs, tmp_path):
     last = runs["lora"] / "checkpoints" / "global_step_4"
-    assert run_cli("export", str(last), str(tmp_path / "adapter")).returncode == 0
+    assert cli_main(["export", str(last), str(tmp_path / "adapter")]) == 0
     close(load_file(tmp_path / "adapter" / "adapter_model.safetensors"), adapter(runs["lora"]), 0)
-    assert run_cli("export", str(last), str(tmp_path / "merged"), "--merge").returncode == 0
+    assert cli_main(["export", str(last), str(tmp_path / "merged"), "--merge"]) == 0
     close(load_file(tmp_path / "merged" / "model.safetensors"), load_file(runs["lora"] / "hf" / "model.safetensors"),
           1e-6)
 
 
-def test_offline_export_of_frozen_modules_rereads_the_base(runs, tmp_path):
+def test_offline_export_of_frozen_modules_rereads_the_base(runs, tmp_path, capsys):
     last = runs["frozen"] / "checkpoints" / "global_step_4"
-    assert run_cli("export", str(last), str(tmp_path / "hf")).returncode == 0
+    assert cli_main(["export", str(last), str(tmp_path / "hf")]) == 0
     close(load_file(tmp_path / "hf" / "model.safetensors"), load_file(runs["frozen"] / "hf" / "model.safetensors"), 0)
-    refused = run_cli("export", str(last), str(tmp_path / "merged"), "--merge")
-    assert refused.returncode == 2 and "--merge: " in refused.stderr and "has no adapters" in refused.stderr
+    assert cli_main(["export", str(last), str(tmp_path / "merged"), "--merge"]) == 2
+    error = capsys.readouterr().err
+    assert "--merge: " in error and "has no adapters" in error
     assert not (tmp_path / "merged").exists()
 
 

@@ -3,7 +3,8 @@ unequal lengths padded per batch, the same global batch of 4 split over ranks x 
 accumulation, 5 steps. Per-step losses and gradient norms agree to 1e-5 relative, final weights
 to 1e-5 absolute. Two of the layouts are one recipe, train.global_batch_size=4 with micro-batches of 2,
 run on 1 and on 2 processes (accumulation derived: 2 and 1): bitwise the same run. Also a two-"node" run:
-two torchrun invocations with --nnodes 2 on 127.0.0.1."""
+two torchrun invocations with --nnodes 2 on 127.0.0.1. The one-process layouts run the CLI's code in this process
+(llmtune.run.cli.main), where a launch of bin/llmtune would add only its start-up; the others are launched."""
 
 import os
 import subprocess
@@ -13,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import REPO, free_port, read_metrics, run_cli
+from llmtune.run.cli import main as cli_main
+from tests.helpers import REPO, cli_words, free_port, read_metrics, run_cli
 
 STEPS = 5
 GLOBAL_BATCH = ["train.global_batch_size=4"]
@@ -43,7 +45,7 @@ def two_node_run(args: list[str]) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                                 f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                                "--rdzv-id=llmtune-test", "-m", "llmtune", *args],
+                                "--rdzv-id=llmtune-test", "-m", "llmtune", *cli_words(args)],
                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for node in (0, 1)]
     for agent in agents:
@@ -56,9 +58,13 @@ def runs(tiny_model, sft_file, tmp_path_factory):
     out = {}
     for name, (nproc, micro, batch) in LAYOUTS.items():
         output_dir = tmp_path_factory.mktemp(name)
-        result = run_cli("sft", "recipes/demo/sft.yaml", *overrides(tiny_model, sft_file, output_dir, micro, batch),
-                         "--nproc", str(nproc))
-        assert result.returncode == 0, result.stderr[-3000:]
+        args = ["sft", str(REPO / "recipes" / "demo" / "sft.yaml"),
+                *overrides(tiny_model, sft_file, output_dir, micro, batch), "--nproc", str(nproc)]
+        if nproc == 1:
+            assert cli_main(cli_words(args)) == 0, name
+        else:
+            result = run_cli(*args)
+            assert result.returncode == 0, result.stderr[-3000:]
         out[name] = output_dir
     output_dir = tmp_path_factory.mktemp("two_nodes")
     two_node_run(["sft", "recipes/demo/sft.yaml", *overrides(tiny_model, sft_file, output_dir, 2, accumulation(1))])
