@@ -9,8 +9,8 @@ Each case: llmtune's model, optimizer and Trainer.train_step on random tokens, t
 has AdamW's moments), then one measured step. Its peak is counted in tensors, as benchmarks/context_parallel.py
 counts it: the bytes live before the step (every storage of the parameters, buffers and optimizer state) plus the
 profiler's highest total of bytes allocated during the step (less what earlier cases left in that total). The
-largest rank is shown. The cases of one rank count run one after another in one launch (torchrun, whose start-up
-takes seconds), those of one rank in this process. tests/dist/test_plan_peaks.py holds three of these cases to 25%.
+largest rank is shown. The 2-rank cases run one after another in one launch (torchrun, whose start-up takes
+seconds), the 1-rank ones in this process. tests/dist/test_plan_peaks.py holds three of these cases to 25%.
 """
 
 import argparse
