@@ -3,12 +3,13 @@
 __version__ = "0.1.0"
 
 
-def train(task: str, recipe, **overrides):
+def train(task: str, recipe, callbacks=(), **overrides):
     """Train in this process, as `llmtune TASK RECIPE` does, and return the run's result.
 
     task: "pt" or "sft". recipe: a YAML recipe's path, or the same mapping as a dict. overrides: recipe keys, as
     `learning_rate=1e-4` (a key one section has; the HF Trainer's names read as on the command line), as
-    `**{"train.learning_rate": 1e-4}`, or a section's dict, `train={"learning_rate": 1e-4}`.
+    `**{"train.learning_rate": 1e-4}`, or a section's dict, `train={"learning_rate": 1e-4}`. callbacks: callback
+    objects (llmtune.training.callbacks), called after those train.callbacks names.
 
     One process is one rank: under `torchrun --nproc-per-node N script.py` every process calls it and they train
     together. Returns a RunResult (llmtune/run/summary.py): steps and tokens, the last loss, the last and the best
@@ -17,4 +18,4 @@ def train(task: str, recipe, **overrides):
     """
     from llmtune.run.api import run_recipe  # torch-free until the recipe has passed its checks
 
-    return run_recipe(task, recipe, overrides)
+    return run_recipe(task, recipe, overrides, list(callbacks))

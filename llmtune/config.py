@@ -37,6 +37,8 @@ KEY_ALIASES = {
     "train.min_lr_rate": "train.min_lr_ratio",
     "train.num_decay_steps": "train.decay_steps",
     "train.report_to": "monitor.report_to",
+    "train.metric_for_best_model": "checkpoint.best_metric",
+    "train.greater_is_better": "checkpoint.greater_is_better",
     "train.run_name": "monitor.run_name",
     "monitor.wandb_project": "monitor.project",
     # LLaMA-Factory's names.
@@ -57,6 +59,9 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_atten
 CATCHABLE_SIGNALS = {sig.name for sig in signal.Signals} - {"SIGKILL", "SIGSTOP"}
 # Values of checkpoint.resume_from_checkpoint that mean the newest good checkpoint of output_dir (else a fresh start).
 RESUME_NEWEST = ("auto", "latest")
+# The value of checkpoint.resume_from_checkpoint that means output_dir's checkpoints/best.
+RESUME_BEST = "best"
+EXPORT_FROM = ("last", "best")
 # The files a data source may name (data.train_files, validation_files, a dataset_info.json entry's file_name).
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 # transformers' pattern for a Hub kernel (transformers.integrations.hub_kernels.is_kernel): org/name[@rev][:fn].
@@ -245,6 +250,12 @@ class TrainConfig:
     max_skipped_steps: int = _field(5, "Stop after this many optimizer steps in a row skipped for a non-finite "
                                        "loss or gradient norm.")
     eval_steps: int = _field(0, "Validation loss every this many steps (0: only at the end); needs validation data.")
+    eval_epochs: int = _field(0, "Validation loss also at the end of every this many epochs (0: never); needs "
+                                 "validation data.")
+    eval_on_start: bool = _field(False, "Validation loss before the first step of a new run (step 0 in "
+                                        "metrics.jsonl), as a check of the starting point.")
+    max_eval_steps: int = _field(0, "At most this many validation micro-batches per rank in each evaluation (the "
+                                    "first ones of each rank's share); 0 = the whole validation set.")
     per_device_eval_batch_size: int = _field(8, "Rows per validation micro-batch on each data-parallel rank.")
     deterministic: bool = _field(False, "Deterministic algorithms, set as transformers' enable_full_determinism sets "
                                         "them (cuBLAS workspace, cuDNN); slower on GPU.")
@@ -255,6 +266,12 @@ class TrainConfig:
                                               "parameters they match are trained, the rest frozen; empty = all.")
     frozen_modules: list[str] = _field([], "Regular expressions (re.search on parameter names): the parameters they "
                                            "match are frozen (applied after trainable_modules).")
+    callbacks: list[str] = _field([], "Callbacks, each package.module:Class (made without arguments; llmtune.train "
+                                      "also takes instances: callbacks=[...]): called on every rank at the HF "
+                                      "Trainer's events (on_step_end, on_evaluate, ...); see docs/training.md.")
+    early_stopping_patience: int = _field(0, "Stop training when checkpoint.best_metric (eval_loss by default) has not "
+                                             "improved for this many evaluations in a row; 0 = off.")
+    early_stopping_threshold: float = _field(0.0, "The improvement early stopping asks for: more than this.")
 
     def problems(self) -> list[str]:
         out = []
@@ -264,6 +281,13 @@ class TrainConfig:
                      "max_skipped_steps", "per_device_eval_batch_size"):
             if getattr(self, name) < 1:
                 out.append(f"train.{name}: {getattr(self, name)} must be at least 1")
+        for name in ("eval_steps", "eval_epochs", "max_eval_steps", "early_stopping_patience"):
+            if getattr(self, name) < 0:
+                out.append(f"train.{name}: {getattr(self, name)} must not be negative (0 turns it off)")
+        if self.early_stopping_threshold < 0:
+            out.append(f"train.early_stopping_threshold: {self.early_stopping_threshold} must not be negative")
+        out += [f"train.callbacks: {path!r} is not written package.module:Class" for path in self.callbacks
+                if not re.fullmatch(r"[\w.]+:[\w.]+", path)]
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             out.append(_choice_problem("train.lr_scheduler_type", self.lr_scheduler_type,
                                        LR_SCHEDULERS + tuple(SCHEDULER_ALIASES)))
@@ -369,13 +393,28 @@ class CheckpointConfig:
     async_save: bool = _field(False, "Write checkpoints in the background while training goes on.")
     resume_from_checkpoint: str | None = _field(None, "A checkpoint folder, or auto (the newest in output_dir that "
                                                       "passes its checks; starts fresh when there is none; latest "
-                                                      "is the same).")
+                                                      "is the same), or best (output_dir's checkpoints/best, kept "
+                                                      "by save_best).")
     verify_checksums: bool = _field(False, "On resume, also check every checkpoint file's checksum (reads the whole "
                                            "checkpoint once more); sizes are always checked.")
     export_hf: bool = _field(True, "At the end, write output_dir/hf: a folder AutoModelForCausalLM loads.")
     export_merged: bool = _field(False, "peft runs: also write output_dir/hf, the adapters merged into the "
                                         "weights (output_dir/adapter is always written).")
     export_dtype: str = _field("bf16", "Dtype of the exported weights: bf16 or fp32.")
+    save_best: bool = _field(False, "Also keep checkpoints/best: the saved checkpoint with the best best_metric so "
+                                    "far, which save_total_limit never deletes (resume_from_checkpoint: best). A "
+                                    "save evaluates first when the metric is an eval one not yet measured at its "
+                                    "step.")
+    best_metric: str = _field("eval_loss", "The metrics.jsonl value that ranks checkpoints (save_best, export_from: "
+                                           "best, train.early_stopping_patience): eval_loss, or another logged one "
+                                           "(loss, a feature's metric).")
+    greater_is_better: bool | None = _field(None, "Whether a larger best_metric is better; default: false for a "
+                                                  "name ending in loss, else true.")
+    export_from: str = _field("last", "What becomes output_dir/hf: last (the weights at the end) or best (those of "
+                                      "checkpoints/best; needs save_best). HF's load_best_model_at_end reads as "
+                                      "save_best and export_from: best.")
+    eval_on_save: bool = _field(False, "Evaluate before every save, so that each checkpoint records its eval metrics "
+                                       "at its own step.")
     max_shard_size: str = _field("5GB", "Largest safetensors file of the export (e.g. 5GB, 500MB).")
 
     def problems(self) -> list[str]:
@@ -388,7 +427,21 @@ class CheckpointConfig:
             out.append(f"checkpoint.max_shard_size: {err}")
         if self.save_steps < 0 or self.save_epochs < 0 or (self.save_total_limit is not None and self.save_total_limit < 1):
             out.append("checkpoint: save_steps and save_epochs must be >= 0, save_total_limit >= 1")
+        if self.export_from not in EXPORT_FROM:
+            out.append(_choice_problem("checkpoint.export_from", self.export_from, EXPORT_FROM))
+        if self.export_from == "best" and not self.save_best:
+            out.append("checkpoint.export_from: best exports checkpoints/best, which only checkpoint.save_best keeps; "
+                       "set checkpoint.save_best: true")
+        if self.save_best and not (self.save_steps or self.save_epochs):
+            out.append("checkpoint.save_best: the best checkpoint is chosen among the saved ones, and this run saves "
+                       "none; set checkpoint.save_steps or save_epochs")
         return out
+
+    def greater(self) -> bool:
+        """Whether a larger best_metric is better (greater_is_better, else by its name, as the HF Trainer decides)."""
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        return not self.best_metric.endswith("loss")
 
 
 @dataclass
@@ -544,6 +597,7 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
         problems.extend(section.problems())
     _global_batch_wins(provided, {item.partition("=")[0] for item in overrides})
     problems.extend(_batch_problems(config, world_size, provided))
+    problems.extend(_evaluation_problems(config))
     if problems:
         raise UserError("\n".join(problems))
     return config
@@ -580,6 +634,15 @@ def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
         problems.append(f"{recipe}: peft.method (finetuning_type) freeze: llmtune trains a chosen part of the "
                         "weights with train.trainable_modules (regular expressions of parameter names, e.g. "
                         "'layers\\.(2[0-9]|3[01])\\.'); set that and leave finetuning_type out")
+    if train.pop("load_best_model_at_end", False) is True:
+        checkpoint = raw.setdefault("checkpoint", {})
+        if isinstance(checkpoint, dict):
+            checkpoint.setdefault("save_best", True)
+            checkpoint.setdefault("export_from", "best")
+    best = raw.get("checkpoint", {}).get("best_metric") if isinstance(raw.get("checkpoint"), dict) else None
+    if "train.metric_for_best_model" in {name for name, *_ in given} and isinstance(best, str) \
+            and not best.startswith("eval_"):
+        raw["checkpoint"]["best_metric"] = f"eval_{best}"  # the HF Trainer's reading of its own key
     if train.get("lr_scheduler_type") in SCHEDULER_ALIASES:
         train["lr_scheduler_type"] = SCHEDULER_ALIASES[train["lr_scheduler_type"]]
     warmup = train.get("warmup_steps")
@@ -724,6 +787,21 @@ def _batch_problems(config: Config, world_size: int, provided: set[str]) -> list
     return []
 
 
+def _evaluation_problems(config: Config) -> list[str]:
+    """Settings that evaluate, or rank by an eval metric, in a run without validation data."""
+    if config.data.has_validation_sources() or config.data.val_ratio:
+        return []
+    train, checkpoint = config.train, config.checkpoint
+    asked = [key for key, on in (("train.eval_steps", train.eval_steps), ("train.eval_epochs", train.eval_epochs),
+                                 ("train.eval_on_start", train.eval_on_start),
+                                 ("checkpoint.eval_on_save", checkpoint.eval_on_save)) if on]
+    if checkpoint.best_metric.startswith("eval_"):
+        asked += [key for key, on in (("checkpoint.save_best", checkpoint.save_best),
+                                      ("train.early_stopping_patience", train.early_stopping_patience)) if on]
+    return [f"{key}: this run has no validation data to evaluate on; give data.val_files (or data.val_datasets, "
+            "data.val_ratio)" for key in asked]
+
+
 def recipe_keys():
     """(section, key, default as YAML writes it, help) of every recipe key, in the sections' order."""
     for section, cls in SECTIONS.items():
@@ -763,6 +841,8 @@ def recipe_help() -> str:
     lines += ["  lr_scheduler_type: " + ", ".join(f"{hf} = {ours}" for hf, ours in SCHEDULER_ALIASES.items()),
               "  train.lr_scheduler_kwargs: {min_lr_rate, num_decay_steps, decay_type} = the train keys above",
               "  train.warmup_steps below 1 = train.warmup_ratio; monitor.report_to: none = []",
+              "  train.load_best_model_at_end: true = checkpoint.save_best: true and checkpoint.export_from: best; "
+              "metric_for_best_model gets eval_ in front, as HF does",
               "  finetuning_type: " + ", ".join(f"{lf} = peft.method {ours}" for lf, ours in FINETUNING_TYPES.items())
               + ", freeze = train.trainable_modules"]
     return "\n".join(lines)

@@ -5,7 +5,7 @@ import re
 import shutil
 from pathlib import Path
 
-from llmtune.config import RESUME_NEWEST
+from llmtune.config import RESUME_BEST, RESUME_NEWEST
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 LATEST = "latest"
@@ -30,11 +30,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def continues(output_dir: Path, resume: str | None) -> bool:
-    """Whether checkpoint.resume_from_checkpoint goes on from one of output_dir's own checkpoints (auto/latest, or a
-    folder of output_dir/checkpoints)."""
+    """Whether checkpoint.resume_from_checkpoint goes on from one of output_dir's own checkpoints (auto/latest, best,
+    or a folder of output_dir/checkpoints)."""
     if not resume:
         return False
-    return resume in RESUME_NEWEST or Path(resume).resolve().is_relative_to((output_dir / "checkpoints").resolve())
+    return resume in (*RESUME_NEWEST, RESUME_BEST) or Path(resume).resolve().is_relative_to((output_dir / "checkpoints").resolve())
 
 
 def earlier_run(output_dir: Path) -> list[str]:

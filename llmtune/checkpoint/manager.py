@@ -4,6 +4,7 @@
                                  extra_state/   rank_<r>.pt: that rank's RNG states (plain data)
                                  trainer_state.json, config.yaml, hf_config/ (config + tokenizer)
     <output_dir>/checkpoints/latest             names the newest complete checkpoint
+    <output_dir>/checkpoints/best/              checkpoint.save_best: the best one so far (checkpoint/best.py)
 
 A checkpoint is written under `.global_step_<N>.partial`, renamed once every rank has finished,
 and only then named by `latest`: a folder called global_step_<N> is complete by construction,
@@ -22,24 +23,32 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+                                                     set_model_state_dict, set_state_dict)
 
 from llmtune.atomic import write_text
+from llmtune.checkpoint.best import BEST, better, keep_as_best
 from llmtune.checkpoint.folders import LATEST, complete_checkpoints
 from llmtune.checkpoint.manifest import files_written_by, write_manifest
 from llmtune.checkpoint.validate import check_base, check_complete, check_model_matches
-from llmtune.config import RESUME_NEWEST
+from llmtune.config import RESUME_BEST, RESUME_NEWEST
 from llmtune.errors import TrainingStopped, UserError
 
 log = logging.getLogger(__name__)
 
 
 def resolve_resume(value: str | None, output_dir: Path, checksums: bool) -> Path | None:
-    """The checkpoint to resume from, checked (validate.check_complete): a path, or `auto` / `latest`: the newest
-    complete checkpoint of output_dir's run (never one newer than its `latest` pointer) that passes its checks, each
-    one that fails said in the log (None, also said, when there is none yet)."""
+    """The checkpoint to resume from, checked (validate.check_complete): a path, `best` (checkpoints/best), or `auto` /
+    `latest`: the newest complete checkpoint of output_dir's run (never one newer than its `latest` pointer) that
+    passes its checks, each one that fails said in the log (None, also said, when there is none yet)."""
     if not value:
         return None
+    if value == RESUME_BEST:
+        best = output_dir / "checkpoints" / BEST
+        if not best.is_dir():
+            raise UserError(f"checkpoint.resume_from_checkpoint=best: {best} does not exist (checkpoint.save_best "
+                            "keeps it, once a save has been ranked); resume from auto or a checkpoint folder")
+        check_complete(best, checksums)
+        return best
     if value not in RESUME_NEWEST:
         check_complete(Path(value), checksums)
         return Path(value)
@@ -81,6 +90,15 @@ def trained_state(model, model_state: dict) -> dict:
     return {name: value for name, value in model_state.items() if name not in frozen}
 
 
+def load_weights(path: Path, model) -> None:
+    """The trained parameters of the checkpoint at `path` into `model`, on every rank (DCP: written on any number of
+    ranks); optimizer and trainer state untouched."""
+    model_state = trained_state(model, get_model_state_dict(model))
+    check_model_matches(path, model_state)
+    dcp.load({"model": model_state}, checkpoint_id=str(path))
+    set_model_state_dict(model, model_state, options=StateDictOptions(strict=False))
+
+
 def _cause(err: BaseException) -> str:
     """One line on why a write failed; DCP's own exception carries each failed rank's."""
     if isinstance(err, CheckpointException):
@@ -110,6 +128,34 @@ class CheckpointManager:
         self.group = state.background_group() if checkpoint_cfg.async_save else None
         self.stall_seconds: list[float] = []
         self.saved_step: int | None = None  # the step of the last save begun
+        self.best: dict | None = None  # save_best: {"metric", "value", "step"} of checkpoints/best
+
+    @property
+    def evaluates_first(self) -> bool:
+        """A save asks for an evaluation at its step (unless the step had one): checkpoint.eval_on_save, or save_best
+        ranking by an eval metric, which must describe the weights saved."""
+        return self.cfg.eval_on_save or (self.cfg.save_best and self.cfg.best_metric.startswith("eval_"))
+
+    @property
+    def logs_first(self) -> bool:
+        """A save asks for the step's record (save_best ranks by one of its values)."""
+        return self.cfg.save_best
+
+    def _ranks_best(self, step: int, metrics: dict) -> bool:
+        """save_best: whether the checkpoint of `step`, whose logged values are `metrics` (the same on every rank),
+        is the best so far (then recorded as such)."""
+        if not self.cfg.save_best:
+            return False
+        value = metrics.get(self.cfg.best_metric)
+        if value is None:
+            if self.state.is_main:
+                log.warning("checkpoint: step %d logged no %s (checkpoint.best_metric), so its checkpoint is not "
+                            "ranked; name a value metrics.jsonl records", step, self.cfg.best_metric)
+            return False
+        if not better(value, self.best and self.best["value"], self.cfg.greater()):
+            return False
+        self.best = {"metric": self.cfg.best_metric, "value": value, "step": step}
+        return True
 
     def due(self, step: int, epoch_done: bool, epoch: int, final: bool) -> bool:
         """final: the run ends after this step (its last step, or a stop), which saves whenever saving is on."""
@@ -117,10 +163,17 @@ class CheckpointManager:
         every_epochs = self.cfg.save_epochs > 0 and epoch_done and (epoch + 1) % self.cfg.save_epochs == 0
         return every_steps or every_epochs or (final and (self.cfg.save_steps > 0 or self.cfg.save_epochs > 0))
 
-    def save(self, step: int, model, optimizer, trainer_state: dict) -> None:
+    def save(self, step: int, model, optimizer, trainer_state: dict, metrics: dict | None = None,
+             eval_metrics: dict | None = None) -> Path:
+        """metrics: what the step logged (save_best ranks by them); eval_metrics: the newest evaluation's, with its
+        step. Both are recorded in trainer_state.json. Returns the checkpoint's folder (being written, when
+        asynchronous)."""
         started = time.perf_counter()
         self.finish_pending()
         self.saved_step = step
+        best = self._ranks_best(step, metrics or {})
+        trainer_state = {**trainer_state, "metrics": metrics or {}, "eval_metrics": eval_metrics or {},
+                         "best": self.best}
         final = self.root / f"global_step_{step}"
         partial = self.root / f".global_step_{step}.partial"
         if self.cfg.save_only_model:
@@ -132,11 +185,12 @@ class CheckpointManager:
         self._written(partial, lambda: self._write_states(partial, trainer_state))
         if self.cfg.async_save:
             future = dcp.async_save(content, checkpoint_id=str(partial), process_group=self.group)
-            self.pending = (future, partial, final)
+            self.pending = (future, partial, final, best)
         else:
             self._written(partial, lambda: dcp.save(content, checkpoint_id=str(partial)))
-            self._publish(partial, final)
+            self._publish(partial, final, best)
         self.stall_seconds.append(time.perf_counter() - started)
+        return final
 
     def _make_folder(self, partial: Path) -> None:
         if self.state.is_main:
@@ -179,28 +233,32 @@ class CheckpointManager:
         """Wait for an asynchronous save, then publish it."""
         if self.pending is None:
             return
-        future, partial, final = self.pending
+        future, partial, final, best = self.pending
         self.pending = None
         self._written(partial, future.result)
-        self._publish(partial, final)
+        self._publish(partial, final, best)
 
-    def _publish(self, partial: Path, final: Path) -> None:
-        """Every rank has written: the manifest of what each wrote, then rename, point `latest` at it, and drop what
-        retention allows."""
+    def _publish(self, partial: Path, final: Path, best: bool) -> None:
+        """Every rank has written: the manifest of what each wrote, then rename, point `latest` at it (and best, when
+        it is), and drop what retention allows."""
         written = files_written_by(partial, self.state.rank)
-        self._written(partial, lambda: self._swap_in(partial, final, self.state.gather_object(written)))
+        self._written(partial, lambda: self._swap_in(partial, final, self.state.gather_object(written), best))
         if self.state.is_main:
             self._retain(final)
             log.info("checkpoint: saved %s", final)
         self.state.barrier()
 
-    def _swap_in(self, partial: Path, final: Path, per_rank: list | None) -> None:
+    def _swap_in(self, partial: Path, final: Path, per_rank: list | None, best: bool) -> None:
         if not self.state.is_main:
             return
         write_manifest(partial, per_rank)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         write_text(self.root / LATEST, final.name)
+        if best:
+            keep_as_best(final)
+            log.info("checkpoint: %s is the best so far (%s %.6g): kept as %s", final.name, self.best["metric"],
+                     self.best["value"], self.root / BEST)
 
     def _retain(self, newest: Path) -> None:
         limit = self.cfg.save_total_limit
@@ -235,7 +293,24 @@ class CheckpointManager:
                             "checkpoint's, on %d ranks) to %d on %d ranks; set train.global_batch_size: %d to keep it",
                             saved_batch, trainer_state["world_size"], trainer.data.global_batch,
                             self.state.world_size, saved_batch)
+            self.best = trainer_state.get("best")
             trainer.load_state_dict(trainer_state)
+            trainer.loaded(chosen)
+
+    def load_best(self, model) -> int | None:
+        """checkpoint.export_from: best: the model's weights become checkpoints/best's, on every rank; returns its
+        step, or None (said) when no checkpoint was ranked best, which leaves the last weights."""
+        if self.best is None:
+            if self.state.is_main:
+                log.warning("checkpoint: export_from is best, but no saved checkpoint was ranked (no %s logged at a "
+                            "save); exporting the last weights", self.cfg.best_metric)
+            return None
+        self.finish_pending()
+        load_weights(self.root / BEST, model)
+        if self.state.is_main:
+            log.info("checkpoint: exporting the best checkpoint's weights (step %d, %s %.6g)", self.best["step"],
+                     self.best["metric"], self.best["value"])
+        return self.best["step"]
 
     def _load(self, path: Path, model, optimizer) -> dict:
         """Restore model, optimizer and this rank's RNG; returns the trainer state to continue from."""

@@ -34,28 +34,33 @@ class Validation:
     validation data it is never due (a run without validation has this do-nothing one)."""
 
     def __init__(self, dataset: datasets.Dataset | None, batch_size: int, pad_id: int, document_mask: bool,
-                 dp_size: int, dp_rank: int, eval_steps: int):
+                 dp_size: int, dp_rank: int, train_cfg):
         self.dataset = dataset
         self.batch_size = batch_size
         self.collate = partial(collate, pad_id=pad_id, document_mask=document_mask)
         self.dp_size = dp_size
         self.dp_rank = dp_rank
-        self.eval_steps = eval_steps
+        self.eval_steps, self.eval_epochs = train_cfg.eval_steps, train_cfg.eval_epochs
+        self.max_batches = train_cfg.max_eval_steps
 
-    def due(self, step: int, last: bool) -> bool:
-        """Every eval_steps steps (when > 0) and at the run's last step."""
+    def due(self, step: int, last: bool, finished_epoch: int | None = None) -> bool:
+        """Every eval_steps steps (when > 0), at the end of every eval_epochs-th epoch (finished_epoch: the epoch this
+        step ended, counted from 0) and at the run's last step."""
         if self.dataset is None:
             return False
-        return last or (self.eval_steps > 0 and step % self.eval_steps == 0)
+        every_epochs = self.eval_epochs > 0 and finished_epoch is not None and (finished_epoch + 1) % self.eval_epochs == 0
+        return last or every_epochs or (self.eval_steps > 0 and step % self.eval_steps == 0)
 
     def batches(self):
-        """This rank's share of the validation set (every D-th row) in micro-batches.
+        """This rank's share of the validation set (every D-th row) in micro-batches, the first max_eval_steps of
+        them when that is set.
 
         Every rank yields the same number of batches, so FSDP's collectives stay in step: a rank
         whose share has run out yields a batch whose labels are all -100, which adds nothing.
         """
         share = range(self.dp_rank, len(self.dataset), self.dp_size)
-        for start in range(0, math.ceil(len(self.dataset) / self.dp_size), self.batch_size):
+        starts = range(0, math.ceil(len(self.dataset) / self.dp_size), self.batch_size)
+        for start in starts[:self.max_batches or None]:
             rows = [self.dataset[i] for i in share[start:start + self.batch_size]]
             batch = self.collate(rows or [self.dataset[0]])
             if not rows:
@@ -247,4 +252,4 @@ def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataMan
             log.info("data: %s", stats.summary())
         data = DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank)
     return data, Validation(val, train_cfg.per_device_eval_batch_size, pad_id, data_cfg.document_mask, state.dp_size,
-                            state.dp_rank, train_cfg.eval_steps)
+                            state.dp_rank, train_cfg)

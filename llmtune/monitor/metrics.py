@@ -129,18 +129,32 @@ class TrainMonitor:
             self.path.write_text("".join(line + "\n" for line in kept))
         self.trackers = Trackers(self.output_dir, self.monitor_cfg, self.recipe, step)
 
-    def record(self, step: int, epoch: float, stats: StepRecord, eval_loss: float | None = None) -> None:
-        """Add one optimizer step; every logging_steps, at the last step and when evaluation ran, write the record
-        of the window since the last one. Then let the profiler see the step."""
+    def record(self, step: int, epoch: float, stats: StepRecord, eval_metrics: dict | None = None, force: bool = False,
+               on_log=None) -> dict | None:
+        """Add one optimizer step; every logging_steps, at the last step, when evaluation ran (eval_metrics) and when
+        forced (a callback's should_log, a save that ranks checkpoints), the record of the window since the last
+        one, which on_log(record) may edit before it is written. Then let the profiler see the step. Returns the
+        record (on every rank), or None when none was due."""
         self.window.append(stats)
         self.skipped_steps += stats.skipped
         if self.console is not None:
             self.console.step(step, stats.loss, stats.lr, stats.input_tokens / max(stats.step_time, 1e-9))
-        if step % self.logging_steps == 0 or step == self.total_steps or eval_loss is not None:
-            self._log(step, epoch, stats, eval_loss)
+        record = None
+        if step % self.logging_steps == 0 or step == self.total_steps or eval_metrics or force:
+            record = self._log(step, epoch, stats, eval_metrics or {}, on_log)
         self.profiler.step(step == self.total_steps)
+        return record
 
-    def _log(self, step: int, epoch: float, stats: StepRecord, eval_loss: float | None) -> None:
+    def evaluation(self, step: int, epoch: float, metrics: dict, on_log=None) -> dict:
+        """The record of an evaluation outside a training step (train.eval_on_start: before the first one)."""
+        record = {"step": step, "epoch": epoch, **metrics}
+        if on_log is not None:
+            on_log(record)
+        if self.is_main:
+            self._write(record)
+        return record
+
+    def _log(self, step: int, epoch: float, stats: StepRecord, eval_metrics: dict, on_log) -> dict:
         now = time.perf_counter()
         elapsed = max(now - self.window_started, 1e-9)
         steps = self.window
@@ -163,22 +177,29 @@ class TrainMonitor:
         }
         for key in stats.features:  # averaged over the window, as the loss
             record[key] = sum(s.features[key] for s in steps) / len(steps)
-        if eval_loss is not None:
-            record["eval_loss"] = eval_loss
+        record.update(eval_metrics)
+        if on_log is not None:
+            on_log(record)
         self.window, self.window_started = [], now
         if self.is_main:
             self._write(record)
+        return record
 
     def _write(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.trackers.log(record)
-        if self.monitor_cfg.console:
-            extra = f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
-            self.console.line(f"step {record['step']}/{self.total_steps} epoch {record['epoch']:.2f} loss "
-                              f"{record['loss']:.4f}{extra} lr {record['lr']:.3e} grad_norm {record['grad_norm']:.3f} "
-                              f"tokens/s {record['tokens_per_s']:.0f} mem {record['mem_gib']:.2f} GiB skipped "
-                              f"{record['skipped_steps']}")
+        if not self.monitor_cfg.console:
+            return
+        evals = "".join(f" {key} {value:.4f}" for key, value in record.items()
+                        if key.startswith("eval_") and isinstance(value, float))
+        if "loss" not in record:  # an evaluation alone
+            self.console.line(f"step {record['step']}/{self.total_steps}{evals}")
+            return
+        self.console.line(f"step {record['step']}/{self.total_steps} epoch {record['epoch']:.2f} loss "
+                          f"{record['loss']:.4f}{evals} lr {record['lr']:.3e} grad_norm {record['grad_norm']:.3f} "
+                          f"tokens/s {record['tokens_per_s']:.0f} mem {record['mem_gib']:.2f} GiB skipped "
+                          f"{record['skipped_steps']}")
 
     def end(self) -> None:
         """Training has stopped (finished, stopped or failed): the bar gives way to the lines after it, the trackers'

@@ -31,7 +31,7 @@ def override_items(overrides: dict) -> list[str]:
     return items
 
 
-def run_recipe(task: str, recipe, overrides: dict) -> RunResult:
+def run_recipe(task: str, recipe, overrides: dict, callbacks: list) -> RunResult:
     """llmtune.train's work (see its docstring in llmtune/__init__.py)."""
     if task not in TASKS:
         raise UserError(f"task: {task!r} is not a task; use {' or '.join(TASKS)}")
@@ -40,4 +40,4 @@ def run_recipe(task: str, recipe, overrides: dict) -> RunResult:
     local = checked_inputs(config, world_size)
     from llmtune.run.worker import run  # torch and transformers: imported once the recipe has passed its checks
 
-    return run(config, local, RESUME_CALL)
+    return run(config, local, RESUME_CALL, callbacks)

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from llmtune.checkpoint.folders import complete_checkpoints, continues, earlier_run
-from llmtune.config import RESUME_NEWEST
+from llmtune.config import RESUME_BEST, RESUME_NEWEST
 from llmtune.data.files import check_has_rows, is_saved_dataset, resolve_data_files
 from llmtune.data.registry import Source, split_sources
 from llmtune.errors import UserError
@@ -174,6 +174,6 @@ def check_inputs(config) -> None:
     if template and template.endswith(".jinja") and not Path(template).is_file():
         raise UserError(f"data.chat_template: template file {template} not found")
     resume = config.checkpoint.resume_from_checkpoint
-    if resume and resume not in RESUME_NEWEST and not Path(resume).is_dir():
+    if resume and resume not in (*RESUME_NEWEST, RESUME_BEST) and not Path(resume).is_dir():
         raise UserError(f"checkpoint.resume_from_checkpoint: {resume} is not a checkpoint folder; name a "
-                        "global_step_N folder, or auto")
+                        "global_step_N folder, or auto (or best)")

@@ -98,11 +98,11 @@ class ParallelState:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         return bool(agreed.item())
 
-    def highest(self, value: int) -> int:
-        """The largest of every rank's `value`, on every rank."""
-        highest = torch.tensor([value], device=self.device)
+    def highest(self, values: list[int]) -> list[int]:
+        """Each of `values`, the largest of every rank's, on every rank (one collective)."""
+        highest = torch.tensor(values, device=self.device)
         dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-        return int(highest.item())
+        return highest.tolist()
 
     def broadcast_object(self, obj, group=None):
         """Rank 0's `obj` (picklable), on every rank."""

@@ -25,6 +25,10 @@ def check_run(local, world_size: int) -> None:
     from llmtune.features.registry import check_features
     from llmtune.model.build import check_model, load_model_config
 
+    from llmtune.training.callbacks import import_callback
+
+    for path in local.train.callbacks:  # importable, before any process starts
+        import_callback(path)
     model_config = load_model_config(local.model)
     check_features(local, model_config, world_size)
     check_model(local.model, local.train, model_config)

@@ -23,6 +23,7 @@ from llmtune.run.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
 from llmtune.run.parallel import ParallelState
 from llmtune.run.preflight import check_run
 from llmtune.run.summary import RunResult, run_result, run_summary
+from llmtune.training.callbacks import Callbacks, CallbackState, recipe_callbacks
 from llmtune.training.optim import build_optimizer, build_scheduler
 from llmtune.training.trainer import Trainer
 
@@ -42,9 +43,10 @@ def fetch_in_turn(config, state: ParallelState):
     return local
 
 
-def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, object]:
+def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tuple[Trainer, object]:
     """(trainer, tokenizer) for this rank, resumed when the recipe says so; rank 0 writes the resolved config.
-    local: the recipe with its Hub ids fetched (local_inputs), which the run reads; default: config itself."""
+    local: the recipe with its Hub ids fetched (local_inputs), which the run reads; default: config itself.
+    callbacks: callback objects beside those the recipe names (llmtune.train's)."""
     local = local or config
     if state.device.type == "cpu":
         keep_freed_memory()
@@ -78,22 +80,28 @@ def build_trainer(config, state: ParallelState, local=None) -> tuple[Trainer, ob
     frozen = any(not param.requires_grad for param in model.parameters())
     base = base_record(config, local.model, model_config) if frozen else None
     checkpoints = CheckpointManager(output_dir, config.checkpoint, state, config, tokenizer, model.hf_model, base)
+    events = Callbacks([*recipe_callbacks(config), *callbacks], config,
+                       CallbackState(state.rank, state.world_size, total_steps),
+                       {"model": model.hf_model, "optimizer": optimizer, "lr_scheduler": scheduler})
     trainer = Trainer(model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
-                      config.train, total_steps)
+                      config.train, total_steps, events)
     checkpoints.restore(trainer)
     return trainer, tokenizer
 
 
-def run(config, local=None, resume: str = "the same command with checkpoint.resume_from_checkpoint=auto") -> RunResult:
+def run(config, local=None, resume: str = "the same command with checkpoint.resume_from_checkpoint=auto",
+        callbacks=()) -> RunResult:
     """The run's result, on every rank. local: the recipe with its Hub ids fetched and checked, or None to fetch them
     here (fetch_in_turn). resume: the command that continues this run, for the summary that ends it and the message
-    of a stop by a signal."""
+    of a stop by a signal. callbacks: callback objects beside those the recipe names."""
     configure_logging()
     state = ParallelState.initialize(config.parallel.cp_size, config.parallel.timeout_minutes)
     started, trainer, outcome, result = time.perf_counter(), None, "failed", None
     try:
-        trainer, tokenizer = build_trainer(config, state, local or fetch_in_turn(config, state))
+        trainer, tokenizer = build_trainer(config, state, local or fetch_in_turn(config, state), callbacks)
         trainer.train()
+        if config.checkpoint.export_from == "best":
+            trainer.checkpoints.load_best(trainer.model)
         if config.checkpoint.export_hf:
             export_trained(trainer.model.hf_model, tokenizer, Path(config.train.output_dir), config.checkpoint, state,
                            trainer.features)

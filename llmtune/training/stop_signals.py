@@ -35,7 +35,8 @@ class StopSignals:
         else:
             log.warning("%s received: already stopping after %s; the save goes on", name, self.received)
 
-    def agreed(self, state) -> str | None:
-        """On every rank: the name of a stop signal some rank got (the highest-numbered), or None (one collective)."""
-        number = state.highest(signal.Signals[self.received].value if self.received else 0)
-        return signal.Signals(number).name if number else None
+    @property
+    def number(self) -> int:
+        """The number of the signal this rank received, 0 for none: the trainer agrees on it with every rank after
+        each optimizer step (the highest-numbered wins), so all ranks stop at the same step."""
+        return signal.Signals[self.received].value if self.received else 0

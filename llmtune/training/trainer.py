@@ -1,7 +1,9 @@
 """Trainer: the loop (optimizer steps of micro-batches) with global token counting, a non-finite guard
-agreed by every rank, and evaluation."""
+agreed by every rank, evaluation, and the callbacks' events (training/callbacks.py)."""
 
+import logging
 import math
+import signal
 import time
 
 import torch
@@ -10,16 +12,21 @@ from torch.distributed.tensor import DTensor
 from llmtune.errors import Preempted, TrainingStopped
 from llmtune.model.loss import IGNORE_INDEX
 from llmtune.monitor.metrics import StepRecord
+from llmtune.training.callbacks import TrainerControl
 from llmtune.training.stop_signals import StopSignals
+
+log = logging.getLogger(__name__)
 
 
 class Trainer:
     """Every part is always there and decides for itself when it acts: validation when an evaluation is due
     (never without validation data), the monitor when a record is due, the checkpoints when a save is due
-    (never when the recipe saves none), the features on every micro-batch (none: unchanged)."""
+    (never when the recipe saves none), the features on every micro-batch (none: unchanged), the callbacks at
+    their events (none: nothing happens there). A callback's control adds to what is due: an evaluation, a
+    record, a save, the end of training."""
 
     def __init__(self, model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
-                 train_cfg, total_steps: int):
+                 train_cfg, total_steps: int, callbacks):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -31,59 +38,122 @@ class Trainer:
         self.state = state
         self.cfg = train_cfg
         self.total_steps = total_steps
+        self.callbacks = callbacks
         self.step = 0
         self.skipped_in_a_row = 0
+        self.open_epoch: int | None = None  # the epoch whose on_epoch_begin ran and whose on_epoch_end did not
+        self.last_eval: dict = {}  # the newest evaluation's metrics, with its step
+        self._event("on_init_end")
+
+    def _event(self, name: str, **kwargs) -> None:
+        """The callbacks' `name` event, then every rank's agreement on what they asked."""
+        self.callbacks.state.step, self.callbacks.state.epoch = self.step, self.data.progress
+        self.callbacks(name, **kwargs)
+        self.callbacks.agree(self.state)
 
     def train(self) -> None:
         self.monitor.begin(self.step)
         try:
             self.model.train()
             steps = self.data.steps(self.total_steps - self.step)
-            with StopSignals(self.cfg.save_on_signals) as stop:
-                while self.step < self.total_steps:
-                    self.advance(steps)
-                    if signal_name := stop.agreed(self.state):
-                        self.stop_for(signal_name)
+            self._event("on_train_begin")
+            if self.cfg.eval_on_start and self.step == 0:
+                metrics = self._evaluate()
+                self.monitor.evaluation(0, 0.0, metrics, self._on_log)
+            with StopSignals(self.cfg.save_on_signals) as signals:
+                while self.step < self.total_steps and not self.callbacks.control.should_training_stop:
+                    self.advance(steps, signals)
+            if self.open_epoch is not None:  # training ends inside an epoch: it ends too, as in the HF Trainer
+                self.callbacks("on_epoch_end")
             self.checkpoints.finish_pending()
+            if self.step < self.total_steps and self.state.is_main:
+                log.info("training stopped at step %d of %d: a callback set control.should_training_stop", self.step,
+                         self.total_steps)
+            self._event("on_train_end")
         finally:
             self.monitor.end()
 
     def stop_for(self, reason: str) -> None:
         """Save here (unless this step was just saved) and stop every rank with Preempted."""
         if self.checkpoints.saved_step != self.step:
-            self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
+            self._save({})
         self.checkpoints.finish_pending()
         raise Preempted(f"stopped by {reason} after step {self.step} of {self.total_steps}; saved "
                         f"{self.checkpoints.root / f'global_step_{self.step}'}")
 
-    def advance(self, steps) -> None:
+    def advance(self, steps, signals: StopSignals) -> None:
         """One turn of the loop: the next optimizer step from `steps` (DataManager.steps), then its evaluation,
-        record and checkpoint when they are due."""
+        record and checkpoint when they are due or a callback asks for them."""
         started = time.perf_counter()
         epoch, micro_batches = next(steps)
         data_wait = time.perf_counter() - started
+        if epoch != self.open_epoch:
+            if self.open_epoch is not None:  # a stream's epoch ends when the next begins
+                self.callbacks("on_epoch_end")
+            self.open_epoch = epoch
+            self.callbacks("on_epoch_begin")
+        self.callbacks.control = TrainerControl()
+        self.callbacks("on_step_begin")
         stats = self.train_step(micro_batches)
         stats.data_wait, stats.step_time = data_wait, time.perf_counter() - started
         self.step += 1
-        last = self.step == self.total_steps
-        eval_loss = self.evaluate() if self.validation.due(self.step, last) else None
-        self.monitor.record(self.step, self.data.progress, stats, eval_loss)
+        self.callbacks.state.step, self.callbacks.state.epoch = self.step, self.data.progress
+        self.callbacks("on_step_end")
+        finished_epoch = epoch if self.data.epoch_done else None
+        if finished_epoch is not None:  # before the epoch's evaluation and save, as the HF Trainer calls it
+            self.open_epoch = None
+            self.callbacks("on_epoch_end")
+        signal_number = self.callbacks.agree(self.state, signals.number)
+        control = self.callbacks.control
         stopping = self.skipped_in_a_row >= self.cfg.max_skipped_steps
-        # A stop saves too: the skipped steps left the weights at the last good state.
-        if self.checkpoints.due(self.step, self.data.epoch_done, epoch, last or stopping):
-            self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
+
+        def saving() -> bool:
+            # A stop saves too: the skipped steps left the weights at the last good state.
+            final = self.step == self.total_steps or stopping or control.should_training_stop
+            return control.should_save or self.checkpoints.due(self.step, self.data.epoch_done, epoch, final)
+
+        eval_metrics = None
+        if (self.validation.due(self.step, self.step == self.total_steps, finished_epoch) or control.should_evaluate
+                or (saving() and self.checkpoints.evaluates_first and self.validation.dataset is not None)):
+            eval_metrics = self._evaluate()
+        record = self.monitor.record(self.step, self.data.progress, stats, eval_metrics,
+                                     force=control.should_log or (saving() and self.checkpoints.logs_first),
+                                     on_log=self._on_log)
+        if record is not None:
+            self.callbacks.agree(self.state)
+        if saving():
+            self._save(record or {})
         if stopping:
             self.checkpoints.finish_pending()
             raise TrainingStopped(
                 f"stopped at step {self.step}: {self.skipped_in_a_row} optimizer steps in a row had a non-finite "
                 f"loss or gradient norm (train.max_skipped_steps={self.cfg.max_skipped_steps}); lower "
                 "train.learning_rate, check the data, or train in fp32")
+        if signal_number:
+            self.stop_for(signal.Signals(signal_number).name)
+
+    def _on_log(self, record: dict) -> None:
+        self.callbacks("on_log", logs=record)
+
+    def _evaluate(self) -> dict:
+        """Evaluate, tell the callbacks (on_evaluate, then every rank's agreement) and keep the metrics."""
+        metrics = {"eval_loss": self.evaluate()}
+        self.last_eval = {"step": self.step, **metrics}
+        self._event("on_evaluate", metrics=metrics)
+        return metrics
+
+    def _save(self, metrics: dict) -> None:
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict(), metrics, self.last_eval)
+        self.callbacks.state.best_metric, self.callbacks.state.best_step = (
+            (self.checkpoints.best["value"], self.checkpoints.best["step"]) if self.checkpoints.best else (None, None))
+        self._event("on_save", checkpoint=path)
 
     def state_dict(self) -> dict:
         """Everything besides model and optimizer that decides what comes next; plain data."""
         return {"step": self.step, "global_batch": self.data.global_batch, "skipped_in_a_row": self.skipped_in_a_row,
                 "skipped_steps": self.monitor.skipped_steps, "data": self.data.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "features": self.features.state_dict()}
+                "scheduler": self.scheduler.state_dict(), "features": self.features.state_dict(),
+                "callbacks": self.callbacks.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.skipped_in_a_row = state["step"], state["skipped_in_a_row"]
@@ -91,6 +161,12 @@ class Trainer:
         self.data.load_state_dict(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.features.load_state_dict(state["features"])
+        self.callbacks.load_state_dict(state.get("callbacks", []))  # none in checkpoints written before callbacks
+        self.last_eval = state.get("eval_metrics", {})
+
+    def loaded(self, path) -> None:
+        """The checkpoint at `path` has been restored: the callbacks' on_load."""
+        self._event("on_load", checkpoint=path)
 
     def train_step(self, micro_batches) -> StepRecord:
         """One optimizer step.
@@ -118,13 +194,17 @@ class Trainer:
             loss = self.model(**batch)
             (loss * scale).backward()
             loss_sum += loss.detach()
+            if i < len(batches) - 1:
+                self.callbacks("on_substep_end")
         mean_loss = self.state.all_reduce_sum(loss_sum).item() / max(label_tokens, 1.0)
         feature_metrics = self.features.step_metrics(self.state)
         grad_norm = clip_gradients([p for p in self.model.parameters() if p.requires_grad], self.cfg.max_grad_norm)
+        self.callbacks("on_pre_optimizer_step", grad_norm=grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(mean_loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
+            self.callbacks("on_optimizer_step")
         self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + 1
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

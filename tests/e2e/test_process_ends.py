@@ -98,11 +98,11 @@ def test_the_summary_of_a_stop_between_two_records_names_the_step_it_stopped_at(
 
     asked = []
 
-    def agreed(self, state):
+    def number(self):
         asked.append(1)
-        return "SIGTERM" if len(asked) == 3 else None
+        return signal.SIGTERM.value if len(asked) == 3 else 0
 
-    monkeypatch.setattr(StopSignals, "agreed", agreed)
+    monkeypatch.setattr(StopSignals, "number", property(number))
     caplog.set_level(logging.INFO, logger="llmtune")
     assert cli_main(["sft", recipe, "--max_steps", "10", "--logging_steps", "5"]) == 75
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("llmtune: stopped by SIGTERM after step 3 of 10")

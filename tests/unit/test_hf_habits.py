@@ -60,7 +60,7 @@ def test_a_key_in_several_sections_must_be_written_with_its_section(monkeypatch)
 
 
 @pytest.mark.parametrize("typed, hint", [("learnig_rate", "did you mean --learning_rate?"),
-                                         ("max_step", "did you mean --max_steps or --save_steps or --eval_steps?"),
+                                         ("max_step", "did you mean --max_steps or --max_eval_steps or --save_steps?"),
                                          ("zzz", "see llmtune sft --help")])
 def test_a_misspelt_flat_key_gets_the_closest_names(typed, hint):
     with pytest.raises(UserError) as err:

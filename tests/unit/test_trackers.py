@@ -41,7 +41,7 @@ def train(output_dir, first: int, last: int, loss, evals: dict, stop: Exception 
         for step in range(first + 1, last + 1):
             stats = StepRecord(loss=loss(step), lr=1e-3, grad_norm=0.5, label_tokens=100, input_tokens=120,
                                samples=4, step_time=0.01, data_wait=0.0, skipped=False)
-            monitor.record(step, 0, stats, evals.get(step))
+            monitor.record(step, 0, stats, {"eval_loss": evals[step]} if step in evals else None)
         if stop is not None:
             raise stop
     finally:

@@ -1,0 +1,143 @@
+"""Callbacks on one process, through llmtune.train with instances: the HF Trainer's events in its order with what
+each carries; the control (a record, a stop) acted on; on_log's edit reaching metrics.jsonl; a callback's state in
+every checkpoint and back on resume (on_load); the built-in early stopping; a callback that raises stops the run with
+its name, the last checkpoint kept. (Ranks agreeing: tests/dist/test_callbacks.py.)"""
+
+import json
+
+import pytest
+
+import llmtune
+from llmtune.errors import TrainingStopped
+from llmtune.training.callbacks import EVENTS, Callback
+from tests.helpers import read_metrics
+
+
+def recipe(tiny_model, sft_file, output_dir, **train) -> dict:
+    return {
+        "model": {"name_or_path": tiny_model},
+        "data": {"train_files": [sft_file], "val_files": [sft_file], "chat_template": "basic", "max_seq_len": 64,
+                 "packing": False},
+        "train": {"output_dir": output_dir, "max_steps": 4, "per_device_train_batch_size": 2,
+                  "gradient_accumulation_steps": 2, "logging_steps": 3, "learning_rate": 2e-3,
+                  "per_device_eval_batch_size": 16, **train},
+        "checkpoint": {"save_steps": 2, "export_dtype": "fp32"},
+        "monitor": {"plots": False},
+    }
+
+
+class Recorder(Callback):
+    """Every event with the step it saw; what the events carry; asks for a record at step 1, which is not due."""
+
+    def __init__(self):
+        self.events, self.grad_norms, self.evaluations, self.saved, self.kwargs = [], {}, {}, [], set()
+
+    def on_pre_optimizer_step(self, args, state, control, grad_norm=None, **kwargs):
+        self.events.append(("on_pre_optimizer_step", state.step))
+        self.grad_norms[state.step + 1] = grad_norm
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.events.append(("on_step_end", state.step))
+        self.kwargs.update(kwargs.keys())
+        self.args_output_dir = args.train.output_dir
+        control.should_log = state.step == 1
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.events.append(("on_evaluate", state.step))
+        self.evaluations[state.step] = dict(metrics)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(("on_log", state.step))
+        logs["seen_by_callback"] = state.step
+
+    def on_save(self, args, state, control, checkpoint=None, **kwargs):
+        self.events.append(("on_save", state.step))
+        self.saved.append(checkpoint)
+
+
+for _name in set(EVENTS) - set(vars(Recorder)):
+    setattr(Recorder, _name, lambda self, args, state, control, _name=_name, **kwargs:
+            self.events.append((_name, state.step)))
+
+
+def test_events_come_in_the_hf_trainers_order_with_what_they_carry(tiny_model, sft_file, tmp_path):
+    recorder = Recorder()
+    out = tmp_path / "run"
+    llmtune.train("sft", recipe(tiny_model, sft_file, out), callbacks=[recorder], eval_steps=2)
+    micro_steps = lambda k: [("on_step_begin", k - 1), ("on_substep_end", k - 1), ("on_pre_optimizer_step", k - 1),
+                             ("on_optimizer_step", k - 1), ("on_step_end", k)]
+    expected = [("on_init_end", 0), ("on_train_begin", 0), ("on_epoch_begin", 0),
+                *micro_steps(1), ("on_log", 1),
+                *micro_steps(2), ("on_evaluate", 2), ("on_log", 2), ("on_save", 2),
+                *micro_steps(3), ("on_log", 3),
+                *micro_steps(4), ("on_evaluate", 4), ("on_log", 4), ("on_save", 4),
+                ("on_epoch_end", 4), ("on_train_end", 4)]
+    assert recorder.events == expected
+    records = {r["step"]: r for r in read_metrics(out)}
+    assert sorted(records) == [1, 2, 3, 4], "step 1 logged because a callback asked (logging_steps is 3)"
+    assert all(r["seen_by_callback"] == step for step, r in records.items()), "on_log's edit reached metrics.jsonl"
+    assert {step: r["grad_norm"] for step, r in records.items()} == {s: recorder.grad_norms[s] for s in records}
+    assert recorder.evaluations == {step: {"eval_loss": records[step]["eval_loss"]} for step in (2, 4)}
+    assert recorder.saved == [out / "checkpoints" / f"global_step_{step}" for step in (2, 4)]
+    assert {"model", "optimizer", "lr_scheduler"} <= recorder.kwargs
+    assert recorder.args_output_dir == str(out)
+
+
+class Counter(Callback):
+    """Counts the steps it has seen (its state); stops training at stop_at; remembers what on_load got."""
+
+    def __init__(self, stop_at=None):
+        self.count, self.stop_at, self.loaded = 0, stop_at, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.count += 1
+        control.should_training_stop = state.step == self.stop_at
+
+    def on_load(self, args, state, control, checkpoint=None, **kwargs):
+        self.loaded = (checkpoint, state.step, self.count)
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_a_stop_asked_by_a_callback_saves_and_exports_and_its_state_resumes(tiny_model, sft_file, tmp_path):
+    out = tmp_path / "run"
+    result = llmtune.train("sft", recipe(tiny_model, sft_file, out, max_steps=8), callbacks=[Counter(stop_at=3)])
+    assert (result.steps, result.total_steps) == (3, 8)
+    assert result.checkpoint == out / "checkpoints" / "global_step_3", "the stop saved the step it ended at"
+    assert result.export == out / "hf"
+    state = json.loads((out / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
+    assert state["callbacks"] == [{"name": "Counter", "state": {"count": 3}}]
+
+    resumed = Counter()
+    checkpoint = out / "checkpoints" / "global_step_2"
+    llmtune.train("sft", recipe(tiny_model, sft_file, tmp_path / "resumed", max_steps=4), callbacks=[resumed],
+                  resume_from_checkpoint=str(checkpoint))
+    assert resumed.loaded == (checkpoint, 2, 2), "on_load after the state came back"
+    assert resumed.count == 4
+
+
+def test_early_stopping_stops_after_patience_evaluations_without_improvement(tiny_model, sft_file, tmp_path):
+    """A threshold no evaluation can beat: the first sets the best, the next two do not improve on it."""
+    out = tmp_path / "run"
+    result = llmtune.train("sft", recipe(tiny_model, sft_file, out, max_steps=8, eval_steps=1,
+                                         early_stopping_patience=2, early_stopping_threshold=100.0))
+    assert result.steps == 3
+    assert [r["step"] for r in read_metrics(out) if "eval_loss" in r] == [1, 2, 3]
+
+
+class Boom(Callback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.step == 3:
+            raise ValueError("no more steps for you")
+
+
+def test_a_callback_that_raises_stops_the_run_naming_it_and_keeps_the_last_checkpoint(tiny_model, sft_file, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped, match="callback Boom raised in on_step_end: ValueError: no more steps for you"):
+        llmtune.train("sft", recipe(tiny_model, sft_file, out), callbacks=[Boom()])
+    assert (out / "checkpoints" / "latest").read_text() == "global_step_2"
+    assert not (out / "checkpoints" / "global_step_3").exists() and not (out / "hf").exists()
