@@ -42,7 +42,7 @@ def read_records(output_dir: Path) -> list[dict]:
 def cumulative_tokens(records: list[dict]) -> list[int]:
     """The input tokens trained up to each record: a record's input_tokens are its logging window's, the steps since
     the record before it."""
-    return list(itertools.accumulate(record["input_tokens"] for record in records))
+    return list(itertools.accumulate(record.get("input_tokens", 0) for record in records))  # 0: an evaluation alone
 
 
 def smoothed(values: list[float]) -> list[float]:

@@ -32,11 +32,12 @@ def run_result(output_dir: Path, step: int, total_steps: int) -> RunResult:
     metrics = output_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     evals = [record["eval_loss"] for record in records if "eval_loss" in record]
+    losses = [record["loss"] for record in records if "loss" in record]  # not in an evaluation's own record
     checkpoints = complete_checkpoints(output_dir / "checkpoints")
     # Export folders appear whole or not at all (llmtune/atomic.py).
     hf, adapter = (output_dir / name if (output_dir / name).is_dir() else None for name in EXPORTS)
-    return RunResult(output_dir, step, total_steps, sum(record["input_tokens"] for record in records),
-                     records[-1]["loss"] if records else None, evals[-1] if evals else None,
+    return RunResult(output_dir, step, total_steps, sum(record.get("input_tokens", 0) for record in records),
+                     losses[-1] if losses else None, evals[-1] if evals else None,
                      min(evals) if evals else None, checkpoints[-1] if checkpoints else None, hf, adapter)
 
 

@@ -141,3 +141,50 @@ def test_a_callback_that_raises_stops_the_run_naming_it_and_keeps_the_last_check
         llmtune.train("sft", recipe(tiny_model, sft_file, out), callbacks=[Boom()])
     assert (out / "checkpoints" / "latest").read_text() == "global_step_2"
     assert not (out / "checkpoints" / "global_step_3").exists() and not (out / "hf").exists()
+
+
+def test_save_best_outlives_retention_resumes_and_is_what_export_from_best_exports(tiny_model, sft_file, tmp_path):
+    """greater_is_better on eval_loss makes the first save the best (the loss falls), so best, last and the ones
+    between all differ; eval_steps 0: save_best evaluates before each save itself."""
+    from safetensors.torch import load_file
+
+    from llmtune.run.cli import main as cli_main
+
+    out = tmp_path / "run"
+    checkpoint = {"save_steps": 2, "save_best": True, "greater_is_better": True, "save_total_limit": 1,
+                  "export_from": "best", "export_dtype": "fp32"}
+    llmtune.train("sft", recipe(tiny_model, sft_file, out, max_steps=6, logging_steps=1), checkpoint=checkpoint)
+    records = read_metrics(out)
+    evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert sorted(evals) == [2, 4, 6] and evals[2] > evals[4] > evals[6]
+    best = out / "checkpoints" / "best"
+    state = json.loads((best / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["best"] == {"metric": "eval_loss", "value": evals[2], "step": 2}
+    assert state["eval_metrics"] == {"step": 2, "eval_loss": evals[2]}, "each checkpoint records its eval metrics"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best", "global_step_6", "latest"]
+
+    assert cli_main(["export", str(best), str(tmp_path / "best_hf")]) == 0
+    assert cli_main(["export", str(out / "checkpoints" / "global_step_6"), str(tmp_path / "last_hf")]) == 0
+    exported, of_best, of_last = (load_file(folder / "model.safetensors")
+                                  for folder in (out / "hf", tmp_path / "best_hf", tmp_path / "last_hf"))
+    assert all(exported[name].equal(of_best[name]) for name in of_best)
+    assert not all(exported[name].equal(of_last[name]) for name in of_last)
+
+    llmtune.train("sft", recipe(tiny_model, sft_file, out, max_steps=3, logging_steps=1),
+                  checkpoint={"save_steps": 0, "resume_from_checkpoint": "best", "export_hf": False})
+    resumed = read_metrics(out)
+    assert [r["step"] for r in resumed] == [1, 2, 3], "went on from step 2"
+    assert resumed[2]["loss"] == records[2]["loss"], "step 3 again, from best's exact state"
+
+
+def test_evaluation_before_the_first_step_at_epoch_ends_and_before_every_save(tiny_model, sft_file, tmp_path):
+    """64 rows, 8 per step: epochs of 8 steps."""
+    out = tmp_path / "run"
+    llmtune.train("sft", recipe(tiny_model, sft_file, out, max_steps=-1, num_train_epochs=2,
+                                per_device_train_batch_size=4, eval_on_start=True, eval_epochs=1),
+                  checkpoint={"save_steps": 5, "eval_on_save": True})
+    records = read_metrics(out)
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 5, 8, 10, 15, 16]
+    assert set(records[0]) == {"step", "epoch", "eval_loss"}, "the start's evaluation is a record of its own"
+    state = json.loads((out / "checkpoints" / "global_step_5" / "trainer_state.json").read_text())
+    assert state["eval_metrics"]["step"] == 5
