@@ -28,16 +28,18 @@ def model_fingerprint(hf_model) -> str:
     return digest([params, config])
 
 
-def fingerprints(config, data, validation, hf_model) -> dict[str, str]:
-    """Key -> hash: every recipe key (Config.to_dict: nothing in it depends on the rank or the number of ranks),
-    then the training and validation data, then the model."""
+def recipe_fingerprints(config) -> dict[str, str]:
+    """Every recipe key (section.key, and the task) -> the hash of its value, from Config.to_dict, which holds nothing
+    that depends on the rank or on the number of ranks."""
     recipe = {f"{section}.{key}": value
               for section, values in config.to_dict().items() for key, value in values.items()}
-    prints = {key: digest(value) for key, value in {"task": config.task, **recipe}.items()}
-    prints["data (training)"] = data.fingerprint
-    prints["data (validation)"] = validation.fingerprint
-    prints["model"] = model_fingerprint(hf_model)
-    return prints
+    return {key: digest(value) for key, value in {"task": config.task, **recipe}.items()}
+
+
+def fingerprints(config, data, validation, hf_model) -> dict[str, str]:
+    """Key -> hash: every recipe key, then the training and validation data, then the model."""
+    return {**recipe_fingerprints(config), "data (training)": data.fingerprint,
+            "data (validation)": validation.fingerprint, "model": model_fingerprint(hf_model)}
 
 
 def first_difference(gathered: list[dict[str, str]]) -> str | None:

@@ -4,19 +4,18 @@ same base, and model.strict_load (a pretrained folder or a checkpoint that does 
 the tensors, or loaded where it fits with the rest freshly initialised and named in one warning)."""
 
 import logging
-import shutil
 
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from llmtune.config import load_config
 from llmtune.features.adapters import peft_key
 from llmtune.run.cli import main as cli_main
 from llmtune.run.parallel import ParallelState
 from llmtune.run.worker import build_trainer
-from tests.helpers import cli_words, read_metrics
+from tests.helpers import cli_words, misfit_copy, read_metrics
 
 pytestmark = pytest.mark.slow  # each test trains or builds several runs (~3 s each)
 
@@ -135,16 +134,8 @@ def test_an_adapter_checkpoint_starts_an_adapter_run_on_its_base_and_no_other(ti
 
 @pytest.fixture(scope="module")
 def misfit(tiny_model, tmp_path_factory):
-    """tiny_model's folder with tensors it lacks (a layer's down_proj, the final norm), one of another shape (the
-    lm_head, 4 rows short) and one the model has no place for."""
     folder = tmp_path_factory.mktemp("misfit")
-    shutil.copytree(tiny_model, folder, dirs_exist_ok=True)
-    tensors = load_file(folder / "model.safetensors")
-    del tensors["model.layers.0.mlp.down_proj.weight"], tensors["model.norm.weight"]
-    tensors["lm_head.weight"] = tensors["lm_head.weight"][:-4].clone()
-    tensors["model.extra.weight"] = torch.zeros(3)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder, tensors
+    return folder, misfit_copy(tiny_model, folder)
 
 
 def test_strict_load_refuses_a_misfit_folder_and_lenient_load_initialises_what_it_lacks(misfit, sft_file, tmp_path,
