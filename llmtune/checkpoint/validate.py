@@ -108,7 +108,12 @@ def init_from_plan(path: Path, base: dict | None, current: dict[str, list[int]] 
                    "model.name_or_path: DIR)")
         shapes = [f"{name} {saved[name]} vs {current[name]}" for name in reshaped]
         raise UserError(f"model.init_from: {path} does not hold this run's model: "
-                        f"{not_loaded_line(missing, shapes, unused)}; {fix}, or set model.strict_load: false to load "
-                        "the tensors that match")
+                        f"{_hf_names(not_loaded_line(missing, shapes, unused))}; {fix}, or set model.strict_load: "
+                        "false to load the tensors that match")
     return ([name for name in current if name in saved and name not in reshaped],
-            not_loaded_line(missing, reshaped, unused))
+            _hf_names(not_loaded_line(missing, reshaped, unused)))
+
+
+def _hf_names(line: str) -> str:
+    """Tensor names as the HF model has them, without the prefix of the FSDP root that checkpoints add."""
+    return line.replace("hf_model.", "")
