@@ -106,6 +106,19 @@ class ModelConfig:
                                               "eager for a class without it), sdpa, eager, flash_attention_2, "
                                               "flash_attention_3, flex_attention or a Hub kernel "
                                               "(kernels-community/flash-attn2); checked before the run starts.")
+    init_from: str | None = _field(None, "An llmtune checkpoint (a global_step_N folder, saved on any number of "
+                                         "ranks) whose model weights a new run starts from, loaded over the model "
+                                         "that name_or_path or config builds: step 0, a fresh optimizer, schedule "
+                                         "and data position. An adapter run's checkpoint gives its adapters to a run "
+                                         "with the same base and peft settings. A checkpoint found by "
+                                         "checkpoint.resume_from_checkpoint wins (the run already went on from "
+                                         "init_from).")
+    strict_load: bool = _field(True, "Loading name_or_path's weights and init_from's: true refuses tensors the "
+                                     "source lacks or holds in another shape (init_from: also tensors the model "
+                                     "lacks), naming them; false loads what matches, keeps the fresh initialisation "
+                                     "of the rest (name_or_path: transformers' own, seeded by train.seed and the "
+                                     "tensor's name), ignores the source's extra tensors, and names them in one "
+                                     "warning.")
 
     def problems(self) -> list[str]:
         if bool(self.name_or_path) == bool(self.config):

@@ -140,3 +140,19 @@ def offline_trackers(patch, folder: Path) -> None:
                  "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE"):
         patch.setenv(name, "")
         patch.delenv(name)
+
+
+def misfit_copy(model: Path, folder: Path) -> dict:
+    """A copy of the HF folder `model` in `folder` whose weights do not fit its config: a layer's down_proj and the
+    final norm left out, the lm_head 4 rows short, and a tensor the model has no place for. Returns the tensors
+    written."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, folder, dirs_exist_ok=True)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.mlp.down_proj.weight"], tensors["model.norm.weight"]
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:-4].clone()
+    tensors["model.extra.weight"] = torch.zeros(3)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return tensors

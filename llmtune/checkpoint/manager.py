@@ -29,7 +29,7 @@ from llmtune.atomic import write_text
 from llmtune.checkpoint.best import BEST, better, keep_as_best
 from llmtune.checkpoint.folders import LATEST, complete_checkpoints
 from llmtune.checkpoint.manifest import files_written_by, write_manifest
-from llmtune.checkpoint.validate import check_base, check_complete, check_model_matches
+from llmtune.checkpoint.validate import check_base, check_complete, check_model_matches, init_from_plan
 from llmtune.config import RESUME_BEST, RESUME_NEWEST
 from llmtune.errors import TrainingStopped, UserError
 
@@ -90,13 +90,12 @@ def trained_state(model, model_state: dict) -> dict:
     return {name: value for name, value in model_state.items() if name not in frozen}
 
 
-def load_weights(path: Path, model) -> None:
-    """The trained parameters of the checkpoint at `path` into `model`, on every rank (DCP: written on any number of
-    ranks); optimizer and trainer state untouched."""
-    model_state = trained_state(model, get_model_state_dict(model))
-    check_model_matches(path, model_state)
-    dcp.load({"model": model_state}, checkpoint_id=str(path))
-    set_model_state_dict(model, model_state, options=StateDictOptions(strict=False))
+def load_weights(path: Path, model, model_state: dict) -> None:
+    """The checkpoint's values of `model_state`'s tensors (the model's, or some of them) into `model`, on every rank,
+    resharded by DCP from however many ranks saved them; optimizer and trainer state untouched."""
+    content = {"model": model_state}
+    dcp.load(content, checkpoint_id=str(path))
+    set_model_state_dict(model, content["model"], options=StateDictOptions(strict=False))
 
 
 def _cause(err: BaseException) -> str:
@@ -270,21 +269,32 @@ class CheckpointManager:
                 shutil.rmtree(old)
 
     def restore(self, trainer) -> None:
-        """Resume `trainer` (model, optimizer and trainer state) from the checkpoint the recipe names, or leave it
+        """Resume `trainer` (model, optimizer and trainer state) from the checkpoint the recipe names; else, with
+        model.init_from, give the model that checkpoint's weights (the run still starts at step 0); or leave it
         fresh. The checkpoint is chosen and checked on rank 0 alone, and every rank learns the choice or the
         error: a check whose answer differed between ranks would hang the next collective."""
-        chosen = error = None
+        init_from = self.config.model.init_from
+        model_state = trained_state(trainer.model, get_model_state_dict(trainer.model)) if init_from else None
+        chosen = plan = error = None
         if self.state.is_main:
             try:
                 chosen = resolve_resume(self.cfg.resume_from_checkpoint, self.output_dir, self.cfg.verify_checksums)
                 if chosen:
                     check_base(chosen, self.base)
+                elif init_from:
+                    shapes = {name: list(tensor.shape) for name, tensor in model_state.items()}
+                    plan = init_from_plan(Path(init_from), self.base, shapes, self.config.model.strict_load,
+                                          self.cfg.verify_checksums)
             except UserError as err:
                 error = str(err)
-        chosen, error = self.state.broadcast_object((chosen, error))
+        chosen, plan, error = self.state.broadcast_object((chosen, plan, error))
         if error:
             raise UserError(error)
+        if plan:
+            self._initialise(Path(init_from), trainer.model, model_state, *plan)
         if chosen:
+            if init_from and self.state.is_main:
+                log.info("checkpoint: model.init_from is not read: the run goes on from %s", chosen)
             trainer_state = self._load(chosen, trainer.model, trainer.optimizer)
             saved_batch = trainer_state.get("global_batch")  # checkpoints written before it was recorded lack it
             if self.state.is_main and saved_batch and saved_batch != trainer.data.global_batch:
@@ -306,11 +316,25 @@ class CheckpointManager:
                             "save); exporting the last weights", self.cfg.best_metric)
             return None
         self.finish_pending()
-        load_weights(self.root / BEST, model)
+        model_state = trained_state(model, get_model_state_dict(model))
+        check_model_matches(self.root / BEST, model_state)
+        load_weights(self.root / BEST, model, model_state)
         if self.state.is_main:
             log.info("checkpoint: exporting the best checkpoint's weights (step %d, %s %.6g)", self.best["step"],
                      self.best["metric"], self.best["value"])
         return self.best["step"]
+
+    def _initialise(self, path: Path, model, model_state: dict, names: list[str], left_out: str) -> None:
+        """model.init_from: the checkpoint's values of the tensors `names` into the model, resharded by DCP from
+        however many ranks saved them. Nothing else of the checkpoint is read: optimizer, schedule, data position
+        and RNG stay fresh."""
+        if names:
+            load_weights(path, model, {name: model_state[name] for name in names})
+        if self.state.is_main:
+            if left_out:
+                log.warning("model.strict_load false: model.init_from %s left out %s; the model's tensors among them "
+                            "keep the values the recipe's model gave them, the others are ignored", path, left_out)
+            log.info("checkpoint: the model starts from the weights of %s (step 0, a fresh optimizer)", path)
 
     def _load(self, path: Path, model, optimizer) -> dict:
         """Restore model, optimizer and this rank's RNG; returns the trainer state to continue from."""

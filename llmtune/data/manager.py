@@ -11,7 +11,9 @@ Streaming data: each data-parallel rank reads its own shard of the stream, so th
 on the data-parallel size, and a resume must keep it.
 """
 
+import hashlib
 import itertools
+import json
 import logging
 import math
 from functools import partial
@@ -29,6 +31,17 @@ from llmtune.model.loss import IGNORE_INDEX
 log = logging.getLogger(__name__)
 
 
+def dataset_fingerprint(dataset: datasets.Dataset | None) -> str:
+    """What tells built datasets apart without reading them whole: the number of rows, the columns, and the first,
+    middle and last rows (the cache's key would not do: it holds the files' modification times, which differ
+    between nodes that hold the same data)."""
+    if dataset is None:
+        return "none"
+    rows = [dataset[i] for i in sorted({0, len(dataset) // 2, len(dataset) - 1})] if len(dataset) else []
+    summary = json.dumps([len(dataset), dataset.column_names, rows], default=str)
+    return hashlib.sha256(summary.encode()).hexdigest()[:16]
+
+
 class Validation:
     """This rank's share of the validation split in micro-batches, and when an evaluation is due. Without
     validation data it is never due (a run without validation has this do-nothing one)."""
@@ -42,6 +55,10 @@ class Validation:
         self.dp_rank = dp_rank
         self.eval_steps, self.eval_epochs = train_cfg.eval_steps, train_cfg.eval_epochs
         self.max_batches = train_cfg.max_eval_steps
+
+    @property
+    def fingerprint(self) -> str:
+        return dataset_fingerprint(self.dataset)
 
     def due(self, step: int, last: bool, finished_epoch: int | None = None) -> bool:
         """Every eval_steps steps (when > 0), at the end of every eval_epochs-th epoch (finished_epoch: the epoch this
@@ -124,6 +141,10 @@ class DataManager:
             raise UserError(f"data: {len(dataset)} samples do not fill one optimizer step of "
                             f"{self.global_batch} samples (per_device_train_batch_size x "
                             "gradient_accumulation_steps x data-parallel ranks); add data or lower the batch size")
+
+    @property
+    def fingerprint(self) -> str:
+        return dataset_fingerprint(self.loader.dataset)
 
     def total_steps(self, train_cfg) -> int:
         if train_cfg.max_steps > 0:
@@ -217,6 +238,9 @@ class StreamingDataManager:
             yield self.epoch, micro_batches
 
     epoch_done = False  # a stream's epoch ends only when it runs dry
+    # Reading a stream's first rows would fill its shuffle buffer: its sources and settings are the recipe's, which
+    # the ranks compare anyway.
+    fingerprint = "stream"
 
     @property
     def progress(self) -> float:

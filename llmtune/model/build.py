@@ -10,6 +10,7 @@ the initial weights do not depend on the number of ranks.
 import copy
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ from llmtune.model.attention import backend_problems, resolve_backend
 from llmtune.model.loss import LossOptions, cross_entropy_sum
 from llmtune.model.pretrained import checkpoint_index, load_weights, weight_sources
 from llmtune.model.state import saved_tensors
+
+log = logging.getLogger(__name__)
 
 
 class CausalLMForTraining(nn.Module):
@@ -101,7 +104,7 @@ def check_model(model_cfg, train_cfg, model_config) -> None:
                         "model.attn_implementation to auto, which picks a backend the model supports") from None
     decoder_layers(hf_model)
     if model_cfg.name_or_path:
-        weight_sources(hf_model, Path(model_cfg.name_or_path), saved_tensors(hf_model))
+        weight_sources(hf_model, Path(model_cfg.name_or_path), saved_tensors(hf_model), model_cfg.strict_load)
 
 
 def check_vocab(config, tokenizer) -> None:
@@ -160,7 +163,11 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
         module.to_empty(device=state.device)
         for name, buffer in module.named_buffers():
             buffer.copy_(buffers[name])
-        load_weights(hf_model, Path(model_cfg.name_or_path), features.pretrained_tensors(hf_model))
+        left_out = load_weights(hf_model, Path(model_cfg.name_or_path), features.pretrained_tensors(hf_model),
+                                model_cfg.strict_load, train_cfg.seed)
+        if left_out and state.is_main:
+            log.warning("model.strict_load false: the load of %s left out %s; the model's tensors among them keep "
+                        "their fresh initialisation, the others are ignored", model_cfg.name_or_path, left_out)
     else:
         module.to(state.device)
     features.weights_ready(hf_model)

@@ -16,6 +16,7 @@ Any other conversion is refused before the run starts, naming the class (check_p
 """
 
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,10 +95,12 @@ def keeps_rows_apart(converter: WeightConverter) -> bool:
     return True
 
 
-def weight_sources(hf_model: PreTrainedModel, folder: Path, tensors: dict) -> dict[str, Stored | Converted]:
+def weight_sources(hf_model: PreTrainedModel, folder: Path, tensors: dict,
+                   strict: bool = True) -> dict[str, Stored | Converted]:
     """The model's name -> where the checkpoint stores its value, for every tensor of `tensors` (the model's, by
-    name: they tell whether the base-model prefix is added or dropped). Refuses a conversion a rank cannot apply to
-    its own rows, and a checkpoint that lacks some of `tensors`."""
+    name: they tell whether the base-model prefix is added or dropped) that the checkpoint holds, and for the
+    checkpoint's other tensors. Refuses a conversion a rank cannot apply to its own rows; with `strict`, also a
+    checkpoint that lacks some of `tensors` or holds one in another shape (not_loaded names them otherwise)."""
     transforms = get_model_conversion_mapping(hf_model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -118,38 +121,91 @@ def weight_sources(hf_model: PreTrainedModel, folder: Path, tensors: dict) -> di
                             "the model families that are")
         source = sources.setdefault(target, Converted(converter))
         source.parts.setdefault(pattern, []).append(stored[name])
+    if not strict:
+        return sources
     missing = [name for name in tensors if name not in sources]
-    if missing:
-        raise UserError(f"model.name_or_path: {folder} lacks weights for {', '.join(missing[:5])}"
-                        f"{' and more' if len(missing) > 5 else ''}; is it the checkpoint of this architecture?")
-    for name, source in sources.items():
-        if name in tensors:
-            check_shape(name, source, list(tensors[name].shape), folder)
+    problems = [f"lacks weights for {few(missing, 5)}"] if missing else []
+    problems += [problem for name, source in sources.items()
+                 if name in tensors and (problem := shape_problem(name, source, list(tensors[name].shape)))]
+    if problems:
+        raise UserError(f"model.name_or_path: {folder} {'; '.join(problems)}; is it the checkpoint of this "
+                        "architecture? (model.strict_load: false keeps the fresh initialisation of these tensors)")
     return sources
 
 
-def check_shape(name: str, source: Stored | Converted, shape: list[int], folder: Path) -> None:
+def shape_problem(name: str, source: Stored | Converted, shape: list[int]) -> str | None:
+    """Why the stored tensor cannot fill the model's of `shape`; for a converted one, its experts are counted
+    (the rows of dim 0), which its parts tell before they are converted."""
     if isinstance(source, Stored):
-        if source.shape != shape:
-            raise UserError(f"model.name_or_path: {name} has shape {source.shape} in {source.path.name} but the "
-                            f"config gives {shape}")
-        return
+        return f"holds {name} in shape {source.shape} but the config gives {shape}" if source.shape != shape else None
     for pattern, parts in source.parts.items():
         rows = len(parts) if source.stacked else parts[0].shape[0]
         if rows != shape[0]:
-            raise UserError(f"model.name_or_path: {folder} holds {rows} experts for {name} ({pattern}) but the "
-                            f"config gives {shape[0]}")
+            return f"holds {rows} experts for {name} ({pattern}) but the config gives {shape[0]}"
+    return None
 
 
-def load_weights(hf_model: PreTrainedModel, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+def not_loaded(hf_model: PreTrainedModel, sources: dict, tensors: dict) -> tuple[list[str], list[str], list[str]]:
+    """What a lenient load leaves out: (the model's tensors the checkpoint lacks, those it holds in another shape,
+    the checkpoint's tensors the model has no place for)."""
+    missing = [name for name in tensors if name not in sources]
+    reshaped = [name for name, source in sources.items()
+                if name in tensors and shape_problem(name, source, list(tensors[name].shape))]
+    # A tied weight's second name and a buffer the model computes are the model's, though no tensor of `tensors`.
+    own = {name for name, _ in hf_model.named_parameters(remove_duplicate=False)}
+    own |= {name for name, _ in hf_model.named_buffers(remove_duplicate=False)}
+    unused = [name for name in sources if name not in tensors and name not in own]
+    return missing, reshaped, unused
+
+
+def few(names: list[str], shown: int = 3) -> str:
+    """Names for a one-line message: the first few, then how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def not_loaded_line(missing: list[str], reshaped: list[str], unused: list[str]) -> str:
+    """One line on what a lenient load left out, or "" when it loaded everything."""
+    parts = [f"{len(names)} {what} ({few(names)})" for names, what in (
+        (missing, "missing from the source"), (reshaped, "of another shape"), (unused, "not in the model"))
+        if names]
+    return "; ".join(parts)
+
+
+def fresh_value(plain: PreTrainedModel, name: str, seed: int) -> torch.Tensor:
+    """The tensor `name` as transformers initialises it (its module's _init_weights: initializer_range, ones for
+    norms), whole on the CPU, drawn from the seed and the name alone: the same on every rank, for any number of
+    ranks, whatever else is loaded. `plain`: a model of the run's class and config on the meta device, of which only
+    this tensor's module is materialised."""
+    owner, _, leaf = name.rpartition(".")
+    module = plain.get_submodule(owner).to_empty(device="cpu")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + zlib.crc32(name.encode()))
+        plain._init_weights(module)
+    return getattr(module, leaf).detach()
+
+
+def load_weights(hf_model: PreTrainedModel, folder: Path, tensors: dict[str, torch.Tensor], strict: bool = True,
+                 seed: int = 0) -> str:
     """Copy into every tensor's local shard the rows of its value that shard holds. `tensors`: the parameters and
     persistent buffers the checkpoint holds, by their names in the unchanged model (Features.pretrained_tensors).
+    Without `strict`, a tensor the checkpoint lacks or holds in another shape takes its fresh value (fresh_value,
+    from `seed`); returns the line naming what was left out (not_loaded_line; "" with `strict`).
 
     Parameters tied to another (lm_head to the embeddings) appear once and are loaded once.
     """
-    sources = weight_sources(hf_model, folder, tensors)
+    sources = weight_sources(hf_model, folder, tensors, strict)
+    missing, reshaped, unused = ([], [], []) if strict else not_loaded(hf_model, sources, tensors)
+    fresh = {*missing, *reshaped}
+    if fresh:
+        with torch.device("meta"):
+            plain = type(hf_model)(hf_model.config)
     for name, tensor in tensors.items():
         local, start = local_rows(tensor), shard_start(tensor)
+        if name in fresh:
+            with torch.no_grad():
+                local.copy_(fresh_value(plain, name, seed)[start:start + len(local)])
+            continue
         source = sources[name]
         if isinstance(source, Stored):
             read_rows_into(local, source, start)
@@ -160,6 +216,7 @@ def load_weights(hf_model: PreTrainedModel, folder: Path, tensors: dict[str, tor
                                 f"{list(value.shape)[1:]}, the model holds {list(local.shape)[1:]}")
             with torch.no_grad():
                 local.copy_(value)
+    return not_loaded_line(missing, reshaped, unused)
 
 
 def converted_rows(source: Converted, start: int, count: int, name: str, hf_model: PreTrainedModel) -> torch.Tensor:

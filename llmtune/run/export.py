@@ -37,7 +37,8 @@ def checkpoint_model(checkpoint: Path, run, trainer_state: dict, adapters: Adapt
         base_config = load_model_config(local.model)
         check_base(checkpoint, base_record(run, local.model, base_config))
         if local.model.name_or_path:
-            load_weights(model, Path(local.model.name_or_path), features.pretrained_tensors(model))
+            load_weights(model, Path(local.model.name_or_path), features.pretrained_tensors(model),
+                         run.model.strict_load, run.train.seed)
         else:  # trained from model.config: the frozen weights are its seeded initialisation
             torch.manual_seed(run.train.seed)
             initialised = AutoModelForCausalLM.from_config(base_config, dtype=torch.float32)

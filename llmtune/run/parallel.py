@@ -130,11 +130,15 @@ class ParallelState:
     def barrier(self) -> None:
         dist.barrier()
 
+    def all_gather_object(self, obj, group=None) -> list:
+        """Every rank's `obj` (picklable) in rank order, on every rank."""
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=group)
+        return gathered
+
     def first_error(self, error: str | None, group=None) -> str | None:
         """Every rank learns the first rank's error message (None when no rank had one)."""
-        errors = [None] * self.world_size
-        dist.all_gather_object(errors, error, group=group)
-        return next((e for e in errors if e), None)
+        return next((e for e in self.all_gather_object(error, group) if e), None)
 
     def run_first(self, here: bool, work, group):
         """work() on the ranks where `here` holds while the others wait. Every rank returns rank 0's result, or

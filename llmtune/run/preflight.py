@@ -2,8 +2,12 @@
 starts, and under torchrun with Hub ids each worker once the ids are fetched (worker.fetch_in_turn). First the
 output folder (writable, no other run's checkpoints or export) and the inputs (paths, data rows, chat template),
 torch-free so that a wrong path is reported before torch is imported; then, against the model's transformers
-config, the enabled features' checks and the model's own (built on the meta device)."""
+config, the enabled features' checks, the model's own (built on the meta device) and model.init_from's checkpoint."""
 
+from pathlib import Path
+
+from llmtune.checkpoint.folders import continues
+from llmtune.errors import UserError
 from llmtune.run.inputs import check_inputs, check_output_dir, fetch_hub_inputs, hub_inputs, local_inputs
 from llmtune.run.launch import launched_by_torchrun
 
@@ -32,3 +36,25 @@ def check_run(local, world_size: int) -> None:
     model_config = load_model_config(local.model)
     check_features(local, model_config, world_size)
     check_model(local.model, local.train, model_config)
+    if local.model.init_from:
+        check_init_from(local, model_config)
+
+
+def check_init_from(local, model_config) -> None:
+    """model.init_from: a complete checkpoint, kept by train.overwrite_output_dir, trained on this run's base when it
+    holds only the trained parameters; and, for a run that trains every weight, of this model (names and shapes; a
+    run with adapters or frozen modules has them checked once its model is built, by the checkpoint manager)."""
+    from llmtune.checkpoint.validate import init_from_plan
+    from llmtune.model.build import base_record, meta_model
+
+    path = Path(local.model.init_from)
+    if local.train.overwrite_output_dir and continues(Path(local.train.output_dir), str(path)):
+        raise UserError(f"model.init_from: {path} is a checkpoint of train.output_dir, whose checkpoints "
+                        "train.overwrite_output_dir: true removes before the run starts; copy it out first, or choose "
+                        "another train.output_dir")
+    freezes = local.peft.method != "none" or local.train.trainable_modules or local.train.frozen_modules
+    # As checkpoints name the model's tensors: those of the FSDP root's hf_model.
+    current = None if freezes else {f"hf_model.{name}": list(tensor.shape) for name, tensor in
+                                    meta_model(model_config, local.model).state_dict().items()}
+    init_from_plan(path, base_record(local, local.model, model_config), current, local.model.strict_load,
+                   local.checkpoint.verify_checksums)

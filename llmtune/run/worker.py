@@ -22,6 +22,7 @@ from llmtune.run.cpu_memory import keep_freed_memory
 from llmtune.run.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
 from llmtune.run.parallel import ParallelState
 from llmtune.run.preflight import check_run
+from llmtune.run.rank_agreement import check_ranks_agree
 from llmtune.run.summary import RunResult, run_result, run_summary
 from llmtune.training.callbacks import Callbacks, CallbackState, recipe_callbacks
 from llmtune.training.optim import build_optimizer, build_scheduler
@@ -68,6 +69,7 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     check_vocab(model_config, tokenizer)
     features = enabled_features(config)
     model = build_model(model_config, local.model, config.train, state, features)
+    check_ranks_agree(state, config, data, validation, model.hf_model)
     # From here on ranks draw different random numbers (dropout), each from its own stream.
     torch.manual_seed(config.train.seed + state.rank)
     optimizer = build_optimizer(model, config.train)

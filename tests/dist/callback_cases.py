@@ -1,4 +1,4 @@
-"""Callbacks that act on one rank only, which tests/dist/test_callbacks.py names in train.callbacks."""
+"""Callbacks that act on one rank only, which tests/dist/test_callback_ranks.py names in train.callbacks."""
 
 from llmtune.training.callbacks import Callback
 

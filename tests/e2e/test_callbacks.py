@@ -1,7 +1,7 @@
 """Callbacks on one process, through llmtune.train with instances: the HF Trainer's events in its order with what
 each carries; the control (a record, a stop) acted on; on_log's edit reaching metrics.jsonl; a callback's state in
 every checkpoint and back on resume (on_load); the built-in early stopping; a callback that raises stops the run with
-its name, the last checkpoint kept. (Ranks agreeing: tests/dist/test_callbacks.py.)"""
+its name, the last checkpoint kept. (Ranks agreeing: tests/dist/test_callback_ranks.py.)"""
 
 import json
 

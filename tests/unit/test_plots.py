@@ -145,10 +145,10 @@ def test_the_end_of_a_run_draws_the_plots_and_a_failure_to_draw_is_a_warning(tmp
     plot_run(run)
     assert caplog.messages == [f"plots: {', '.join(NAMES)} in {run / 'plots'}"]
     caplog.clear()
-    write_metrics(run, [{"step": 1, "loss": 2.0}])  # no input_tokens: the tokens axis cannot be drawn
+    write_metrics(run, [{"loss": 2.0, "input_tokens": 10}])  # no step: no x-axis
     plot_run(run)
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (logging.WARNING, f"plots: not drawn (KeyError: 'input_tokens'); draw them with: llmtune plot {run}")]
+        (logging.WARNING, f"plots: not drawn (KeyError: 'step'); draw them with: llmtune plot {run}")]
     caplog.clear()
     plot_run(tmp_path / "stopped_before_its_first_record")
     assert caplog.records == []
