@@ -285,6 +285,12 @@ class TrainConfig:
     early_stopping_patience: int = _field(0, "Stop training when checkpoint.best_metric (eval_loss by default) has not "
                                              "improved for this many evaluations in a row; 0 = off.")
     early_stopping_threshold: float = _field(0.0, "The improvement early stopping asks for: more than this.")
+    ema_decay: float | list[float] | None = _field(None, "Keep an exponential moving average of the trainable "
+                                                         "weights with this decay (a list: one average per decay), "
+                                                         "fp32 and sharded like the weights, in every checkpoint; "
+                                                         "e.g. 0.9999. null = none.")
+    eval_ema: bool = _field(False, "At every evaluation also evaluate each moving average (eval_loss_ema, or "
+                                   "eval_loss_ema_<decay> for several); needs ema_decay.")
 
     def problems(self) -> list[str]:
         out = []
@@ -299,6 +305,10 @@ class TrainConfig:
                 out.append(f"train.{name}: {getattr(self, name)} must not be negative (0 turns it off)")
         if self.early_stopping_threshold < 0:
             out.append(f"train.early_stopping_threshold: {self.early_stopping_threshold} must not be negative")
+        out += [f"train.ema_decay: {decay} must be between 0 and 1 (e.g. 0.9999)" for decay in self.ema_decays()
+                if not 0.0 < decay < 1.0]
+        if self.eval_ema and not self.ema_decays():
+            out.append("train.eval_ema: there is no moving average to evaluate; set train.ema_decay")
         out += [f"train.callbacks: {path!r} is not written package.module:Class" for path in self.callbacks
                 if not re.fullmatch(r"[\w.]+:[\w.]+", path)]
         if self.lr_scheduler_type not in LR_SCHEDULERS:
@@ -330,6 +340,12 @@ class TrainConfig:
             out += [f"train.{key}: {pattern!r} is not a regular expression ({err})"
                     for pattern, err in _regex_errors(getattr(self, key))]
         return out
+
+
+    def ema_decays(self) -> list[float]:
+        if self.ema_decay is None:
+            return []
+        return self.ema_decay if isinstance(self.ema_decay, list) else [self.ema_decay]
 
 
 def _regex_errors(patterns: list[str]) -> list[tuple[str, str]]:
@@ -428,6 +444,9 @@ class CheckpointConfig:
                                       "save_best and export_from: best.")
     eval_on_save: bool = _field(False, "Evaluate before every save, so that each checkpoint records its eval metrics "
                                        "at its own step.")
+    export_ema: bool = _field(False, "At the end, also export each moving average of train.ema_decay as "
+                                     "output_dir/hf_ema (hf_ema_<decay> for several; adapter runs: adapter_ema), "
+                                     "as output_dir/hf is written.")
     max_shard_size: str = _field("5GB", "Largest safetensors file of the export (e.g. 5GB, 500MB).")
 
     def problems(self) -> list[str]:
@@ -611,6 +630,8 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
     _global_batch_wins(provided, {item.partition("=")[0] for item in overrides})
     problems.extend(_batch_problems(config, world_size, provided))
     problems.extend(_evaluation_problems(config))
+    if config.checkpoint.export_ema and not config.train.ema_decays():
+        problems.append("checkpoint.export_ema: there is no moving average to export; set train.ema_decay")
     if problems:
         raise UserError("\n".join(problems))
     return config

@@ -10,6 +10,7 @@ from llmtune.config import RESUME_BEST, RESUME_NEWEST
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 LATEST = "latest"
 EXPORTS = ("hf", "adapter")  # the folders hf_export publishes
+EMA_EXPORTS = ("hf_ema", "adapter_ema")  # and those of the moving averages (hf_ema_<decay> for several)
 
 
 def _step(path: Path) -> int | None:
@@ -44,11 +45,19 @@ def earlier_run(output_dir: Path) -> list[str]:
     held = []
     if root.is_dir() and any(_step(p) is not None or p.name == LATEST for p in root.iterdir()):
         held.append("checkpoints")
-    return held + [f"an export ({name}/)" for name in EXPORTS if (output_dir / name).is_dir()]
+    return held + [f"an export ({name}/)" for name in exports(output_dir)]
+
+
+def exports(output_dir: Path) -> list[str]:
+    """The names of the export folders output_dir holds."""
+    if not output_dir.is_dir():
+        return []
+    return sorted(p.name for p in output_dir.iterdir() if p.is_dir() and (p.name in EXPORTS or any(
+        p.name == name or p.name.startswith(f"{name}_") for name in EMA_EXPORTS)))
 
 
 def remove_earlier_run(output_dir: Path) -> None:
     """train.overwrite_output_dir: the checkpoints and exports of the run that was there, removed before this one
     writes anything, so that neither a resume nor the summary can find them."""
-    for name in ("checkpoints", *EXPORTS):
+    for name in ("checkpoints", *exports(output_dir)):
         shutil.rmtree(output_dir / name, ignore_errors=True)

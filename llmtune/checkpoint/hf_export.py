@@ -93,20 +93,22 @@ def write_hf_folder(chunks: Iterable[dict[str, torch.Tensor]], model, generation
     write_folder(out_dir, fill)
 
 
-def export_trained(hf_model, tokenizer, output_dir: Path, checkpoint_cfg, state, features: Features) -> None:
+def export_trained(hf_model, tokenizer, output_dir: Path, checkpoint_cfg, state, features: Features,
+                   suffix: str = "") -> None:
     """output_dir/hf, the trained model; for an adapter run output_dir/adapter, and output_dir/hf with the
-    adapters merged only when checkpoint.export_merged asks (merging changes hf_model: training is over)."""
+    adapters merged only when checkpoint.export_merged asks (merging changes hf_model: training is over). suffix:
+    added to the folders' names (hf_ema, adapter_ema: a moving average's export)."""
     dtype = EXPORT_DTYPES[checkpoint_cfg.export_dtype]
     adapters = features.find(Adapters)
     if adapters:
-        adapters.export_adapter(hf_model, tokenizer, output_dir / "adapter", dtype, state.is_main)
+        adapters.export_adapter(hf_model, tokenizer, output_dir / f"adapter{suffix}", dtype, state.is_main)
         if not checkpoint_cfg.export_merged:
             state.barrier()
             return
         merge_adapters(hf_model)
     chunks = gather_weights(hf_model, dtype, state.is_main)
     if state.is_main:
-        write_hf_folder(chunks, hf_model, hf_model.generation_config, tokenizer, output_dir / "hf",
+        write_hf_folder(chunks, hf_model, hf_model.generation_config, tokenizer, output_dir / f"hf{suffix}",
                         parse_size(checkpoint_cfg.max_shard_size), dtype, features)
     else:
         for _ in chunks:  # the gathers rank 0 is taking part in

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -163,10 +164,10 @@ class CheckpointManager:
         return every_steps or every_epochs or (final and (self.cfg.save_steps > 0 or self.cfg.save_epochs > 0))
 
     def save(self, step: int, model, optimizer, trainer_state: dict, metrics: dict | None = None,
-             eval_metrics: dict | None = None) -> Path:
+             eval_metrics: dict | None = None, tensors: dict | None = None) -> Path:
         """metrics: what the step logged (save_best ranks by them); eval_metrics: the newest evaluation's, with its
-        step. Both are recorded in trainer_state.json. Returns the checkpoint's folder (being written, when
-        asynchronous)."""
+        step. Both are recorded in trainer_state.json. tensors: sharded state beside model and optimizer, by name
+        (Trainer.tensor_state). Returns the checkpoint's folder (being written, when asynchronous)."""
         started = time.perf_counter()
         self.finish_pending()
         self.saved_step = step
@@ -180,6 +181,7 @@ class CheckpointManager:
         else:
             model_state, optim_state = get_state_dict(model, optimizer)
             content = {"model": trained_state(model, model_state), "optim": optim_state}
+        content.update(tensors or {})
         self._written(partial, lambda: self._make_folder(partial))
         self._written(partial, lambda: self._write_states(partial, trainer_state))
         if self.cfg.async_save:
@@ -295,7 +297,7 @@ class CheckpointManager:
         if chosen:
             if init_from and self.state.is_main:
                 log.info("checkpoint: model.init_from is not read: the run goes on from %s", chosen)
-            trainer_state = self._load(chosen, trainer.model, trainer.optimizer)
+            trainer_state = self._load(chosen, trainer.model, trainer.optimizer, trainer.tensor_state())
             saved_batch = trainer_state.get("global_batch")  # checkpoints written before it was recorded lack it
             if self.state.is_main and saved_batch and saved_batch != trainer.data.global_batch:
                 # Said before the data position is restored, which refuses a position inside the new batch.
@@ -336,8 +338,9 @@ class CheckpointManager:
                             "keep the values the recipe's model gave them, the others are ignored", path, left_out)
             log.info("checkpoint: the model starts from the weights of %s (step 0, a fresh optimizer)", path)
 
-    def _load(self, path: Path, model, optimizer) -> dict:
-        """Restore model, optimizer and this rank's RNG; returns the trainer state to continue from."""
+    def _load(self, path: Path, model, optimizer, tensors: dict) -> dict:
+        """Restore model, optimizer, `tensors` (Trainer.tensor_state, in place) and this rank's RNG; returns the trainer
+        state to continue from, with `missing_tensors`: the names of `tensors` the checkpoint does not hold."""
         trainer_state = json.loads((path / "trainer_state.json").read_text())
         model_state, optim_state = get_state_dict(model, optimizer)
         model_state = trained_state(model, model_state)
@@ -345,6 +348,10 @@ class CheckpointManager:
         content = {"model": model_state}
         if not trainer_state["save_only_model"]:
             content["optim"] = optim_state
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        held = {name for name in tensors if any(key.startswith(f"{name}.") for key in saved)}
+        content.update({name: tensors[name] for name in held})
+        trainer_state["missing_tensors"] = sorted(tensors.keys() - held)
         dcp.load(content, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=content["model"],
                        optim_state_dict=content.get("optim", optim_state),

@@ -2,6 +2,7 @@
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from llmtune.run.preflight import check_run
 from llmtune.run.rank_agreement import check_ranks_agree
 from llmtune.run.summary import RunResult, run_result, run_summary
 from llmtune.training.callbacks import Callbacks, CallbackState, recipe_callbacks
+from llmtune.training.ema import EMA
 from llmtune.training.optim import build_optimizer, build_scheduler
 from llmtune.training.trainer import Trainer
 
@@ -86,9 +88,21 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
                        CallbackState(state.rank, state.world_size, total_steps),
                        {"model": model.hf_model, "optimizer": optimizer, "lr_scheduler": scheduler})
     trainer = Trainer(model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
-                      config.train, total_steps, events)
+                      config.train, total_steps, events, EMA(model, config.train.ema_decays()))
     checkpoints.restore(trainer)
     return trainer, tokenizer
+
+
+def export(trainer: Trainer, tokenizer, config, state: ParallelState) -> None:
+    """The exports at the end of training: each moving average (checkpoint.export_ema; first, as an adapter run's
+    merge into output_dir/hf changes the model), then output_dir/hf (and adapter)."""
+    output_dir, checkpoint_cfg = Path(config.train.output_dir), config.checkpoint
+    for decay in trainer.ema.decays if checkpoint_cfg.export_ema else ():
+        with trainer.ema.swapped_in(decay):
+            export_trained(trainer.model.hf_model, tokenizer, output_dir, replace(checkpoint_cfg, export_merged=False),
+                           state, trainer.features, f"_ema{trainer.ema.suffix(decay)}")
+    if checkpoint_cfg.export_hf:
+        export_trained(trainer.model.hf_model, tokenizer, output_dir, checkpoint_cfg, state, trainer.features)
 
 
 def run(config, local=None, resume: str = "the same command with checkpoint.resume_from_checkpoint=auto",
@@ -104,9 +118,7 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
         trainer.train()
         if config.checkpoint.export_from == "best":
             trainer.checkpoints.load_best(trainer.model)
-        if config.checkpoint.export_hf:
-            export_trained(trainer.model.hf_model, tokenizer, Path(config.train.output_dir), config.checkpoint, state,
-                           trainer.features)
+        export(trainer, tokenizer, config, state)
         outcome = "finished"
     except Preempted as err:
         outcome = "stopped by a signal"

@@ -26,7 +26,7 @@ class Trainer:
     record, a save, the end of training."""
 
     def __init__(self, model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
-                 train_cfg, total_steps: int, callbacks):
+                 train_cfg, total_steps: int, callbacks, ema):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -39,6 +39,7 @@ class Trainer:
         self.cfg = train_cfg
         self.total_steps = total_steps
         self.callbacks = callbacks
+        self.ema = ema
         self.step = 0
         self.skipped_in_a_row = 0
         self.open_epoch: int | None = None  # the epoch whose on_epoch_begin ran and whose on_epoch_end did not
@@ -55,6 +56,8 @@ class Trainer:
         self.monitor.begin(self.step)
         try:
             self.model.train()
+            if self.step == 0:  # the moving averages start from the weights training starts from (init_from's)
+                self.ema.restart()
             steps = self.data.steps(self.total_steps - self.step)
             self._event("on_train_begin")
             if self.cfg.eval_on_start and self.step == 0:
@@ -138,12 +141,16 @@ class Trainer:
     def _evaluate(self) -> dict:
         """Evaluate, tell the callbacks (on_evaluate, then every rank's agreement) and keep the metrics."""
         metrics = {"eval_loss": self.evaluate()}
+        for decay in self.ema.decays if self.cfg.eval_ema else ():
+            with self.ema.swapped_in(decay):
+                metrics[f"eval_loss_ema{self.ema.suffix(decay)}"] = self.evaluate()
         self.last_eval = {"step": self.step, **metrics}
         self._event("on_evaluate", metrics=metrics)
         return metrics
 
     def _save(self, metrics: dict) -> None:
-        path = self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict(), metrics, self.last_eval)
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict(), metrics, self.last_eval,
+                                     self.tensor_state())
         self.callbacks.state.best_metric, self.callbacks.state.best_step = (
             (self.checkpoints.best["value"], self.checkpoints.best["step"]) if self.checkpoints.best else (None, None))
         self._event("on_save", checkpoint=path)
@@ -155,6 +162,11 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "features": self.features.state_dict(),
                 "callbacks": self.callbacks.state_dict()}
 
+    def tensor_state(self) -> dict:
+        """Sharded tensors besides model and optimizer that a checkpoint holds (DCP, loaded in place): the moving
+        averages."""
+        return {"ema": self.ema.state_dict()} if self.ema.decays else {}
+
     def load_state_dict(self, state: dict) -> None:
         self.step, self.skipped_in_a_row = state["step"], state["skipped_in_a_row"]
         self.monitor.skipped_steps = state["skipped_steps"]
@@ -163,6 +175,11 @@ class Trainer:
         self.features.load_state_dict(state["features"])
         self.callbacks.load_state_dict(state.get("callbacks", []))  # none in checkpoints written before callbacks
         self.last_eval = state.get("eval_metrics", {})
+        if "ema" in state.get("missing_tensors", ()):
+            if self.state.is_main:
+                log.warning("checkpoint: it holds no moving averages (written without train.ema_decay); they start "
+                            "from its weights")
+            self.ema.restart()
 
     def loaded(self, path) -> None:
         """The checkpoint at `path` has been restored: the callbacks' on_load."""
@@ -204,6 +221,7 @@ class Trainer:
         finite = math.isfinite(mean_loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
+            self.ema.update()
             self.callbacks("on_optimizer_step")
         self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + 1
         self.optimizer.zero_grad(set_to_none=True)
