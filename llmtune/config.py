@@ -248,6 +248,10 @@ class TrainConfig:
     logging_steps: int = _field(10, "Log loss, lr, grad_norm and tokens/s every this many optimizer steps.")
     seed: int = _field(42, "Seed of model init and data order; identical on every rank.")
     bf16: bool = _field(False, "bf16 compute with fp32 master weights and fp32 gradient reduction.")
+    fp16: bool = _field(False, "fp16 compute with fp32 master weights and fp32 gradient reduction, and dynamic loss "
+                               "scaling (as torch's GradScaler: from 65536, halved on a step whose gradients "
+                               "overflow, which is skipped, doubled after 2000 good steps); for GPUs without bf16. "
+                               "Not with bf16.")
     chunk_loss_size: int = _field(1024, "Tokens per chunk of the LM loss, computed from the hidden states without "
                                         "the full [tokens, vocab] logits; 0 computes the full logits.")
     fused_kernels: bool = _field(False, "Liger's fused kernels on CUDA: fused linear cross-entropy for the loss and "
@@ -311,6 +315,8 @@ class TrainConfig:
             out.append("train.eval_ema: there is no moving average to evaluate; set train.ema_decay")
         out += [f"train.callbacks: {path!r} is not written package.module:Class" for path in self.callbacks
                 if not re.fullmatch(r"[\w.]+:[\w.]+", path)]
+        if self.bf16 and self.fp16:
+            out.append("train.fp16: and train.bf16 are both on; choose one compute precision")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             out.append(_choice_problem("train.lr_scheduler_type", self.lr_scheduler_type,
                                        LR_SCHEDULERS + tuple(SCHEDULER_ALIASES)))
@@ -341,6 +347,10 @@ class TrainConfig:
                     for pattern, err in _regex_errors(getattr(self, key))]
         return out
 
+
+    def half_precision(self) -> str | None:
+        """The compute dtype below fp32, bf16 or fp16, or None (fp32)."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else None
 
     def ema_decays(self) -> list[float]:
         if self.ema_decay is None:

@@ -54,7 +54,7 @@ def backend_problems(backend: str | None, cuda: bool, bf16: bool) -> list[str]:
         return [f"{key} needs a CUDA device and this machine has none; use auto (sdpa here) or sdpa"]
     problems = []
     if not bf16:
-        problems.append(f"{key} computes in bf16 or fp16 only; set train.bf16: true, or use sdpa")
+        problems.append(f"{key} computes in bf16 or fp16 only; set train.bf16 (or fp16): true, or use sdpa")
     packages = {"flash_attention_2": (is_flash_attn_2_available, "flash-attn"),
                 "flash_attention_3": (is_flash_attn_3_available, "flash-attn-3 (flash_attn_interface)")}
     available, package = packages.get(backend, (lambda: False, None))

@@ -1,4 +1,4 @@
-"""Build the model in one order: meta device -> the features' build -> frozen weights to bf16 (under bf16) ->
+"""Build the model in one order: meta device -> the features' build -> frozen weights to bf16/fp16 (under either) ->
 activation checkpointing -> (compile) -> fully_shard per decoder layer, then the root -> materialise -> load the
 weights, each rank reading only its own shard -> the features' weights_ready (the values of what they added).
 
@@ -26,6 +26,8 @@ from llmtune.model.pretrained import checkpoint_index, load_weights, weight_sour
 from llmtune.model.state import saved_tensors
 
 log = logging.getLogger(__name__)
+# The compute dtypes below fp32 (TrainConfig.half_precision): FSDP2 gathers the weights in them for compute.
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class CausalLMForTraining(nn.Module):
@@ -90,10 +92,10 @@ def check_model(model_cfg, train_cfg, model_config) -> None:
                         "trains from bf16 or fp32 weights: use a dequantized copy of the checkpoint (e.g. loaded with "
                         "from_pretrained and saved with save_pretrained)")
     cuda = torch.cuda.is_available()
-    problems = backend_problems(model_cfg.attn_implementation, cuda, train_cfg.bf16)
+    problems = backend_problems(model_cfg.attn_implementation, cuda, train_cfg.half_precision() is not None)
     if problems:
         raise UserError("\n".join(problems))
-    backend = resolve_backend(model_cfg.attn_implementation, model_config, cuda, train_cfg.bf16)
+    backend = resolve_backend(model_cfg.attn_implementation, model_config, cuda, train_cfg.half_precision() is not None)
     try:
         hf_model = meta_model(model_config, model_cfg, attn_implementation=backend)
     except (ValueError, ImportError) as err:
@@ -127,7 +129,8 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     """`model_config`: the HF config (load_model_config); `features`: the run's Features, which change the model before
     it is sharded."""
     config = copy.deepcopy(model_config)  # the model keeps and changes its config (its attention implementation)
-    backend = resolve_backend(model_cfg.attn_implementation, config, state.device.type == "cuda", train_cfg.bf16)
+    half = train_cfg.half_precision()
+    backend = resolve_backend(model_cfg.attn_implementation, config, state.device.type == "cuda", half is not None)
     kwargs = dict(attn_implementation=backend, trust_remote_code=model_cfg.trust_remote_code, dtype=torch.float32)
     pretrained = model_cfg.name_or_path is not None
     if pretrained:
@@ -140,12 +143,12 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
         torch.manual_seed(train_cfg.seed)
         hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
     features.build(hf_model, state)
-    if train_cfg.bf16:
-        # Frozen weights (an adapter run's base) are never updated, so they need no fp32 master copy: stored in bf16
-        # they compute exactly as their fp32 copy cast to bf16 would, in half the memory.
+    if half:
+        # Frozen weights (an adapter run's base) are never updated, so they need no fp32 master copy: stored in the
+        # compute dtype they compute exactly as their fp32 copy cast to it would, in half the memory.
         for param in hf_model.parameters():
             if not param.requires_grad:
-                param.data = param.data.to(torch.bfloat16)
+                param.data = param.data.to(HALF_DTYPES[half])
     if train_cfg.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(hf_model)
@@ -153,7 +156,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
         for layer in layers:
             layer.compile()
     module = CausalLMForTraining(hf_model, LossOptions.of_run(train_cfg, config), features)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if train_cfg.bf16 \
+    policy = MixedPrecisionPolicy(param_dtype=HALF_DTYPES[half], reduce_dtype=torch.float32) if half \
         else MixedPrecisionPolicy()
     for layer in layers:
         fully_shard(layer, mesh=state.fsdp_mesh, mp_policy=policy)

@@ -43,6 +43,7 @@ class StepRecord:
     data_wait: float
     skipped: bool
     features: dict[str, float] = field(default_factory=dict)  # the features' step_metrics
+    loss_scale: float | None = None  # train.fp16's, after the step
 
 
 def flops_per_token(hf_model, seq_len: int) -> float:
@@ -177,6 +178,8 @@ class TrainMonitor:
         }
         for key in stats.features:  # averaged over the window, as the loss
             record[key] = sum(s.features[key] for s in steps) / len(steps)
+        if stats.loss_scale is not None:
+            record["loss_scale"] = stats.loss_scale
         record.update(eval_metrics)
         if on_log is not None:
             on_log(record)

@@ -153,12 +153,13 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     from llmtune.features.adapters import Adapters
     from llmtune.features.freezing import Freezing
     from llmtune.features.registry import enabled_features
-    from llmtune.model.build import decoder_layers, meta_model
+    from llmtune.model.build import HALF_DTYPES, decoder_layers, meta_model
 
     train = config.train
-    compute = 2 if train.bf16 else 4
+    half = train.half_precision()
+    compute = 2 if half else 4
     hf_model = meta_model(model_config, config.model, attn_implementation="sdpa",
-                          dtype=torch.bfloat16 if train.bf16 else torch.float32)
+                          dtype=HALF_DTYPES[half] if half else torch.float32)
     for feature in enabled_features(config).features:
         # Only the features that decide which parameters exist and train change the plan's sizes.
         if isinstance(feature, (Adapters, Freezing)):
@@ -167,8 +168,8 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     params = list(hf_model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    # Stored as the run stores them (model.build_model): fp32 master weights, frozen ones in bf16 under bf16.
-    stored = sum(shard_bytes(p, world_size, 4 if p.requires_grad or not train.bf16 else 2) for p in params)
+    # Stored as the run stores them (model.build_model): fp32 master weights, frozen ones in the compute dtype.
+    stored = sum(shard_bytes(p, world_size, 4 if p.requires_grad or not half else 2) for p in params)
     trained = sum(shard_bytes(p, world_size, 4) for p in trainable)
     layout = Layout(world_size, config.parallel.cp_size, train.per_device_train_batch_size,
                     train.gradient_accumulation_steps, config.data.max_seq_len)
@@ -242,7 +243,7 @@ def cheapest_fit(config, model_config, world_size: int, device_gib: float) -> st
 
 def render(plan: Plan, config, model_config, device_gib: float | None, fix: str | None) -> str:
     layout, train = plan.layout, config.train
-    dtype = "bf16" if train.bf16 else "fp32"
+    dtype = train.half_precision() or "fp32"
     checkpointing = "on" if train.gradient_checkpointing else "off"
     loss = f"chunked, {train.chunk_loss_size} tokens" if train.chunk_loss_size else "full logits"
     rows = [

@@ -13,6 +13,7 @@ from llmtune.errors import Preempted, TrainingStopped
 from llmtune.model.loss import IGNORE_INDEX
 from llmtune.monitor.metrics import StepRecord
 from llmtune.training.callbacks import TrainerControl
+from llmtune.training.loss_scale import LossScale
 from llmtune.training.stop_signals import StopSignals
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class Trainer:
         self.total_steps = total_steps
         self.callbacks = callbacks
         self.ema = ema
+        self.loss_scale = LossScale(train_cfg.fp16)
         self.step = 0
         self.skipped_in_a_row = 0
         self.open_epoch: int | None = None  # the epoch whose on_epoch_begin ran and whose on_epoch_end did not
@@ -160,7 +162,7 @@ class Trainer:
         return {"step": self.step, "global_batch": self.data.global_batch, "skipped_in_a_row": self.skipped_in_a_row,
                 "skipped_steps": self.monitor.skipped_steps, "data": self.data.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "features": self.features.state_dict(),
-                "callbacks": self.callbacks.state_dict()}
+                "callbacks": self.callbacks.state_dict(), "loss_scale": self.loss_scale.state_dict()}
 
     def tensor_state(self) -> dict:
         """Sharded tensors besides model and optimizer that a checkpoint holds (DCP, loaded in place): the moving
@@ -175,6 +177,7 @@ class Trainer:
         self.features.load_state_dict(state["features"])
         self.callbacks.load_state_dict(state.get("callbacks", []))  # none in checkpoints written before callbacks
         self.last_eval = state.get("eval_metrics", {})
+        self.loss_scale.load_state_dict(state.get("loss_scale", {}))
         if "ema" in state.get("missing_tensors", ()):
             if self.state.is_main:
                 log.warning("checkpoint: it holds no moving averages (written without train.ema_decay); they start "
@@ -204,7 +207,7 @@ class Trainer:
                                sum(len(b["input_ids"]) for b in batches) * rows_here], device=device,
                               dtype=torch.float64)
         label_tokens, input_tokens, samples = self.state.all_reduce_sum(counts).tolist()
-        scale = self.state.fsdp_group_size / max(label_tokens, 1.0)
+        scale = self.state.fsdp_group_size / max(label_tokens, 1.0) * self.loss_scale.scale
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         for i, batch in enumerate(batches):
             self.model.set_requires_gradient_sync(i == len(batches) - 1)
@@ -215,7 +218,9 @@ class Trainer:
                 self.callbacks("on_substep_end")
         mean_loss = self.state.all_reduce_sum(loss_sum).item() / max(label_tokens, 1.0)
         feature_metrics = self.features.step_metrics(self.state)
-        grad_norm = clip_gradients([p for p in self.model.parameters() if p.requires_grad], self.cfg.max_grad_norm)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.loss_scale.unscale(trained)
+        grad_norm = clip_gradients(trained, self.cfg.max_grad_norm)
         self.callbacks("on_pre_optimizer_step", grad_norm=grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(mean_loss) and math.isfinite(grad_norm)
@@ -223,12 +228,15 @@ class Trainer:
             self.optimizer.step()
             self.ema.update()
             self.callbacks("on_optimizer_step")
-        self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + 1
+        self.loss_scale.update(finite)
+        # An fp16 overflow is the loss scale's to handle; only once the scale is below 1 is scaling not the cause.
+        self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + (self.loss_scale.scale < 1)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return StepRecord(loss=mean_loss, lr=lr, grad_norm=grad_norm, label_tokens=int(label_tokens),
                           input_tokens=int(input_tokens), samples=int(samples), step_time=0.0, data_wait=0.0,
-                          skipped=not finite, features=feature_metrics)
+                          skipped=not finite, features=feature_metrics,
+                          loss_scale=self.loss_scale.scale if self.loss_scale.enabled else None)
 
     def evaluate(self) -> float:
         """Validation loss: the token-weighted mean over the whole validation set, on all ranks."""
