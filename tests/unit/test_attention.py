@@ -97,7 +97,7 @@ def test_backend_problems_name_what_is_missing(monkeypatch):
     monkeypatch.setattr(hf_utils, "is_flash_attn_2_available", lambda: False)
     monkeypatch.setattr(hf_utils, "is_kernels_available", lambda: False)
     assert backend_problems("flash_attention_2", cuda=True, bf16=False) == [
-        "model.attn_implementation: flash_attention_2 computes in bf16 or fp16 only; set train.bf16: true, or use sdpa",
+        "model.attn_implementation: flash_attention_2 computes in bf16 or fp16 only; set train.bf16 (or fp16): true, or use sdpa",
         "model.attn_implementation: flash_attention_2 needs a package this environment lacks: pip install flash-attn, "
         "or kernels (transformers then loads the kernel from the Hub)"]
     assert backend_problems("kernels-community/flash-attn3", cuda=True, bf16=True) == [
