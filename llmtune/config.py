@@ -431,6 +431,7 @@ class MonitorConfig:
         return out
 
     def rank_problems(self, world_size: int) -> list[str]:
+        """profile_ranks that a run on world_size ranks does not have (their traces would never be written)."""
         missing = [rank for rank in self.profile_ranks if rank >= world_size]
         return [f"monitor.profile_ranks: {missing} are not ranks of this run, which has {world_size} (0 to "
                 f"{world_size - 1}); name ranks below {world_size}"] if missing else []

@@ -74,8 +74,8 @@ def start_banner(trainer, config, model_config, world_size: int) -> Banner:
     fetched); model_config: the model's transformers config."""
     data, model = trainer.data, trainer.model
     stream = isinstance(data, StreamingDataManager)
-    params = list(model.parameters())
     # A DTensor's numel is the whole parameter's: the counts are the model's on any number of ranks.
+    params = list(model.parameters())
     groups = group_sizes(trainer.optimizer)
     attention = model.attention
     wrapper = model.hf_model.config._attn_implementation
