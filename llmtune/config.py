@@ -504,6 +504,13 @@ class MonitorConfig:
                                              "known GPUs (none on CPU, so mfu is null).")
     profile_steps: list[int] = _field([], "[start, end]: torch.profiler traces of these steps, per rank, in "
                                           "output_dir/profile.")
+    profile_ranks: list[int] = _field([], "The ranks whose steps profile_steps traces; [] (the default): every rank.")
+    profile_memory: bool = _field(False, "The traces also record each operator's tensor memory (torch.profiler's "
+                                         "profile_memory).")
+    with_stack: bool = _field(False, "The traces also record the Python source line of each operator "
+                                     "(torch.profiler's with_stack).")
+    record_shapes: bool = _field(False, "The traces also record the shapes of each operator's inputs "
+                                        "(torch.profiler's record_shapes).")
     plots: bool = _field(True, "Draw the curves into output_dir/plots when the run ends (needs the plots extra); "
                                "false leaves them to llmtune plot.")
 
@@ -511,7 +518,18 @@ class MonitorConfig:
         out = [_choice_problem("monitor.report_to", name, TRACKERS) for name in self.report_to if name not in TRACKERS]
         if self.profile_steps and (len(self.profile_steps) != 2 or not 0 < self.profile_steps[0] <= self.profile_steps[1]):
             out.append(f"monitor.profile_steps: {self.profile_steps} must be [start, end] with 0 < start <= end")
+        if self.profile_ranks and not self.profile_steps:
+            out.append("monitor.profile_ranks: traces no step without monitor.profile_steps; set profile_steps: "
+                       "[start, end], or remove profile_ranks")
+        if any(rank < 0 for rank in self.profile_ranks):
+            out.append(f"monitor.profile_ranks: {self.profile_ranks} must be ranks, 0 or more")
         return out
+
+    def rank_problems(self, world_size: int) -> list[str]:
+        """profile_ranks that a run on world_size ranks does not have (their traces would never be written)."""
+        missing = [rank for rank in self.profile_ranks if rank >= world_size]
+        return [f"monitor.profile_ranks: {missing} are not ranks of this run, which has {world_size} (0 to "
+                f"{world_size - 1}); name ranks below {world_size}"] if missing else []
 
 
 SECTIONS = {
@@ -642,6 +660,7 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
     problems.extend(_evaluation_problems(config))
     if config.checkpoint.export_ema and not config.train.ema_decays():
         problems.append("checkpoint.export_ema: there is no moving average to export; set train.ema_decay")
+    problems.extend(config.monitor.rank_problems(world_size))
     if problems:
         raise UserError("\n".join(problems))
     return config

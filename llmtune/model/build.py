@@ -41,6 +41,8 @@ class CausalLMForTraining(nn.Module):
     above the model, they build on it.
     """
 
+    attention: str | None = None  # the attention backend the model resolved, set by build_model
+
     def __init__(self, hf_model: PreTrainedModel, loss_options: LossOptions, features):
         super().__init__()
         self.hf_model = hf_model
@@ -142,6 +144,8 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     else:
         torch.manual_seed(train_cfg.seed)
         hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
+    # transformers' pick where the recipe says auto, before a feature wraps it in its own (the start banner's).
+    attention = hf_model.config._attn_implementation
     features.build(hf_model, state)
     if half:
         # Frozen weights (an adapter run's base) are never updated, so they need no fp32 master copy: stored in the
@@ -156,6 +160,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
         for layer in layers:
             layer.compile()
     module = CausalLMForTraining(hf_model, LossOptions.of_run(train_cfg, config), features)
+    module.attention = attention
     policy = MixedPrecisionPolicy(param_dtype=HALF_DTYPES[half], reduce_dtype=torch.float32) if half \
         else MixedPrecisionPolicy()
     for layer in layers:

@@ -107,7 +107,7 @@ class TrainMonitor:
         self.recipe = recipe or {}
         self.output_dir = output_dir
         self.path = output_dir / "metrics.jsonl"
-        self.profiler = StepProfiler(monitor_cfg.profile_steps, output_dir, rank)
+        self.profiler = StepProfiler(monitor_cfg, output_dir, rank)
         self.skipped_steps = 0
         self.first_step = 0
         self.started = time.perf_counter()
@@ -215,18 +215,30 @@ class TrainMonitor:
             self.trackers = None
 
 
-class StepProfiler:
-    """torch.profiler traces of optimizer steps [start, end] (1-based) into output_dir/profile, one per rank; it does
-    nothing when monitor.profile_steps is empty."""
+def profiler_options(monitor_cfg, rank: int) -> dict | None:
+    """torch.profiler.profile's options for this rank's trace of monitor.profile_steps [start, end] (1-based optimizer
+    steps), or None where this rank traces nothing: no profile_steps, or a rank that profile_ranks leaves out."""
+    steps, ranks = monitor_cfg.profile_steps, monitor_cfg.profile_ranks
+    if not steps or (ranks and rank not in ranks):
+        return None
+    start, end = steps
+    return dict(schedule=torch.profiler.schedule(wait=start - 1, warmup=0, active=end - start + 1, repeat=1),
+                profile_memory=monitor_cfg.profile_memory, with_stack=monitor_cfg.with_stack,
+                record_shapes=monitor_cfg.record_shapes)
 
-    def __init__(self, profile_steps: list[int], output_dir: Path, rank: int):
+
+class StepProfiler:
+    """torch.profiler traces of the optimizer steps of monitor.profile_steps into output_dir/profile, one per rank
+    (those of monitor.profile_ranks); it does nothing where profiler_options is None."""
+
+    def __init__(self, monitor_cfg, output_dir: Path, rank: int):
         self.profiler = None
-        if profile_steps:
-            start, end = profile_steps
+        options = profiler_options(monitor_cfg, rank)
+        if options is not None:
             self.profiler = torch.profiler.profile(
-                schedule=torch.profiler.schedule(wait=start - 1, warmup=0, active=end - start + 1, repeat=1),
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(str(output_dir / "profile"),
                                                                         worker_name=f"rank{rank}"),
+                **options,
             )
             self.profiler.start()
 

@@ -153,12 +153,19 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     from llmtune.features.adapters import Adapters
     from llmtune.features.freezing import Freezing
     from llmtune.features.registry import enabled_features
+    from llmtune.model.attention import resolve_backend
     from llmtune.model.build import HALF_DTYPES, decoder_layers, meta_model
 
     train = config.train
     half = train.half_precision()
     compute = 2 if half else 4
-    hf_model = meta_model(model_config, config.model, attn_implementation="sdpa",
+    # Every backend but eager is traced as sdpa, which _MetaAsOnDevice sends to the flash kernel: none saves the
+    # [sequence, sequence] weights. Eager saves them, and is what `auto` gives a class without sdpa (Gemma-2,
+    # gpt-oss): None lets transformers make that pick, as it does for the run.
+    backend = resolve_backend(config.model.attn_implementation, model_config, torch.cuda.is_available(),
+                              half is not None)
+    hf_model = meta_model(model_config, config.model,
+                          attn_implementation="eager" if backend == "eager" else "sdpa" if backend else None,
                           dtype=HALF_DTYPES[half] if half else torch.float32)
     for feature in enabled_features(config).features:
         # Only the features that decide which parameters exist and train change the plan's sizes.

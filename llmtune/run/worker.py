@@ -1,6 +1,7 @@
 """What each process runs: wire the parts from the config, top to bottom, train, export."""
 
 import logging
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import enable_full_determinism, set_seed
 
-from llmtune.checkpoint.folders import remove_earlier_run
+from llmtune.checkpoint.folders import continues, remove_earlier_run
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
 from llmtune.data.manager import build_data
@@ -16,9 +17,10 @@ from llmtune.data.templates import recipe_tokenizer
 from llmtune.errors import Preempted, TrainingStopped
 from llmtune.features.registry import enabled_features
 from llmtune.model.build import base_record, build_model, check_vocab, load_model_config
-from llmtune.monitor.console import configure_logging
+from llmtune.monitor.console import TRAIN_LOG, close_train_log, configure_logging, open_train_log
 from llmtune.monitor.metrics import TrainMonitor, flops_per_token
 from llmtune.monitor.plots import plot_run
+from llmtune.run.banner import log_start
 from llmtune.run.cpu_memory import keep_freed_memory
 from llmtune.run.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
 from llmtune.run.parallel import ParallelState
@@ -58,6 +60,8 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
         if config.train.overwrite_output_dir:
             remove_earlier_run(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
+        # A run that goes on from its checkpoints adds to the log of the run it continues.
+        open_train_log(output_dir / TRAIN_LOG, continues(output_dir, config.checkpoint.resume_from_checkpoint))
         config.write(output_dir / "config.yaml")
     if config.train.deterministic:
         # transformers' own switch (as the HF Trainer's full_determinism): deterministic algorithms, and the
@@ -90,6 +94,8 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     trainer = Trainer(model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
                       config.train, total_steps, events, EMA(model, config.train.ema_decays()))
     checkpoints.restore(trainer)
+    if state.is_main:
+        log_start(trainer, local, model_config, state.world_size)
     return trainer, tokenizer
 
 
@@ -143,4 +149,5 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
         if outcome == "finished":  # a failed run raises on every rank: no rank waits for this
             result = state.broadcast_object(result)
         state.close()
+        close_train_log(None if outcome == "finished" else sys.exc_info()[1])
     return result

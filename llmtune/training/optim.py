@@ -20,6 +20,14 @@ def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.AdamW:
                              eps=train_cfg.adam_epsilon, fused=True)
 
 
+def group_sizes(optimizer: torch.optim.AdamW) -> dict[str, tuple[int, int]]:
+    """(tensors, elements) of build_optimizer's two groups, "decay" and "no_decay", each element counted once over
+    the ranks (a sharded parameter's global size)."""
+    decay, no_decay = optimizer.param_groups
+    return {name: (len(group["params"]), sum(p.numel() for p in group["params"]))
+            for name, group in (("decay", decay), ("no_decay", no_decay))}
+
+
 def build_scheduler(optimizer, train_cfg, total_steps: int) -> LambdaLR:
     """transformers' own schedules, so that a recipe's curve is the one an HF Trainer user gets for the same names:
     constant_with_warmup, linear (to 0), cosine_with_min_lr (to min_lr_ratio) and warmup_stable_decay (transformers'

@@ -1,10 +1,12 @@
 """Resume after SIGKILL (2 processes, fp32): the resumed run's losses and final weights are bitwise those of
 an uninterrupted run, also when the kill lands while a checkpoint is being written; and a run
 resumes across world sizes (2 -> 1, 1 -> 2) on the same curve within 1e-5. Every resume lands in
-epoch 1 (an epoch is 4 steps here)."""
+epoch 1 (an epoch is 4 steps here). The uninterrupted run also carries the 2-process checks of the start banner
+and of monitor.profile_ranks."""
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import time
@@ -13,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from llmtune.run.cli import main as cli_main
 from tests.helpers import cli_words, descendants, kill_tree, read_metrics, run_cli, start_cli
@@ -150,3 +153,20 @@ def test_a_resume_on_another_process_count_says_when_the_global_batch_changes(ru
     assert len(said) == 1 and said[0].endswith(
         "checkpoint: the global batch changes from 16 samples per optimizer step (the checkpoint's, on 1 ranks) to 32 "
         "on 2 ranks; set train.global_batch_size: 16 to keep it"), runs["log_accumulated_on_2"][-3000:]
+
+
+def test_the_straight_run_traces_its_chosen_rank_alone_and_its_banner_counts_the_whole_model(straight_run,
+                                                                                             tiny_model):
+    output_dir, result = straight_run
+    (trace,) = (output_dir / "profile").iterdir()
+    assert trace.name.startswith("rank1."), "monitor.profile_ranks: [1]"
+    assert '"Input Dims"' in trace.read_text(), "monitor.record_shapes: true"
+    # Rank 0 alone says the banner; its parameters are the whole model's, not a rank's shard of it.
+    banner = re.findall(r"INFO llmtune: start: (.*)", result.stderr)
+    assert banner.count(f"64 samples, 2 epochs of 4 steps = {STEPS} optimizer steps") == 1, banner
+    assert "global batch 16 samples = micro-batch 4 x accumulation 2 x 2 data-parallel" in banner
+    assert "layout 2 rank(s) = 2 data-parallel x 1 context-parallel" in banner
+    count = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
+    assert any(line.startswith(f"parameters {count:,}, trainable {count:,} ") for line in banner), banner
+    logged = (output_dir / "train.log").read_text()
+    assert all(f"start: {line}" in logged for line in banner)

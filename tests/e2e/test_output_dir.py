@@ -41,6 +41,8 @@ def test_a_fresh_run_refuses_an_earlier_runs_folder_and_starts_over_only_when_to
     assert cli_main(["sft", path, "--save_steps", "4"]) == 0
     assert steps_in(out) == ["latest", "global_step_4", "global_step_8", "global_step_12"]
     exported = (out / "hf" / "model.safetensors").read_bytes()
+    first_log = (out / "train.log").read_text()
+    assert "run finished at step 12 of 12" in first_log
     capsys.readouterr()
 
     # The reproduction of the issue: a fresh 4-step run saving every 2 steps into the same folder.
@@ -51,6 +53,7 @@ def test_a_fresh_run_refuses_an_earlier_runs_folder_and_starts_over_only_when_to
     assert "train.overwrite_output_dir: true" in err
     assert steps_in(out) == ["latest", "global_step_4", "global_step_8", "global_step_12"], "nothing was touched"
     assert (out / "hf" / "model.safetensors").read_bytes() == exported
+    assert (out / "train.log").read_text() == first_log
 
     # Starting over removes the earlier run's checkpoints and export before this run writes.
     caplog.set_level(logging.INFO, logger="llmtune")
@@ -60,12 +63,30 @@ def test_a_fresh_run_refuses_an_earlier_runs_folder_and_starts_over_only_when_to
     assert not (out / "hf").exists(), "the earlier run's export is gone: it is not this run's model"
     summary = caplog.records[-1].getMessage()
     assert "at step 4 of 4" in summary and f"newest checkpoint {out / 'checkpoints' / 'global_step_4'}" in summary
+    assert "at step 12 of 12" not in (out / "train.log").read_text(), "a new run starts its train.log afresh"
 
     # auto goes on from this run's newest checkpoint.
     caplog.clear()
     assert cli_main(["sft", path, "--max_steps", "6", "--save_steps", "2", "--resume_from_checkpoint", "auto"]) == 0
     assert any(f"resumed from {out / 'checkpoints' / 'global_step_4'} at step 4" in r.getMessage()
                for r in caplog.records)
+    # The run that goes on adds to the log of the run it continues: the whole story in one file.
+    story = (out / "train.log").read_text()
+    assert story.index("run finished at step 4 of 4") < story.index("optimizer steps, resuming after step 4") \
+        < story.index("run finished at step 6 of 6")
+
+
+def test_a_run_that_fails_before_training_leaves_its_train_log_with_the_reason(tmp_path, tiny_model, sft_file,
+                                                                             capsys):
+    path, out = recipe(tmp_path, tiny_model, sft_file, max_steps=2, per_device_train_batch_size=1000), tmp_path / "out"
+    assert cli_main(["sft", path]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1].removeprefix("llmtune: error: ")
+    assert error.startswith("data: ") and "do not fill one optimizer step" in error
+    logged = (out / "train.log").read_text().splitlines()
+    assert " INFO llmtune.data.manager: data: " in logged[-2], logged
+    assert logged[-1].endswith(f" ERROR llmtune: the run ended with UserError: {error}")
+    assert cli_main(["sft", path, "--per_device_train_batch_size", "2", "--export_hf", "false"]) == 0, \
+        "train.log alone is no earlier run the folder holds"
 
 
 def test_auto_never_resumes_past_the_latest_pointer(tmp_path, tiny_model, sft_file, caplog):

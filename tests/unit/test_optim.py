@@ -3,7 +3,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, get_scheduler
 
 from llmtune.config import TrainConfig, load_config
-from llmtune.training.optim import build_optimizer, build_scheduler
+from llmtune.training.optim import build_optimizer, build_scheduler, group_sizes
 from tests.unit.test_config import write_recipe
 
 
@@ -74,3 +74,6 @@ def test_no_decay_for_biases_and_norms_and_tied_weights_once():
     ids = [id(p) for group in optimizer.param_groups for p in group["params"]]
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
     assert sum(p is model.lm_head.weight for p in decayed["params"]) == 1
+    # (tensors, elements): the tied embedding 32 x 8 once, q/k/v/o 8 x 8, gate/up/down 16 x 8 decayed; the four
+    # attention biases of 8 and the three norms of 8 not.
+    assert group_sizes(optimizer) == {"decay": (8, 32 * 8 + 4 * 8 * 8 + 3 * 16 * 8), "no_decay": (7, 7 * 8)}

@@ -5,11 +5,12 @@ tests/dist/test_plan_peaks.py."""
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3MoeConfig
 
+from llmtune.config import load_config
 from llmtune.model.build import decoder_layers
 from llmtune.run import cli
-from llmtune.run.plan import loss_bytes, saved_activations, shard_bytes
+from llmtune.run.plan import loss_bytes, plan_memory, saved_activations, shard_bytes
 
 LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -43,6 +44,22 @@ def test_meta_trace_counts_what_a_real_forward_saves(config, dtype):
     outside, per_layer = saved_activations(meta, decoder_layers(meta), 2, 256)
     assert outside + sum(per_layer) == real_saved_bytes(real, ids)
     assert len(per_layer) == 2 and per_layer[0] > 0 and outside > 0
+
+
+def test_a_class_without_sdpa_is_planned_with_the_eager_attention_auto_gives_it(tmp_path):
+    """Gemma-2 has no sdpa in transformers: `auto` runs it with eager attention, which saves the [sequence, sequence]
+    weights, and the plan traces that forward (asking for sdpa, transformers refuses the class)."""
+    config = Gemma2Config(**LLAMA, head_dim=32, query_pre_attn_scalar=32)
+    config.save_pretrained(tmp_path)
+    recipe = load_config({"model": {"config": str(tmp_path), "tokenizer": str(tmp_path)},
+                          "data": {"train_files": ["not/needed.jsonl"], "max_seq_len": 256},
+                          "train": {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2}},
+                         [], "pt", world_size=1)
+    plan = plan_memory(recipe, config, 1)
+    torch.manual_seed(0)
+    real = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert real.config._attn_implementation == "eager"
+    assert plan.activations == real_saved_bytes(real, torch.randint(0, 256, (2, 256)))
 
 
 def test_shard_bytes_is_fsdp2_dim0_split_padded():

@@ -1,0 +1,97 @@
+"""The start banner: what a run is about to do, a block of lines that rank 0 logs once the run is built, before its
+first step (through logging, so that output_dir/train.log holds it too): the data and the optimizer steps, the
+global batch and the layout, the parameters and their weight-decay groups, the precision, the attention backend the
+model resolved, and the peak memory per rank that `llmtune plan` computes for this layout."""
+
+import logging
+from dataclasses import dataclass
+
+from llmtune.data.manager import StreamingDataManager
+from llmtune.run.plan import gib, plan_memory
+from llmtune.training.optim import group_sizes
+
+log = logging.getLogger("llmtune")
+
+
+@dataclass(frozen=True)
+class Banner:
+    samples: int | None  # the samples (rows) of an epoch; None for a stream
+    steps_per_epoch: int | None  # None for a stream
+    total_steps: int
+    first_step: int  # the step a resumed run goes on from; 0 for a fresh one
+    global_batch: int
+    micro_batch: int
+    accumulation: int
+    dp: int
+    cp: int
+    params: int  # whole-model counts, not one rank's shard
+    trainable: int
+    decay: tuple[int, int]  # (tensors, elements) of the optimizer's weight-decay group
+    no_decay: tuple[int, int]
+    precision: str
+    attention: str
+    peak: str  # the plan's peak per rank, or why there is none
+
+    def lines(self) -> list[str]:
+        if self.samples is None:
+            data = f"a stream, {self.total_steps} optimizer steps (train.max_steps)"
+        else:
+            epochs = self.total_steps / self.steps_per_epoch
+            data = (f"{self.samples:,} samples, {epochs:.3g} epochs of {self.steps_per_epoch} steps = "
+                    f"{self.total_steps} optimizer steps")
+        if self.first_step:
+            data += f", resuming after step {self.first_step}"
+        return [
+            data,
+            f"global batch {self.global_batch} samples = micro-batch {self.micro_batch} x accumulation "
+            f"{self.accumulation} x {self.dp} data-parallel",
+            f"layout {self.dp * self.cp} rank(s) = {self.dp} data-parallel x {self.cp} context-parallel",
+            f"parameters {self.params:,}, trainable {self.trainable:,} (weight decay: {self.decay[1]:,} in "
+            f"{self.decay[0]} tensors; no decay: {self.no_decay[1]:,} in {self.no_decay[0]})",
+            f"precision {self.precision}, attention {self.attention}",
+            f"planned peak memory {self.peak}",
+        ]
+
+
+def precision(train_cfg) -> str:
+    """The run's precision as the banner names it, read from the recipe here alone."""
+    half = train_cfg.half_precision()
+    return f"{half} mixed (train.{half}{', dynamic loss scaling' if half == 'fp16' else ''})" if half else "fp32"
+
+
+def planned_peak(config, model_config, world_size: int) -> str:
+    """`llmtune plan`'s peak of a step per rank for this run's layout. The banner only informs: a plan that cannot
+    be made is said in the line, and the run goes on."""
+    try:
+        plan = plan_memory(config, model_config, world_size)
+    except Exception as err:
+        reason = str(err).splitlines()[0] if str(err) else ""
+        return f"not computed ({type(err).__name__}{': ' if reason else ''}{reason})"
+    return f"{gib(plan.peak)} per rank (llmtune plan's estimate for this layout)"
+
+
+def start_banner(trainer, config, model_config, world_size: int) -> Banner:
+    """The banner of a built (and, if it resumes, restored) trainer. config: the recipe as the run reads it (Hub ids
+    fetched); model_config: the model's transformers config."""
+    data, model = trainer.data, trainer.model
+    stream = isinstance(data, StreamingDataManager)
+    # A DTensor's numel is the whole parameter's: the counts are the model's on any number of ranks.
+    params = list(model.parameters())
+    groups = group_sizes(trainer.optimizer)
+    attention = model.attention
+    wrapper = model.hf_model.config._attn_implementation
+    if wrapper != model.attention:
+        attention += f" (through {wrapper})"
+    return Banner(
+        samples=None if stream else data.sampler.size, steps_per_epoch=None if stream else data.steps_per_epoch,
+        total_steps=trainer.total_steps, first_step=trainer.step, global_batch=data.global_batch,
+        micro_batch=config.train.per_device_train_batch_size, accumulation=config.train.gradient_accumulation_steps,
+        dp=world_size // config.parallel.cp_size, cp=config.parallel.cp_size,
+        params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
+        decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
+        peak=planned_peak(config, model_config, world_size))
+
+
+def log_start(trainer, config, model_config, world_size: int) -> None:
+    for line in start_banner(trainer, config, model_config, world_size).lines():
+        log.info("start: %s", line)

@@ -1,0 +1,46 @@
+"""The start banner's lines from a run's numbers, its precision, and a plan that cannot be made said in its line.
+Its numbers on real runs: tests/e2e/test_console.py (one process) and tests/dist/test_resume.py (two)."""
+
+import dataclasses
+
+from llmtune.config import TrainConfig
+from llmtune.run import banner
+from llmtune.run.banner import Banner
+
+FRESH = Banner(samples=1000, steps_per_epoch=62, total_steps=186, first_step=0, global_batch=16, micro_batch=4,
+               accumulation=2, dp=2, cp=1, params=1234567, trainable=1234000, decay=(14, 1230000),
+               no_decay=(29, 4000), precision="fp32", attention="sdpa (through llmtune_documents)",
+               peak="12.3 MiB per rank (llmtune plan's estimate for this layout)")
+
+
+def test_the_banner_says_the_runs_numbers():
+    assert FRESH.lines() == [
+        "1,000 samples, 3 epochs of 62 steps = 186 optimizer steps",
+        "global batch 16 samples = micro-batch 4 x accumulation 2 x 2 data-parallel",
+        "layout 2 rank(s) = 2 data-parallel x 1 context-parallel",
+        "parameters 1,234,567, trainable 1,234,000 (weight decay: 1,230,000 in 14 tensors; no decay: 4,000 in 29)",
+        "precision fp32, attention sdpa (through llmtune_documents)",
+        "planned peak memory 12.3 MiB per rank (llmtune plan's estimate for this layout)",
+    ]
+
+
+def test_a_resumed_run_and_a_stream_say_so():
+    resumed = dataclasses.replace(FRESH, total_steps=100, first_step=40, cp=2, dp=1)
+    assert resumed.lines()[0] == "1,000 samples, 1.61 epochs of 62 steps = 100 optimizer steps, resuming after step 40"
+    assert resumed.lines()[2] == "layout 2 rank(s) = 1 data-parallel x 2 context-parallel"
+    stream = dataclasses.replace(FRESH, samples=None, steps_per_epoch=None, total_steps=50)
+    assert stream.lines()[0] == "a stream, 50 optimizer steps (train.max_steps)"
+
+
+def test_precision_is_read_from_the_recipe():
+    assert banner.precision(TrainConfig(output_dir="out")) == "fp32"
+    assert banner.precision(TrainConfig(output_dir="out", bf16=True)) == "bf16 mixed (train.bf16)"
+    assert banner.precision(TrainConfig(output_dir="out", fp16=True)) == "fp16 mixed (train.fp16, dynamic loss scaling)"
+
+
+def test_a_plan_that_cannot_be_made_is_said_in_its_line(monkeypatch):
+    def failing_plan(config, model_config, world_size):
+        raise ValueError("this class cannot be traced\nmore detail")
+
+    monkeypatch.setattr(banner, "plan_memory", failing_plan)
+    assert banner.planned_peak(None, None, 1) == "not computed (ValueError: this class cannot be traced)"
