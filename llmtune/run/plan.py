@@ -57,6 +57,7 @@ class Plan:
     loss: int  # the loss's buffers at its peak (chunked or full logits)
     trainable: int  # parameters that train, whole model
     total_params: int
+    averages: int = 0  # train.ema_decay's moving averages: an fp32 copy of the trained parameters per decay
 
     @property
     def peak(self) -> int:
@@ -64,8 +65,8 @@ class Plan:
         two decoder layers are gathered (the one in backward and the next, prefetched) with the first layer's
         unsharded gradient; the sharded gradients exist whole from the second micro-batch on (accumulation)."""
         grads = self.grads if self.layout.accumulation > 1 else 0
-        return (self.params + self.optimizer + grads + self.root + 3 * self.largest_layer + self.activations
-                + self.loss)
+        return (self.params + self.optimizer + self.averages + grads + self.root + 3 * self.largest_layer
+                + self.activations + self.loss)
 
 
 class _MetaAsOnDevice(TorchFunctionMode):
@@ -195,7 +196,8 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
         activations_other=without if train.gradient_checkpointing else with_checkpointing,
         loss=loss_bytes(layout.micro_batch * tokens, hidden, head.shape[0], train.chunk_loss_size, compute,
                         head.requires_grad),
-        trainable=sum(p.numel() for p in trainable), total_params=sum(p.numel() for p in params))
+        trainable=sum(p.numel() for p in trainable), total_params=sum(p.numel() for p in params),
+        averages=len(train.ema_decays()) * trained)
 
 
 def gib(nbytes: float) -> str:
@@ -257,6 +259,7 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         ("parameters (sharded; fp32 where they train)", plan.params),
         ("gradients (fp32, sharded)", plan.grads),
         ("optimizer state (AdamW's two moments, fp32)", plan.optimizer),
+        *([("moving averages (train.ema_decay, fp32, sharded)", plan.averages)] if plan.averages else []),
         (f"largest all-gathered decoder layer ({dtype})", plan.largest_layer),
         (f"embeddings, lm_head and norm, gathered ({dtype})", plan.root),
         (f"activations per micro-batch, checkpointing {checkpointing}", plan.activations),

@@ -134,3 +134,16 @@ def test_plan_layout_of_nodes(plan_recipe, capsys):
     out = capsys.readouterr().out
     assert "layout: 4 rank(s) = 2 data-parallel x 2 context-parallel" in out
     assert "micro-batch 4 x 512 tokens (256 per rank)" in out
+
+
+def test_moving_averages_add_an_fp32_copy_of_the_trained_parameters_per_decay(plan_recipe):
+    from llmtune.config import load_config
+    from llmtune.model.build import load_model_config
+    from llmtune.run.plan import plan_memory
+
+    plain = load_config(plan_recipe(), [], "pt", 2)
+    two = load_config(plan_recipe(ema_decay=[0.99, 0.999]), [], "pt", 2)
+    model_config = load_model_config(plain.model)
+    without, with_averages = plan_memory(plain, model_config, 2), plan_memory(two, model_config, 2)
+    assert without.averages == 0 and with_averages.averages == 2 * with_averages.grads
+    assert with_averages.peak - without.peak == 2 * with_averages.grads
