@@ -50,9 +50,15 @@ class Trainer:
 
     def _event(self, name: str, **kwargs) -> None:
         """The callbacks' `name` event, then every rank's agreement on what they asked."""
-        self.callbacks.state.step, self.callbacks.state.epoch = self.step, self.data.progress
+        self._tell_callbacks()
         self.callbacks(name, **kwargs)
         self.callbacks.agree(self.state)
+
+    def _tell_callbacks(self) -> None:
+        """The run's position, as the callbacks' state gives it."""
+        told, best = self.callbacks.state, self.checkpoints.best
+        told.step, told.epoch = self.step, self.data.progress
+        told.best_metric, told.best_step = (best["value"], best["step"]) if best else (None, None)
 
     def train(self) -> None:
         self.monitor.begin(self.step)
@@ -102,7 +108,7 @@ class Trainer:
         stats = self.train_step(micro_batches)
         stats.data_wait, stats.step_time = data_wait, time.perf_counter() - started
         self.step += 1
-        self.callbacks.state.step, self.callbacks.state.epoch = self.step, self.data.progress
+        self._tell_callbacks()
         self.callbacks("on_step_end")
         finished_epoch = epoch if self.data.epoch_done else None
         if finished_epoch is not None:  # before the epoch's evaluation and save, as the HF Trainer calls it
@@ -153,8 +159,6 @@ class Trainer:
     def _save(self, metrics: dict) -> None:
         path = self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict(), metrics, self.last_eval,
                                      self.tensor_state())
-        self.callbacks.state.best_metric, self.callbacks.state.best_step = (
-            (self.checkpoints.best["value"], self.checkpoints.best["step"]) if self.checkpoints.best else (None, None))
         self._event("on_save", checkpoint=path)
 
     def state_dict(self) -> dict:
