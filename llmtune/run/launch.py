@@ -3,6 +3,8 @@
 import os
 
 LOCAL_NPROC = "LLMTUNE_NPROC"  # set by launch_local for its workers
+# train.per_device_train_batch_size: auto as the launching process decided it, set for launch_local's workers.
+MICRO_BATCH = "LLMTUNE_MICRO_BATCH"
 
 
 def launched_by_torchrun() -> bool:
