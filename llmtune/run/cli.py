@@ -5,7 +5,6 @@ that names Hub ids is fetched and checked in the worker once the process group e
 node fetches while the others wait."""
 
 import argparse
-import os
 import shlex
 import sys
 
@@ -27,7 +26,7 @@ TASK_DESCRIPTIONS = {"pt": "Pre-training: packed blocks of text, every token tra
 
 
 def train_command(task: str, recipe: str, rest: list[str]) -> int:
-    from llmtune.config import load_config, parse_overrides
+    from llmtune.config import AUTO, load_config, parse_overrides
     from llmtune.run import launch
     from llmtune.run.preflight import checked_inputs
 
@@ -36,11 +35,12 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
         raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
     world_size = nproc or launch.world_size_from_env()
     config = load_config(recipe, overrides, task, world_size)
-    local = checked_inputs(config, world_size)
+    auto = config.train.per_device_train_batch_size == AUTO
+    local = checked_inputs(config, world_size)  # decides auto's micro-batch
     if nproc and nproc > 1:
-        # What train.per_device_train_batch_size: auto became here, before the workers start: they train with it.
-        os.environ[launch.MICRO_BATCH] = str(config.train.per_device_train_batch_size)
-        return launch.launch_local(nproc, [task, recipe, *overrides])
+        # The workers train with the micro-batch decided here, before they start.
+        return launch.launch_local(nproc, [task, recipe, *overrides],
+                                   {launch.MICRO_BATCH: str(config.train.per_device_train_batch_size)} if auto else {})
     from llmtune.run.worker import run
 
     run(config, local, resume_command(task, recipe, overrides))

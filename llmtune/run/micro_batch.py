@@ -24,10 +24,12 @@ def decide_micro_batch(config, model_config, world_size: int, processes_here: in
     this node (sharing its RAM on CPU), said in one line."""
     device_gib = device_memory_gib(processes_here)
     plan = auto_micro_batch(config, model_config, world_size, device_gib)
-    memory = "CUDA memory" if torch.cuda.is_available() else f"the RAM available to each of {processes_here} " \
-        "process(es)"
+    if torch.cuda.is_available():
+        memory = "the device's memory"
+    else:
+        memory = "the RAM available" + (f" over {processes_here} processes" if processes_here > 1 else "")
     log.info("train.per_device_train_batch_size: auto -> %d (accumulation %d, global batch %d): the largest "
-             "micro-batch whose planned peak, %s per rank, fits %.0f%% of %.2f GiB of %s", plan.layout.micro_batch,
+             "micro-batch whose planned peak, %s per rank, fits %.0f%% of %.2f GiB, %s", plan.layout.micro_batch,
              plan.layout.accumulation, config.train.global_batch_size, gib(plan.peak), USABLE_FRACTION * 100,
              device_gib, memory)
     return plan.layout.micro_batch

@@ -23,7 +23,7 @@ def checked_inputs(config, world_size: int):
     local = local_inputs(config, fetch_hub_inputs(config))
     model_config = check_run(local, world_size)
     # Under torchrun every worker comes here: they agree on one number once their process group exists
-    # (micro_batch.agreed_micro_batch).
+    # (micro_batch.agree_micro_batch).
     if config.train.per_device_train_batch_size == AUTO and not launched_by_torchrun():
         from llmtune.monitor.console import configure_logging
         from llmtune.run.micro_batch import decide_before_start

@@ -8,9 +8,9 @@ import torch
 from transformers import enable_full_determinism, set_seed
 
 from llmtune.checkpoint.folders import remove_earlier_run
-from llmtune.config import AUTO
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
+from llmtune.config import AUTO
 from llmtune.data.manager import build_data
 from llmtune.data.templates import recipe_tokenizer
 from llmtune.errors import Preempted, TrainingStopped

@@ -39,6 +39,7 @@ def device_between_peaks(config, low: int, high: int) -> float:
     return sum(peaks) / 2 / GIB / USABLE_FRACTION
 
 
+@pytest.mark.slow  # three runs
 def test_auto_trains_the_curve_of_the_micro_batch_it_chose(tiny_model, sft_file, tmp_path, monkeypatch, caplog):
     auto = recipe(tiny_model, sft_file, tmp_path / "auto", "auto")
     device = device_between_peaks(load_config(auto, [], "sft", 1), 2, 4)

@@ -187,8 +187,8 @@ def test_auto_on_cpu_plans_for_the_available_ram_over_the_nodes_processes(plan_r
         assert decide_micro_batch(config, model_config, 2, 2) == 2
     assert caplog.messages == [
         f"train.per_device_train_batch_size: auto -> 2 (accumulation 4, global batch 16): the largest micro-batch whose "
-        f"planned peak, {gib(low)} per rank, fits 90% of {between(low, high):.2f} GiB of the RAM available to each of "
-        "2 process(es)"]
+        f"planned peak, {gib(low)} per rank, fits 90% of {between(low, high):.2f} GiB, the RAM available over 2 "
+        "processes"]
 
 
 def test_plan_resolves_auto_for_the_device(plan_recipe, capsys):
