@@ -143,7 +143,7 @@ def timed_build(data: DataConfig, tokenizer, batch_size: int, state: ParallelSta
     """(seconds, stats, whether it tokenized rather than read the cache)."""
     with mock.patch("llmtune.data.build.build_datasets", wraps=build_datasets) as tokenize:
         started = time.perf_counter()
-        _, _, stats = load_or_build("sft", data, tokenizer, 0, batch_size, state)
+        _, _, _, stats = load_or_build("sft", data, tokenizer, 0, batch_size, state)
         return time.perf_counter() - started, stats, tokenize.called
 
 

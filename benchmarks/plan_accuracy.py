@@ -72,6 +72,8 @@ def measure(config, keep_process_group: bool = False) -> int:
     from llmtune.model.build import build_model, load_model_config
     from llmtune.model.loss import shift_labels
     from llmtune.run.parallel import ParallelState
+    from llmtune.training.callbacks import Callbacks, CallbackState
+    from llmtune.training.ema import EMA
     from llmtune.training.optim import build_optimizer, build_scheduler
     from llmtune.training.trainer import Trainer
 
@@ -79,8 +81,10 @@ def measure(config, keep_process_group: bool = False) -> int:
     features = enabled_features(config)
     model = build_model(load_model_config(config.model), config.model, config.train, state, features)
     optimizer = build_optimizer(model, config.train)
+    # Only train_step runs: no data, validation, monitor or checkpoints, no callbacks, no moving averages.
     trainer = Trainer(model, optimizer, build_scheduler(optimizer, config.train, 10), None, None, None, None, features,
-                      state, config.train, 10)
+                      state, config.train, 10, Callbacks([], config, CallbackState(state.rank, state.world_size, 10), {}),
+                      EMA(model, []), None)
     generator = torch.Generator().manual_seed(state.dp_rank)
     shape = (config.train.per_device_train_batch_size, config.data.max_seq_len)
 

@@ -62,6 +62,8 @@ RESUME_NEWEST = ("auto", "latest")
 # The value of checkpoint.resume_from_checkpoint that means output_dir's checkpoints/best.
 RESUME_BEST = "best"
 EXPORT_FROM = ("last", "best")
+# train.per_device_train_batch_size's value that asks for the largest micro-batch the device holds (run/micro_batch.py).
+AUTO = "auto"
 # The files a data source may name (data.train_files, validation_files, a dataset_info.json entry's file_name).
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 # transformers' pattern for a Hub kernel (transformers.integrations.hub_kernels.is_kernel): org/name[@rev][:fn].
@@ -142,12 +144,17 @@ class DataConfig:
                                           "(sampled with repetition when it is smaller); empty = natural sizes.")
     val_files: list[str] = _field([], "Validation sources (same forms as train_files; a Hub dataset's split "
                                       "defaults to validation).")
+    test_files: list[str] = _field([], "Test sources (same forms as train_files; a Hub dataset's split defaults "
+                                       "to test), evaluated once when training ends: test_loss in metrics.jsonl's "
+                                       "last record and in the run's summary.")
     dataset_info: str | None = _field(None, "A LLaMA-Factory dataset_info.json (or the folder holding it) that "
-                                            "data.datasets and data.val_datasets name entries of.")
+                                            "data.datasets, data.val_datasets and data.test_datasets name entries "
+                                            "of.")
     datasets: list[str] = _field([], "Training datasets by their name in data.dataset_info (file_name, formatting "
                                      "alpaca/sharegpt, columns, tags), after data.train_files.")
     val_datasets: list[str] = _field([], "Validation datasets by their name in data.dataset_info, after "
                                          "data.val_files.")
+    test_datasets: list[str] = _field([], "Test datasets by their name in data.dataset_info, after data.test_files.")
     val_ratio: float = _field(0.0, "Hold out this fraction of the training samples for validation (seeded); "
                                    "used when val_files is empty.")
     format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_completion | prompt_response "
@@ -184,14 +191,17 @@ class DataConfig:
     def has_validation_sources(self) -> bool:
         return bool(self.val_files or self.val_datasets)
 
+    def has_test_sources(self) -> bool:
+        return bool(self.test_files or self.test_datasets)
+
     def problems(self) -> list[str]:
         out = []
         if not self.train_files and not self.datasets:
             out.append("data.train_files: no training files given; list at least one file, folder or glob (or name "
                        "data.datasets of a data.dataset_info)")
-        if (self.datasets or self.val_datasets) and not self.dataset_info:
-            out.append("data.dataset_info: data.datasets / data.val_datasets name entries of a LLaMA-Factory "
-                       "dataset_info.json; set data.dataset_info to it (or to the folder holding it)")
+        if (self.datasets or self.val_datasets or self.test_datasets) and not self.dataset_info:
+            out.append("data.dataset_info: data.datasets / data.val_datasets / data.test_datasets name entries of a "
+                       "LLaMA-Factory dataset_info.json; set data.dataset_info to it (or to the folder holding it)")
         for key, value, choices in (("format", self.format, DATA_FORMATS), ("truncation", self.truncation, TRUNCATIONS),
                                     ("pt_remainder", self.pt_remainder, REMAINDERS),
                                     ("text_sample_by", self.text_sample_by, ("line", "paragraph", "document"))):
@@ -221,7 +231,12 @@ class TrainConfig:
                                  "overwrite_output_dir and checkpoint.resume_from_checkpoint).")
     overwrite_output_dir: bool = _field(False, "Start over in an output_dir that holds an earlier run: its "
                                                "checkpoints and export are removed before this run writes.")
-    per_device_train_batch_size: int = _field(8, "Samples per micro-batch on each data-parallel rank.")
+    per_device_train_batch_size: int | str = _field(8, "Samples per micro-batch on each data-parallel rank, or "
+                                                       "auto: the largest that llmtune plan says fits the device "
+                                                       "(CUDA: its memory; CPU: the available RAM shared by the "
+                                                       "node's processes) and divides global_batch_size over the "
+                                                       "data-parallel ranks, decided before the first step; needs "
+                                                       "global_batch_size, which accumulation keeps.")
     gradient_accumulation_steps: int = _field(1, "Micro-batches per optimizer step.")
     global_batch_size: int | None = _field(None, "Samples per optimizer step over all ranks; if set, gradient "
                                                  "accumulation is derived from it (must divide evenly).")
@@ -300,9 +315,12 @@ class TrainConfig:
         out = []
         if not self.output_dir:
             out.append("train.output_dir: not set; name the folder where the run writes its outputs")
+        if isinstance(self.per_device_train_batch_size, str) and self.per_device_train_batch_size != AUTO:
+            out.append(f"train.per_device_train_batch_size: {self.per_device_train_batch_size!r} is neither a number "
+                       f"of samples nor {AUTO}")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps",
                      "max_skipped_steps", "per_device_eval_batch_size"):
-            if getattr(self, name) < 1:
+            if isinstance(getattr(self, name), int) and getattr(self, name) < 1:
                 out.append(f"train.{name}: {getattr(self, name)} must be at least 1")
         for name in ("eval_steps", "eval_epochs", "max_eval_steps", "early_stopping_patience"):
             if getattr(self, name) < 0:
@@ -556,6 +574,13 @@ class Config:
 
     def dp_size(self, world_size: int) -> int:
         return world_size // self.parallel.cp_size
+
+    def use_micro_batch(self, micro_batch: int, world_size: int) -> None:
+        """per_device_train_batch_size: auto, resolved: this micro-batch, and the accumulation that keeps
+        train.global_batch_size on world_size ranks."""
+        self.train.per_device_train_batch_size = micro_batch
+        per_step = micro_batch * self.dp_size(world_size)
+        self.train.gradient_accumulation_steps = self.train.global_batch_size // per_step
 
     def to_dict(self) -> dict:
         """The sections, as a recipe: the file written from it loads back to an equal Config. Accumulation derived
@@ -835,8 +860,11 @@ def _batch_problems(config: Config, world_size: int, provided: set[str]) -> list
                 "multiple of it"]
     if config.data.streaming and train.max_steps <= 0:
         return ["train.max_steps: a stream has no known length, so data.streaming needs train.max_steps > 0"]
-    if train.global_batch_size is None:
-        return []
+    if train.per_device_train_batch_size == AUTO:
+        return _auto_batch_problems(config, world_size, provided)
+    micro_batch = train.per_device_train_batch_size
+    if train.global_batch_size is None or isinstance(micro_batch, str) or micro_batch < 1:
+        return []  # a micro-batch that is no positive number is the train section's problem
     per_step = train.per_device_train_batch_size * config.dp_size(world_size)
     accumulation, rest = divmod(train.global_batch_size, per_step)
     if rest or accumulation < 1:
@@ -847,6 +875,22 @@ def _batch_problems(config: Config, world_size: int, provided: set[str]) -> list
                 f"x {config.dp_size(world_size)} ranks x {accumulation} accumulation steps, but "
                 f"train.gradient_accumulation_steps is {train.gradient_accumulation_steps}; set only one of them"]
     train.gradient_accumulation_steps = accumulation
+    return []
+
+
+def _auto_batch_problems(config: Config, world_size: int, provided: set[str]) -> list[str]:
+    """per_device_train_batch_size: auto chooses the micro-batch (run/micro_batch.py) and derives accumulation from
+    the global batch, which must be given and whole on every data-parallel rank."""
+    train, dp = config.train, config.dp_size(world_size)
+    if train.global_batch_size is None:
+        return ["train.per_device_train_batch_size: auto keeps the global batch through accumulation; set "
+                "train.global_batch_size (samples per optimizer step over all ranks)"]
+    if "train.gradient_accumulation_steps" in provided:
+        return ["train.gradient_accumulation_steps: with per_device_train_batch_size auto, accumulation is "
+                "global_batch_size / (micro-batch x data-parallel size); leave gradient_accumulation_steps out"]
+    if train.global_batch_size < dp or train.global_batch_size % dp:
+        return [f"train.global_batch_size: {train.global_batch_size} is not a multiple of the data-parallel size "
+                f"{dp}; choose a multiple of {dp}"]
     return []
 
 

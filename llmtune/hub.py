@@ -82,13 +82,13 @@ def model_repo(text: str | None, revision: str | None = None, trust_remote_code:
 def dataset_source(text: str, key: str) -> HubDataset | None:
     """The Hub dataset a data source names, or None for a local one. Git refs and repo ids hold no ':', so
     the first two split the source; a name that ends like a data file is a local file, missing or not. The
-    split defaults to train, or validation for data.val_files."""
+    split defaults to train, validation for data.val_files, test for data.test_files."""
     name, _, rest = text.partition(":")
     repo_id, _, revision = name.partition("@")
     config, _, split = rest.partition(":")
     if os.path.exists(text) or Path(repo_id).suffix in DATA_SUFFIXES or not is_hub_id(repo_id):
         return None
-    default_split = "validation" if key == "data.val_files" else "train"
+    default_split = {"data.val_files": "validation", "data.test_files": "test"}.get(key, "train")
     return HubDataset(HubRepo(repo_id, "dataset", revision or None), config or None, split or default_split)
 
 

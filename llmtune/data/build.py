@@ -4,7 +4,7 @@ Preprocessing is paid once: the result is saved under a key of (source fingerpri
 file's size and mtime, a Hub dataset's repository, config, split and commit; tokenizer,
 transform settings); on N ranks, local rank 0 of each node builds it while the others wait,
 then every rank memory-maps the same files. A streaming run tokenizes its training sources
-as it reads them; only its validation split (data.val_files) is built here.
+as it reads them; only its validation and test splits (data.val_files, data.test_files) are built here.
 """
 
 import hashlib
@@ -36,8 +36,10 @@ log = logging.getLogger(__name__)
 # Bump when a change to the transforms changes their output, so old caches are not reused.
 CACHE_VERSION = 2
 # Settings that do not change the built datasets, left out of the cache key. (data.streaming does: a
-# streaming run's entry holds its validation split only.)
+# streaming run's entry holds its validation and test splits only.)
 NOT_IN_KEY = ("shuffle", "shuffle_buffer", "num_proc", "cache_dir", "document_mask")
+# The folders of a cache entry, each a split the recipe may have.
+SPLITS = ("train", "val", "test")
 
 
 @dataclass
@@ -54,6 +56,7 @@ class DataStats:
     fully_labelled: int  # samples whose every token is labelled: no prompt was masked
     efficiency: float  # non-pad tokens / all tokens of the batches the model will see
     val_samples: int
+    test_samples: int
 
     def summary(self) -> str:
         if self.task == "pt":
@@ -62,12 +65,13 @@ class DataStats:
             kept = f"{self.samples} samples packed into {self.rows} rows of up to {self.max_seq_len} tokens"
         else:
             kept = f"{self.samples} samples, one per row"
+        test = f", {self.test_samples} test samples" if self.test_samples else ""
         return (f"{kept}, {self.tokens} tokens, label tokens "
                 f"{self.label_tokens / max(self.tokens, 1):.1%}, {self.truncated} truncated, {self.dropped_too_long} "
                 f"dropped as too long, {self.dropped_no_labels} dropped with no label "
                 f"({self._share(self.dropped_no_labels)}), {self.fully_labelled} with every token labelled "
                 f"({self._share(self.fully_labelled)}), efficiency {self.efficiency:.1%} (non-pad tokens), "
-                f"{self.val_samples} validation samples")
+                f"{self.val_samples} validation samples{test}")
 
     def _share(self, count: int) -> str:
         """`count` as a share of every sample read (the kept ones and the dropped ones)."""
@@ -235,10 +239,14 @@ def packed_split(split: datasets.Dataset | None, data_cfg) -> datasets.Dataset |
     return packing.pack_samples(split, data_cfg.max_seq_len, map_options(split, data_cfg.num_proc, "pack"))
 
 
-def build_validation(task: str, data_cfg, tokenizer, seed: int) -> datasets.Dataset:
-    """The validation split of data.val_files and data.val_datasets, before packing."""
-    val, _ = build_split(split_sources(data_cfg, task, "val"), [], task, tokenizer, data_cfg, seed)
-    return val
+def build_held_out(split: str, task: str, data_cfg, tokenizer, seed: int) -> datasets.Dataset | None:
+    """The validation ("val": data.val_files and data.val_datasets) or test ("test": data.test_files and
+    data.test_datasets) split, packed as training rows are; None when the recipe names no source for it."""
+    sources = split_sources(data_cfg, task, split)
+    if not sources:
+        return None
+    held_out, _ = build_split(sources, [], task, tokenizer, data_cfg, seed)
+    return packed_split(held_out, data_cfg)
 
 
 def build_datasets(task: str, data_cfg, tokenizer, seed: int):
@@ -258,18 +266,16 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int):
                         "trained as well as the answers: no prompt was found to mask (pre-tokenized rows without "
                         "labels, or a chat template that renders no prompt); check data.format and "
                         "data.chat_template, or set data.train_on_prompt: true if this is meant")
-    val = None
-    if data_cfg.has_validation_sources():
-        val = build_validation(task, data_cfg, tokenizer, seed)
-    elif data_cfg.val_ratio > 0:
+    val = build_held_out("val", task, data_cfg, tokenizer, seed)
+    if val is None and data_cfg.val_ratio > 0:
         split = train.train_test_split(test_size=max(1, round(len(train) * data_cfg.val_ratio)), seed=seed)
-        train, val = split["train"], split["test"]
+        train, val = split["train"], packed_split(split["test"], data_cfg)
     counts = {"truncated": statuses.get(sft.TRUNCATED, 0), "dropped_too_long": too_long,
               "dropped_no_labels": no_labels, "fully_labelled": every_token}
-    return packed_split(train, data_cfg), packed_split(val, data_cfg), counts
+    return packed_split(train, data_cfg), val, counts
 
 
-def describe(task: str, train: datasets.Dataset, val, counts: dict, data_cfg, batch_size: int,
+def describe(task: str, train: datasets.Dataset, val, test, counts: dict, data_cfg, batch_size: int,
              seed: int) -> DataStats:
     lengths, label_tokens = length_stats(train)
     packed = "position_ids" in train.column_names
@@ -277,12 +283,13 @@ def describe(task: str, train: datasets.Dataset, val, counts: dict, data_cfg, ba
         else padded_efficiency(lengths, batch_size, seed)
     return DataStats(task=task, samples=sample_count(train), rows=len(train), max_seq_len=data_cfg.max_seq_len,
                      tokens=int(lengths.sum()), label_tokens=label_tokens, efficiency=efficiency,
-                     val_samples=sample_count(val) if val is not None else 0, **counts)
+                     val_samples=sample_count(val) if val is not None else 0,
+                     test_samples=sample_count(test) if test is not None else 0, **counts)
 
 
 def cache_key(task: str, data_cfg, tokenizer, seed: int) -> str:
     settings = {k: v for k, v in asdict(data_cfg).items() if k not in NOT_IN_KEY}
-    splits = ("val",) if data_cfg.streaming else ("train", "val")
+    splits = ("val", "test") if data_cfg.streaming else ("train", "val", "test")
     sources = [[_fingerprint(s.pattern, s.key), asdict(s.row_format) if s.row_format else None]
                for split in splits for s in split_sources(data_cfg, task, split)]
     tok = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else \
@@ -310,26 +317,35 @@ def cache_root(data_cfg) -> Path:
 
 
 def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, state):
-    """(train, validation or None, stats), from the cache entry of this recipe (built if missing)."""
-    folder = cached_entry(task, data_cfg, tokenizer, seed, state,
-                          lambda: build_datasets(task, data_cfg, tokenizer, seed))
-    train = datasets.load_from_disk(str(folder / "train"))
-    val = datasets.load_from_disk(str(folder / "val")) if (folder / "val").is_dir() else None
+    """(train, validation or None, test or None, stats), from the cache entry of this recipe (built if missing)."""
+
+    def build():
+        train, val, counts = build_datasets(task, data_cfg, tokenizer, seed)
+        return train, val, build_held_out("test", task, data_cfg, tokenizer, seed), counts
+
+    folder = cached_entry(task, data_cfg, tokenizer, seed, state, build)
+    train, val, test = (cached_split(folder, name) for name in SPLITS)
     counts = json.loads((folder / "counts.json").read_text())
-    stats = describe(task, train, val, counts, data_cfg, batch_size, seed)
+    stats = describe(task, train, val, test, counts, data_cfg, batch_size, seed)
     if not stats.label_tokens:
         raise UserError(f"data.train_files: the {stats.rows} training rows hold no label token, so there is nothing "
                         f"to train on; check that the tokenizer in {tokenizer.name_or_path} fits the data and that "
                         f"data.max_seq_len ({data_cfg.max_seq_len}) holds whole documents")
-    return train, val, stats
+    return train, val, test, stats
 
 
-def load_or_build_stream_validation(task: str, data_cfg, tokenizer, seed: int, state) -> datasets.Dataset:
-    """A streaming run's validation split: data.val_files built map-style, like any other run's, so an
-    evaluation reads the whole split and every data-parallel rank its share of it."""
+def load_or_build_stream_held_out(task: str, data_cfg, tokenizer, seed: int, state):
+    """A streaming run's (validation or None, test or None): data.val_files and data.test_files built map-style,
+    like any other run's, so an evaluation reads the whole split and every data-parallel rank its share of it."""
     folder = cached_entry(task, data_cfg, tokenizer, seed, state,
-                          lambda: (None, packed_split(build_validation(task, data_cfg, tokenizer, seed), data_cfg), {}))
-    return datasets.load_from_disk(str(folder / "val"))
+                          lambda: (None, *(build_held_out(name, task, data_cfg, tokenizer, seed)
+                                           for name in ("val", "test")), {}))
+    return cached_split(folder, "val"), cached_split(folder, "test")
+
+
+def cached_split(folder: Path, name: str) -> datasets.Dataset | None:
+    """One split of a cache entry (SPLITS), None where the recipe has none."""
+    return datasets.load_from_disk(str(folder / name)) if (folder / name).is_dir() else None
 
 
 class OneProcess:
@@ -346,7 +362,7 @@ class OneProcess:
 
 def cached_entry(task: str, data_cfg, tokenizer, seed: int, state, build) -> Path:
     """The folder of this recipe's cache entry, which local rank 0 of each node fills with build() ->
-    (train or None, validation or None, counts) if it is missing, while the others wait.
+    (train or None, validation or None, test or None, counts) if it is missing, while the others wait.
 
     state.first_error is the barrier after the build, and it makes every rank stop with the
     builder's message on bad data (a rank left waiting would otherwise die of the closed
@@ -371,10 +387,10 @@ def cached_entry(task: str, data_cfg, tokenizer, seed: int, state, build) -> Pat
     return folder
 
 
-def _save_entry(folder: Path, train, val, counts: dict) -> None:
+def _save_entry(folder: Path, train, val, test, counts: dict) -> None:
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     try:
-        for name, split in (("train", train), ("val", val)):
+        for name, split in zip(SPLITS, (train, val, test)):
             if split is not None:
                 split.save_to_disk(str(partial / name))
         # Written last: its presence marks a complete entry.

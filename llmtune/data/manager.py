@@ -1,5 +1,5 @@
 """This rank's data: the DataManager hands out optimizer steps of micro-batches and saves and restores
-its position; Validation gives this rank's share of the validation split. build_data makes both.
+its position; Validation gives this rank's share of the validation (or the test) split. build_data makes them.
 
 Map-style data (StepSampler): the order of an epoch is a seeded permutation of the whole dataset
 (file order with data.shuffle off), the same for every layout. Optimizer step k of an epoch
@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import math
+from dataclasses import replace
 from functools import partial
 
 import datasets
@@ -23,7 +24,7 @@ from datasets.distributed import split_dataset_by_node
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from llmtune.data.build import build_stream, load_or_build, load_or_build_stream_validation
+from llmtune.data.build import build_stream, load_or_build, load_or_build_stream_held_out
 from llmtune.data.collate import collate, pad_token_id
 from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
@@ -258,22 +259,28 @@ class StreamingDataManager:
         self._batches = None
 
 
-def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataManager, Validation]:
-    """This rank's training data and validation, from the recipe's data section."""
+def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataManager, Validation, Validation]:
+    """This rank's training data, validation and test split, from the recipe's data section."""
     data_cfg, train_cfg = config.data, config.train
     pad_id = pad_token_id(tokenizer)
     if data_cfg.streaming:
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)
-        val = load_or_build_stream_validation(config.task, data_cfg, tokenizer, train_cfg.seed, state) \
-            if data_cfg.has_validation_sources() else None
-        if val is not None and state.is_main:
-            log.info("data: %d validation samples from data.val_files / data.val_datasets", len(val))
+        val, test = load_or_build_stream_held_out(config.task, data_cfg, tokenizer, train_cfg.seed, state) \
+            if data_cfg.has_validation_sources() or data_cfg.has_test_sources() else (None, None)
+        for split, name in ((val, "val"), (test, "test")):
+            if split is not None and state.is_main:
+                log.info("data: %d samples from data.%s_files / data.%s_datasets", len(split), name, name)
     else:
-        train, val, stats = load_or_build(config.task, data_cfg, tokenizer, train_cfg.seed,
-                                          train_cfg.per_device_train_batch_size, state)
+        train, val, test, stats = load_or_build(config.task, data_cfg, tokenizer, train_cfg.seed,
+                                                train_cfg.per_device_train_batch_size, state)
         if state.is_main:
             log.info("data: %s", stats.summary())
         data = DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank)
-    return data, Validation(val, train_cfg.per_device_eval_batch_size, pad_id, data_cfg.document_mask, state.dp_size,
-                            state.dp_rank, train_cfg)
+
+    def held_out(split, cfg) -> Validation:
+        return Validation(split, train_cfg.per_device_eval_batch_size, pad_id, data_cfg.document_mask, state.dp_size,
+                          state.dp_rank, cfg)
+
+    # The test split is read whole, once: max_eval_steps bounds the evaluations during training.
+    return data, held_out(val, train_cfg), held_out(test, replace(train_cfg, max_eval_steps=0))

@@ -35,8 +35,8 @@ def preview(task: str, local, count: int) -> None:
     with its Hub ids fetched and its inputs checked (run/inputs.py)."""
     tokenizer = recipe_tokenizer(task, local.model, local.data.chat_template)
     # The arguments of build_data (manager.py): the same cache key, so the run and this command share one entry.
-    train, _, stats = load_or_build(task, local.data, tokenizer, local.train.seed,
-                                    local.train.per_device_train_batch_size, OneProcess())
+    train, _, _, stats = load_or_build(task, local.data, tokenizer, local.train.seed,
+                                       local.train.per_device_train_batch_size, OneProcess())
     color = sys.stdout.isatty()
     for number, (ids, trained, continued) in enumerate(first_samples(train, count), 1):
         note = " (continues a document of the previous row)" if continued else ""

@@ -1,7 +1,7 @@
-"""The sources of a split: data.train_files / data.val_files, and the datasets named in a LLaMA-Factory
-dataset_info.json (data.dataset_info with data.datasets / data.val_datasets), read as LLaMA-Factory reads them:
-file_name beside the registry, formatting alpaca or sharegpt, the columns and tags mappings. Standard library
-only: the CLI checks every source with it before torch or datasets is imported.
+"""The sources of a split: data.train_files / data.val_files / data.test_files, and the datasets named in a
+LLaMA-Factory dataset_info.json (data.dataset_info with data.datasets / data.val_datasets / data.test_datasets),
+read as LLaMA-Factory reads them: file_name beside the registry, formatting alpaca or sharegpt, the columns and tags
+mappings. Standard library only: the CLI checks every source with it before torch or datasets is imported.
 
 Where LLaMA-Factory is silent or lenient this is strict, so that nothing is trained other than what was meant:
 an entry llmtune cannot train as sft or pt (preference, KTO, multimodal, Hub-hosted) is refused with the reason,
@@ -35,9 +35,11 @@ class Source:
 
 
 def split_sources(data_cfg, task: str, split: str) -> list[Source]:
-    """The training (split "train") or validation ("val") sources, in the recipe's order: files, then datasets."""
-    files, names, key = (data_cfg.train_files, data_cfg.datasets, "data.datasets") if split == "train" else \
-        (data_cfg.val_files, data_cfg.val_datasets, "data.val_datasets")
+    """The training (split "train"), validation ("val") or test ("test") sources, in the recipe's order: files, then
+    datasets."""
+    files, names, key = {"train": (data_cfg.train_files, data_cfg.datasets, "data.datasets"),
+                         "val": (data_cfg.val_files, data_cfg.val_datasets, "data.val_datasets"),
+                         "test": (data_cfg.test_files, data_cfg.test_datasets, "data.test_datasets")}[split]
     sources = [Source(p, f"data.{split}_files") for p in files]
     if names:
         path = registry_path(data_cfg.dataset_info)

@@ -147,7 +147,8 @@ class TrainMonitor:
         return record
 
     def evaluation(self, step: int, epoch: float, metrics: dict, on_log=None) -> dict:
-        """The record of an evaluation outside a training step (train.eval_on_start: before the first one)."""
+        """The record of an evaluation outside a training step (train.eval_on_start: before the first one; the test
+        split: after the last)."""
         record = {"step": step, "epoch": epoch, **metrics}
         if on_log is not None:
             on_log(record)
@@ -195,7 +196,7 @@ class TrainMonitor:
         if not self.monitor_cfg.console:
             return
         evals = "".join(f" {key} {value:.4f}" for key, value in record.items()
-                        if key.startswith("eval_") and isinstance(value, float))
+                        if key.startswith(("eval_", "test_")) and isinstance(value, float))
         if "loss" not in record:  # an evaluation alone
             self.console.line(f"step {record['step']}/{self.total_steps}{evals}")
             return

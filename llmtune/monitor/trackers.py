@@ -1,7 +1,7 @@
 """The trackers of monitor.report_to, rank 0's: TensorBoard, W&B and MLflow. Each is opened when training starts,
 fresh or resumed, is given the resolved recipe, gets every metrics.jsonl record under the HF Trainer's names
-(train/<name>, eval/loss) at the record's step, and is closed when training stops. A resumed run continues the
-runs of its fresh start, whose ids output_dir/trackers.json keeps.
+(train/<name>, eval/loss, test/loss) at the record's step, and is closed when training stops. A resumed run continues
+the runs of its fresh start, whose ids output_dir/trackers.json keeps.
 
 Each tracker's package is imported when it opens: none is a dependency (inputs.check_optional_packages names the
 extra that installs it).
@@ -21,10 +21,15 @@ IDS_FILE = "trackers.json"
 
 
 def tracker_metrics(record: dict) -> dict[str, float]:
-    """A metrics.jsonl record's numbers under the HF Trainer's names: eval_loss -> eval/loss, any other -> train/<name>.
-    The step is the x-axis, not a metric; a null (mfu without a known peak) is left out."""
-    return {(f"eval/{name[5:]}" if name.startswith("eval_") else f"train/{name}"): value
-            for name, value in record.items() if name != "step" and isinstance(value, (int, float))}
+    """A metrics.jsonl record's numbers under the HF Trainer's names: eval_loss -> eval/loss, test_loss -> test/loss,
+    any other -> train/<name>. The step is the x-axis, not a metric; a null (mfu without a known peak) is left out."""
+    return {tracker_name(name): value for name, value in record.items()
+            if name != "step" and isinstance(value, (int, float))}
+
+
+def tracker_name(name: str) -> str:
+    prefix, _, rest = name.partition("_")
+    return f"{prefix}/{rest}" if prefix in ("eval", "test") and rest else f"train/{name}"
 
 
 def run_status() -> str:

@@ -26,7 +26,7 @@ TASK_DESCRIPTIONS = {"pt": "Pre-training: packed blocks of text, every token tra
 
 
 def train_command(task: str, recipe: str, rest: list[str]) -> int:
-    from llmtune.config import load_config, parse_overrides
+    from llmtune.config import AUTO, load_config, parse_overrides
     from llmtune.run import launch
     from llmtune.run.preflight import checked_inputs
 
@@ -35,9 +35,12 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
         raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
     world_size = nproc or launch.world_size_from_env()
     config = load_config(recipe, overrides, task, world_size)
-    local = checked_inputs(config, world_size)
+    auto = config.train.per_device_train_batch_size == AUTO
+    local = checked_inputs(config, world_size)  # decides auto's micro-batch
     if nproc and nproc > 1:
-        return launch.launch_local(nproc, [task, recipe, *overrides])
+        # The workers train with the micro-batch decided here, before they start.
+        return launch.launch_local(nproc, [task, recipe, *overrides],
+                                   {launch.MICRO_BATCH: str(config.train.per_device_train_batch_size)} if auto else {})
     from llmtune.run.worker import run
 
     run(config, local, resume_command(task, recipe, overrides))
@@ -86,7 +89,7 @@ def data_command(args: list[str]) -> int:
         raise UserError(f"--n: {count!r} is not a positive number of samples")
     if task not in ("pt", "sft"):
         raise UserError(f"--task: {task!r} is not a task; use pt or sft")
-    from llmtune.config import load_config
+    from llmtune.config import AUTO, load_config
     from llmtune.run.inputs import check_inputs, fetch_hub_inputs, local_inputs
 
     config = load_config(recipe, overrides, task, world_size=1)
@@ -99,6 +102,11 @@ def data_command(args: list[str]) -> int:
     check_inputs(local)
     # The run's logging setup (worker.py), so that the cache entry's "data: built" or "data: cache hit" shows.
     configure_logging()
+    if config.train.per_device_train_batch_size == AUTO:  # the padded batches' efficiency counts its micro-batches
+        from llmtune.model.build import load_model_config
+        from llmtune.run.micro_batch import decide_before_start
+
+        decide_before_start(config, local, load_model_config(local.model), 1)
     preview(task, local, int(count))
     return 0
 
@@ -151,7 +159,7 @@ def plan_command(args: list[str]) -> int:
     world_size = nproc or int(nnodes or 1) * int(per_node or 1)
     from llmtune.run.plan import plan_recipe
 
-    print(plan_recipe(recipe, overrides, task, world_size, device_gib))
+    print(plan_recipe(recipe, overrides, task, world_size, device_gib, nproc or int(per_node or 1)))
     return 0
 
 

@@ -26,7 +26,8 @@ def hub_inputs(config) -> dict[HubRepo, str]:
     if model.revision and not found:
         raise UserError(f"model.revision: {model.revision} names a revision of a Hub id, but model.name_or_path and "
                         "model.tokenizer are local folders; remove model.revision, or name a Hub id (org/name)")
-    for key, patterns in (("data.train_files", config.data.train_files), ("data.val_files", config.data.val_files)):
+    for key, patterns in (("data.train_files", config.data.train_files), ("data.val_files", config.data.val_files),
+                          ("data.test_files", config.data.test_files)):
         for pattern in patterns:
             if source := dataset_source(pattern, key):
                 found.setdefault(source.repo, key)
@@ -65,7 +66,8 @@ def local_inputs(config, folders: dict[HubRepo, Path]):
     local_model = replace(model, name_or_path=folder(model.name_or_path, tokenizer_only=False),
                           tokenizer=folder(model.tokenizer, tokenizer_only=True), revision=None)
     local_data = replace(data, train_files=sources(data.train_files, "data.train_files"),
-                         val_files=sources(data.val_files, "data.val_files"))
+                         val_files=sources(data.val_files, "data.val_files"),
+                         test_files=sources(data.test_files, "data.test_files"))
     return replace(config, model=local_model, data=local_data)
 
 
@@ -168,7 +170,7 @@ def check_inputs(config) -> None:
     if config.task == "sft" and not config.data.chat_template and not has_chat_template(tokenizer_dir):
         raise UserError(f"data.chat_template: the tokenizer in {tokenizer_dir} has no chat template; set "
                         "data.chat_template to a built-in one (basic) or to a .jinja file")
-    for split in ("train", "val"):
+    for split in ("train", "val", "test"):
         check_data_sources(split_sources(config.data, config.task, split))
     template = config.data.chat_template
     if template and template.endswith(".jinja") and not Path(template).is_file():

@@ -3,6 +3,8 @@
 import os
 
 LOCAL_NPROC = "LLMTUNE_NPROC"  # set by launch_local for its workers
+# train.per_device_train_batch_size: auto as the launching process decided it, for launch_local's workers.
+MICRO_BATCH = "LLMTUNE_MICRO_BATCH"
 
 
 def launched_by_torchrun() -> bool:
@@ -23,8 +25,9 @@ def local_nproc() -> str | None:
     return os.environ.get(LOCAL_NPROC)
 
 
-def launch_local(nproc: int, module_args: list[str]) -> int:
-    """`torchrun --standalone --nproc-per-node N -m llmtune ARGS`; returns the job's exit code.
+def launch_local(nproc: int, module_args: list[str], env: dict[str, str] | None = None) -> int:
+    """`torchrun --standalone --nproc-per-node N -m llmtune ARGS`; returns the job's exit code. env: variables the
+    workers get for this launch alone (this process has them while it waits for them).
 
     A worker that stops on bad input exits 2, and so does the job: its peers then fail only
     because it left (a closed connection, or torchrun's signal). Workers stopped by a signal
@@ -43,6 +46,7 @@ def launch_local(nproc: int, module_args: list[str]) -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ[LOCAL_NPROC] = str(nproc)
     args = torchrun.parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module", "llmtune", *module_args])
+    os.environ.update(env or {})
     try:
         torchrun.run(args)
     except ChildFailedError as err:
@@ -50,4 +54,7 @@ def launch_local(nproc: int, module_args: list[str]) -> int:
         return next((code for code in (UserError.exit_code, Preempted.exit_code) if code in codes), 1)
     except SignalException:
         return Preempted.exit_code
+    finally:
+        for name in env or {}:
+            del os.environ[name]
     return 0

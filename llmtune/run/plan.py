@@ -14,10 +14,13 @@ sum of what is alive at its fullest moment, the start of backward (see Plan.peak
 import math
 from dataclasses import dataclass, replace
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmtune.errors import UserError
 
 GIB = 2**30
 # The share of a GPU's memory a plan may fill: the CUDA context and the caching allocator's fragmentation take
@@ -250,6 +253,35 @@ def cheapest_fit(config, model_config, world_size: int, device_gib: float) -> st
     return None
 
 
+def device_memory_gib(processes_here: int) -> float:
+    """What one rank may plan for, in GiB: a CUDA device's whole memory, or on CPU the RAM available now, shared by
+    the `processes_here` ranks of this node (their steps all live in it)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+    return psutil.virtual_memory().available / GIB / processes_here
+
+
+def auto_micro_batch(config, model_config, world_size: int, device_gib: float) -> Plan:
+    """train.per_device_train_batch_size: auto: the plan of the largest micro-batch that divides the global batch's
+    share of a data-parallel rank (so that accumulation is whole) and whose peak fits device_gib. The largest is
+    tried first: the peak is not monotonic in it, as one micro-batch per step needs no accumulated gradients.
+    UserError with the plan's cheapest change when even a micro-batch of 1 does not fit."""
+    train = config.train
+    share = train.global_batch_size // config.dp_size(world_size)
+    for micro in (m for m in range(share, 0, -1) if share % m == 0):
+        candidate = replace(config, train=replace(train, per_device_train_batch_size=micro,
+                                                  gradient_accumulation_steps=share // micro))
+        plan = plan_memory(candidate, model_config, world_size)
+        if fits(plan, device_gib):
+            return plan
+    fix = cheapest_fit(candidate, model_config, world_size, device_gib)
+    raise UserError(f"train.per_device_train_batch_size: auto, but not even a micro-batch of 1 fits: a step's peak is "
+                    f"{gib(plan.peak)} per rank, above the {device_gib * USABLE_FRACTION:.2f} GiB usable of "
+                    f"{device_gib:.2f} GiB (llmtune plan shows its parts); " +
+                    (f"cheapest change that fits: {fix}" if fix else
+                     "no single change fits: combine them, or use a device with more memory"))
+
+
 def render(plan: Plan, config, model_config, device_gib: float | None, fix: str | None) -> str:
     layout, train = plan.layout, config.train
     dtype = train.half_precision() or "fp32"
@@ -290,11 +322,12 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
     return "\n".join(lines)
 
 
-def plan_recipe(recipe: str, overrides: list[str], task: str, world_size: int, device_gib: float | None) -> str:
+def plan_recipe(recipe: str, overrides: list[str], task: str, world_size: int, device_gib: float | None,
+                processes_here: int = 1) -> str:
     """The report of `llmtune plan`, after the checks a run makes of its recipe, layout and model (the same
-    messages), except that only the model's config is read: no weight, no data file is needed."""
-    from llmtune.config import load_config
-    from llmtune.errors import UserError
+    messages), except that only the model's config is read: no weight, no data file is needed. processes_here: the
+    ranks of one node, which share its RAM on CPU (train.per_device_train_batch_size: auto)."""
+    from llmtune.config import AUTO, load_config
     from llmtune.features.registry import check_features
     from llmtune.model.build import check_model, load_model_config
 
@@ -307,9 +340,16 @@ def plan_recipe(recipe: str, overrides: list[str], task: str, world_size: int, d
     check_features(config, model_config, world_size)
     # The run's checks of the model's build, without those of its weights, which a plan does not read.
     check_model(replace(config.model, name_or_path=None), config.train, model_config)
-    if device_gib is None and torch.cuda.is_available():
-        device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
-    plan = plan_memory(config, model_config, world_size)
+    auto = config.train.per_device_train_batch_size == AUTO
+    if device_gib is None and (torch.cuda.is_available() or auto):
+        device_gib = device_memory_gib(processes_here)
+    if auto:
+        plan = auto_micro_batch(config, model_config, world_size, device_gib)
+        config.use_micro_batch(plan.layout.micro_batch, world_size)
+    else:
+        plan = plan_memory(config, model_config, world_size)
+    chosen = f"train.per_device_train_batch_size: auto -> {plan.layout.micro_batch}, the largest micro-batch that " \
+        "fits\n" if auto else ""
     fix = None if device_gib is None or fits(plan, device_gib) else \
         cheapest_fit(config, model_config, world_size, device_gib)
-    return render(plan, config, model_config, device_gib, fix)
+    return chosen + render(plan, config, model_config, device_gib, fix)

@@ -2,28 +2,40 @@
 starts, and under torchrun with Hub ids each worker once the ids are fetched (worker.fetch_in_turn). First the
 output folder (writable, no other run's checkpoints or export) and the inputs (paths, data rows, chat template),
 torch-free so that a wrong path is reported before torch is imported; then, against the model's transformers
-config, the enabled features' checks, the model's own (built on the meta device) and model.init_from's checkpoint."""
+config, the enabled features' checks, the model's own (built on the meta device) and model.init_from's checkpoint;
+last, train.per_device_train_batch_size: auto decided from the plan of a step (run/micro_batch.py)."""
 
 from pathlib import Path
 
 from llmtune.checkpoint.folders import continues
+from llmtune.config import AUTO
 from llmtune.errors import UserError
 from llmtune.run.inputs import check_inputs, check_output_dir, fetch_hub_inputs, hub_inputs, local_inputs
 from llmtune.run.launch import launched_by_torchrun
 
 
 def checked_inputs(config, world_size: int):
-    """The recipe as the run reads it, its Hub ids fetched and every check passed; None under torchrun with Hub ids,
-    whose workers fetch and check them in turn once the process group exists (worker.fetch_in_turn)."""
+    """The recipe as the run reads it, its Hub ids fetched and every check passed, and
+    train.per_device_train_batch_size: auto decided (in config and in it); None under torchrun with Hub ids, whose
+    workers fetch and check them in turn once the process group exists (worker.fetch_in_turn)."""
     if launched_by_torchrun() and hub_inputs(config):
         return None
     local = local_inputs(config, fetch_hub_inputs(config))
-    check_run(local, world_size)
+    model_config = check_run(local, world_size)
+    # Under torchrun every worker comes here: they agree on one number once their process group exists
+    # (micro_batch.agree_micro_batch).
+    if config.train.per_device_train_batch_size == AUTO and not launched_by_torchrun():
+        from llmtune.monitor.console import configure_logging
+        from llmtune.run.micro_batch import decide_before_start
+
+        configure_logging()  # the run's (worker.py), so that the decision's line shows
+        decide_before_start(config, local, model_config, world_size)
     return local
 
 
-def check_run(local, world_size: int) -> None:
-    """`local`: the recipe as the run reads it (inputs.local_inputs: Hub ids replaced by their snapshots)."""
+def check_run(local, world_size: int):
+    """`local`: the recipe as the run reads it (inputs.local_inputs: Hub ids replaced by their snapshots). Returns the
+    model's transformers config."""
     check_output_dir(local.train, local.checkpoint.resume_from_checkpoint)
     check_inputs(local)
     from llmtune.features.registry import check_features
@@ -38,6 +50,7 @@ def check_run(local, world_size: int) -> None:
     check_model(local.model, local.train, model_config)
     if local.model.init_from:
         check_init_from(local, model_config)
+    return model_config
 
 
 def check_init_from(local, model_config) -> None:

@@ -36,10 +36,11 @@ def recipe_fingerprints(config) -> dict[str, str]:
     return {key: digest(value) for key, value in {"task": config.task, **recipe}.items()}
 
 
-def fingerprints(config, data, validation, hf_model) -> dict[str, str]:
-    """Key -> hash: every recipe key, then the training and validation data, then the model."""
+def fingerprints(config, data, validation, test, hf_model) -> dict[str, str]:
+    """Key -> hash: every recipe key, then the training, validation and test data, then the model."""
     return {**recipe_fingerprints(config), "data (training)": data.fingerprint,
-            "data (validation)": validation.fingerprint, "model": model_fingerprint(hf_model)}
+            "data (validation)": validation.fingerprint, "data (test)": test.fingerprint,
+            "model": model_fingerprint(hf_model)}
 
 
 def first_difference(gathered: list[dict[str, str]]) -> str | None:
@@ -55,8 +56,8 @@ def first_difference(gathered: list[dict[str, str]]) -> str | None:
     return None
 
 
-def check_ranks_agree(state, config, data, validation, hf_model) -> None:
+def check_ranks_agree(state, config, data, validation, test, hf_model) -> None:
     """One all-gather of every rank's fingerprints; every rank raises the same UserError when one differs."""
-    problem = first_difference(state.all_gather_object(fingerprints(config, data, validation, hf_model)))
+    problem = first_difference(state.all_gather_object(fingerprints(config, data, validation, test, hf_model)))
     if problem:
         raise UserError(problem)

@@ -22,6 +22,7 @@ class RunResult:
     loss: float | None  # the last logged training loss
     eval_loss: float | None  # the last evaluation's
     best_eval_loss: float | None
+    test_loss: float | None  # the test split's (data.test_files), evaluated once when training ended
     checkpoint: Path | None  # the newest complete checkpoint
     export: Path | None  # output_dir/hf: the HF folder (adapter runs: merged, when checkpoint.export_merged)
     adapter: Path | None  # output_dir/adapter: the adapter folder of a run that trained adapters
@@ -32,13 +33,15 @@ def run_result(output_dir: Path, step: int, total_steps: int) -> RunResult:
     metrics = output_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     evals = [record["eval_loss"] for record in records if "eval_loss" in record]
+    tests = [record["test_loss"] for record in records if "test_loss" in record]
     losses = [record["loss"] for record in records if "loss" in record]  # not in an evaluation's own record
     checkpoints = complete_checkpoints(output_dir / "checkpoints")
     # Export folders appear whole or not at all (llmtune/atomic.py).
     hf, adapter = (output_dir / name if (output_dir / name).is_dir() else None for name in EXPORTS)
     return RunResult(output_dir, step, total_steps, sum(record.get("input_tokens", 0) for record in records),
                      losses[-1] if losses else None, evals[-1] if evals else None,
-                     min(evals) if evals else None, checkpoints[-1] if checkpoints else None, hf, adapter)
+                     min(evals) if evals else None, tests[-1] if tests else None,
+                     checkpoints[-1] if checkpoints else None, hf, adapter)
 
 
 def run_summary(result: RunResult, seconds: float, outcome: str, resume: str) -> str:
@@ -49,6 +52,8 @@ def run_summary(result: RunResult, seconds: float, outcome: str, resume: str) ->
         parts.append(f"last logged loss {result.loss:.4f}")
     if result.eval_loss is not None:
         parts.append(f"eval loss {result.eval_loss:.4f} at the end, best {result.best_eval_loss:.4f}")
+    if result.test_loss is not None:
+        parts.append(f"test loss {result.test_loss:.4f}")
     if result.checkpoint:
         parts.append(f"newest checkpoint {result.checkpoint} (export it with: llmtune export {result.checkpoint} "
                      f"OUT_DIR; go on from it with: {resume})")

@@ -12,6 +12,7 @@ from transformers import enable_full_determinism, set_seed
 from llmtune.checkpoint.folders import continues, remove_earlier_run
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
+from llmtune.config import AUTO
 from llmtune.data.manager import build_data
 from llmtune.data.templates import recipe_tokenizer
 from llmtune.errors import Preempted, TrainingStopped
@@ -23,6 +24,7 @@ from llmtune.monitor.plots import plot_run
 from llmtune.run.banner import log_start
 from llmtune.run.cpu_memory import keep_freed_memory
 from llmtune.run.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
+from llmtune.run.micro_batch import agree_micro_batch
 from llmtune.run.parallel import ParallelState
 from llmtune.run.preflight import check_run
 from llmtune.run.rank_agreement import check_ranks_agree
@@ -53,6 +55,8 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     local: the recipe with its Hub ids fetched (local_inputs), which the run reads; default: config itself.
     callbacks: callback objects beside those the recipe names (llmtune.train's)."""
     local = local or config
+    if config.train.per_device_train_batch_size == AUTO:  # under torchrun, where every worker read the recipe's auto
+        agree_micro_batch(config, local, state)
     if state.device.type == "cpu":
         keep_freed_memory()
     output_dir = Path(config.train.output_dir)
@@ -70,12 +74,12 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     # The same seed on every rank: identical initial weights and data order.
     set_seed(config.train.seed)
     tokenizer = recipe_tokenizer(config.task, local.model, config.data.chat_template)
-    data, validation = build_data(local, tokenizer, state)
+    data, validation, test = build_data(local, tokenizer, state)
     model_config = load_model_config(local.model)
     check_vocab(model_config, tokenizer)
     features = enabled_features(config)
     model = build_model(model_config, local.model, config.train, state, features)
-    check_ranks_agree(state, config, data, validation, model.hf_model)
+    check_ranks_agree(state, config, data, validation, test, model.hf_model)
     # From here on ranks draw different random numbers (dropout), each from its own stream.
     torch.manual_seed(config.train.seed + state.rank)
     optimizer = build_optimizer(model, config.train)
@@ -92,7 +96,8 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
                        CallbackState(state.rank, state.world_size, total_steps),
                        {"model": model.hf_model, "optimizer": optimizer, "lr_scheduler": scheduler})
     trainer = Trainer(model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
-                      config.train, total_steps, events, EMA(model, config.train.ema_decays()))
+                      config.train, total_steps, events, EMA(model, config.train.ema_decays()), test)
+    trainer.built()
     checkpoints.restore(trainer)
     if state.is_main:
         log_start(trainer, local, model_config, state.world_size)

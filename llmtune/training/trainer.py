@@ -23,11 +23,11 @@ class Trainer:
     """Every part is always there and decides for itself when it acts: validation when an evaluation is due
     (never without validation data), the monitor when a record is due, the checkpoints when a save is due
     (never when the recipe saves none), the features on every micro-batch (none: unchanged), the callbacks at
-    their events (none: nothing happens there). A callback's control adds to what is due: an evaluation, a
-    record, a save, the end of training."""
+    their events (none: nothing happens there), the test split once training has ended (none: no test). A
+    callback's control adds to what is due: an evaluation, a record, a save, the end of training."""
 
     def __init__(self, model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
-                 train_cfg, total_steps: int, callbacks, ema):
+                 train_cfg, total_steps: int, callbacks, ema, test):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -42,10 +42,14 @@ class Trainer:
         self.callbacks = callbacks
         self.ema = ema
         self.loss_scale = LossScale(train_cfg.fp16)
+        self.test = test
         self.step = 0
         self.skipped_in_a_row = 0
         self.open_epoch: int | None = None  # the epoch whose on_epoch_begin ran and whose on_epoch_end did not
         self.last_eval: dict = {}  # the newest evaluation's metrics, with its step
+
+    def built(self) -> None:
+        """The trainer is wired, before a resume: the callbacks' on_init_end."""
         self._event("on_init_end")
 
     def _event(self, name: str, **kwargs) -> None:
@@ -81,6 +85,7 @@ class Trainer:
                 log.info("training stopped at step %d of %d: a callback set control.should_training_stop", self.step,
                          self.total_steps)
             self._event("on_train_end")
+            self._test()
         finally:
             self.monitor.end()
 
@@ -148,13 +153,22 @@ class Trainer:
 
     def _evaluate(self) -> dict:
         """Evaluate, tell the callbacks (on_evaluate, then every rank's agreement) and keep the metrics."""
-        metrics = {"eval_loss": self.evaluate()}
+        metrics = {"eval_loss": self.evaluate(self.validation)}
         for decay in self.ema.decays if self.cfg.eval_ema else ():
             with self.ema.swapped_in(decay):
-                metrics[f"eval_loss_ema{self.ema.suffix(decay)}"] = self.evaluate()
+                metrics[f"eval_loss_ema{self.ema.suffix(decay)}"] = self.evaluate(self.validation)
         self.last_eval = {"step": self.step, **metrics}
         self._event("on_evaluate", metrics=metrics)
         return metrics
+
+    def _test(self) -> None:
+        """The test split (data.test_files), once, with the final weights, as the HF Trainer's evaluate(test_dataset,
+        metric_key_prefix="test") after train(): on_evaluate, then its own record at the last step."""
+        if self.test.dataset is None:
+            return
+        metrics = {"test_loss": self.evaluate(self.test)}
+        self._event("on_evaluate", metrics=metrics)
+        self.monitor.evaluation(self.step, self.data.progress, metrics, self._on_log)
 
     def _save(self, metrics: dict) -> None:
         path = self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict(), metrics, self.last_eval,
@@ -242,12 +256,13 @@ class Trainer:
                           skipped=not finite, features=feature_metrics,
                           loss_scale=self.loss_scale.scale if self.loss_scale.enabled else None)
 
-    def evaluate(self) -> float:
-        """Validation loss: the token-weighted mean over the whole validation set, on all ranks."""
+    def evaluate(self, held_out) -> float:
+        """The loss of a held-out split (the validation or the test one): the token-weighted mean over its batches on
+        all ranks."""
         self.model.eval()
         totals = torch.zeros(2, device=self.state.device, dtype=torch.float64)
         with torch.no_grad():
-            for batch in self.validation.batches():
+            for batch in held_out.batches():
                 inputs = self.features.transform(batch.to(self.state.device).inputs)
                 totals[0] += self.model(**inputs).double()
                 totals[1] += (inputs["shift_labels"] != IGNORE_INDEX).sum()

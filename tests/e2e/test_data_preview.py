@@ -65,8 +65,8 @@ def trainer_split(recipe: str):
     from llmtune.data.build import OneProcess, load_or_build
 
     local, tokenizer = run_inputs(recipe)
-    train, _, _ = load_or_build("sft", local.data, tokenizer, local.train.seed,
-                                local.train.per_device_train_batch_size, OneProcess())
+    train, _, _, _ = load_or_build("sft", local.data, tokenizer, local.train.seed,
+                                   local.train.per_device_train_batch_size, OneProcess())
     return train, tokenizer
 
 

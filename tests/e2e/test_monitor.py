@@ -42,7 +42,7 @@ def run(tiny_model, assets, tmp_path_factory):
         trainer.train()
         wall = time.perf_counter() - started
         trainer.model.eval()
-        train, val, _ = load_or_build("sft", config.data, tokenizer, config.train.seed, 4, state)
+        train, val, _, _ = load_or_build("sft", config.data, tokenizer, config.train.seed, 4, state)
         with torch.no_grad():
             full = {k: v.full_tensor() for k, v in trainer.model.hf_model.state_dict().items()}
     finally:

@@ -49,7 +49,7 @@ def test_unknown_section_and_override_key_are_reported_together(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, expected", [
-    ("per_device_train_batch_size", "eight", "integer"),
+    ("gradient_accumulation_steps", "eight", "integer"),
     ("bf16", "yes please", "boolean"),
     ("learning_rate", "fast", "number"),
     ("max_steps", 2.5, "integer"),
@@ -68,6 +68,35 @@ def test_global_batch_size_derives_accumulation(tmp_path):
         load_config(recipe, ["train.global_batch_size=30"], "sft", world_size=2)
     with pytest.raises(UserError, match="set only one of them"):
         load_config(recipe, ["train.gradient_accumulation_steps=2"], "sft", world_size=2)
+
+
+@pytest.mark.parametrize("train, world_size, expected", [
+    ({}, 1, "train.per_device_train_batch_size: auto keeps the global batch through accumulation; set "
+            "train.global_batch_size (samples per optimizer step over all ranks)"),
+    ({"global_batch_size": 16, "gradient_accumulation_steps": 2}, 1,
+     "train.gradient_accumulation_steps: with per_device_train_batch_size auto, accumulation is global_batch_size / "
+     "(micro-batch x data-parallel size); leave gradient_accumulation_steps out"),
+    ({"global_batch_size": 6}, 4, "train.global_batch_size: 6 is not a multiple of the data-parallel size 4; choose a "
+                                  "multiple of 4"),
+    ({"global_batch_size": 16, "per_device_train_batch_size": "eight"}, 1,
+     "train.per_device_train_batch_size: 'eight' is neither a number of samples nor auto"),
+])
+def test_auto_micro_batch_needs_a_global_batch_whole_on_every_rank(tmp_path, train, world_size, expected):
+    recipe = write_recipe(tmp_path, train={"per_device_train_batch_size": "auto", **train})
+    with pytest.raises(UserError) as err:
+        load_config(recipe, [], "sft", world_size)
+    assert str(err.value) == expected
+
+
+def test_auto_micro_batch_resolved_keeps_the_global_batch(tmp_path):
+    recipe = write_recipe(tmp_path, train={"per_device_train_batch_size": "auto", "global_batch_size": 24})
+    config = load_config(recipe, [], "sft", world_size=2)
+    assert config.train.per_device_train_batch_size == "auto"
+    config.use_micro_batch(3, world_size=2)
+    assert (config.train.per_device_train_batch_size, config.train.gradient_accumulation_steps) == (3, 4)
+    # --global_batch_size on the command line wins over a recipe's accumulation, with auto too.
+    recipe = write_recipe(tmp_path, train={"per_device_train_batch_size": "auto", "gradient_accumulation_steps": 2})
+    assert load_config(recipe, ["train.global_batch_size=8"], "sft", 1).train.global_batch_size == 8
 
 
 def test_resolved_recipe_with_a_global_batch_loads_on_another_number_of_ranks(tmp_path):

@@ -72,7 +72,7 @@ def test_a_txt_file_is_one_document_per_line_unless_text_sample_by_says_otherwis
     for changes, documents in (({}, LINES), ({"text_sample_by": "paragraph"}, PARAGRAPHS),
                                ({"text_sample_by": "document"}, [TEXT])):
         data = config(tmp_path, [str(path)], max_seq_len=256, pt_remainder="pad", **changes)
-        train, _, stats = load_or_build("pt", data, tokenizer, 0, 4, state)
+        train, _, _, stats = load_or_build("pt", data, tokenizer, 0, 4, state)
         # The blank line is no document: it adds no token (no BOS and EOS of an empty one).
         stream = [t for ids in tokenizer(documents)["input_ids"] for t in ids + [tokenizer.eos_token_id]]
         assert [t for row in train["input_ids"] for t in row] == stream, changes
@@ -129,7 +129,7 @@ def test_cache_second_run_does_no_tokenization(tmp_path, tokenizer, caplog, monk
         second = load_or_build("sft", data, tokenizer, 0, 4, state)
     assert "data: built" in first_log and "cache hit" not in first_log
     assert "cache hit" in caplog.text
-    assert first[0]["input_ids"] == second[0]["input_ids"] and first[2].tokens == second[2].tokens
+    assert first[0]["input_ids"] == second[0]["input_ids"] and first[3].tokens == second[3].tokens
     changed = config(tmp_path, data.train_files, max_seq_len=48)
     with pytest.raises(pytest.fail.Exception, match="tokenized again"):
         load_or_build("sft", changed, tokenizer, 0, 4, state)
@@ -239,7 +239,7 @@ def test_a_streaming_run_validates_on_the_whole_of_val_files_at_the_eval_steps(t
                   val_files=[val_file])
     train = TrainConfig(max_steps=6, eval_steps=2, per_device_train_batch_size=2, per_device_eval_batch_size=1)
     run = Config("sft", ModelConfig(), data, train, ParallelConfig(), PeftConfig(), CheckpointConfig(), MonitorConfig())
-    stream, validation = build_data(run, tokenizer, state)
+    stream, validation, _ = build_data(run, tokenizer, state)
     assert isinstance(stream, StreamingDataManager)
     assert [step for step in range(1, 7) if validation.due(step, last=step == 6)] == [2, 4, 6]
     split, _, _ = build_datasets("sft", config(tmp_path, [val_file], max_seq_len=64), tokenizer, 0)
@@ -247,6 +247,29 @@ def test_a_streaming_run_validates_on_the_whole_of_val_files_at_the_eval_steps(t
     reached = [t for batch in validation.batches() for t in batch.inputs["shift_labels"].flatten().tolist()
                if t != IGNORE_INDEX]
     assert sorted(reached) == sorted(expected), "every label token of the validation split, once"
+
+
+def label_tokens(batches) -> list[int]:
+    return sorted(t for batch in batches for t in batch.inputs["shift_labels"].flatten().tolist() if t != IGNORE_INDEX)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_test_split_is_built_and_cached_beside_validation_and_read_whole(tmp_path, tokenizer, state, streaming):
+    val_file, test_file = (write_jsonl(tmp_path / f"{name}.jsonl", rows)
+                           for name, rows in (("val", QA[:10]), ("test", QA[10:22])))
+    data = config(tmp_path, [write_jsonl(tmp_path / "qa.jsonl", QA)], max_seq_len=64, streaming=streaming,
+                  packing=False, val_files=[val_file], test_files=[test_file])
+    train = TrainConfig(max_steps=6, per_device_train_batch_size=2, per_device_eval_batch_size=2, max_eval_steps=1)
+    run = Config("sft", ModelConfig(), data, train, ParallelConfig(), PeftConfig(), CheckpointConfig(), MonitorConfig())
+    _, validation, test = build_data(run, tokenizer, state)
+    assert len(list(validation.batches())) == 1, "max_eval_steps caps the validation"
+    split, _, _ = build_datasets("sft", config(tmp_path, [test_file], max_seq_len=64, packing=False), tokenizer, 0)
+    assert len(test.dataset) == 12
+    assert label_tokens(test.batches()) == sorted(t for labels in split["labels"] for t in labels[1:]
+                                                  if t != IGNORE_INDEX), "every label token of data.test_files, once"
+    entry = next(p for p in (tmp_path / "cache").iterdir() if (p / "counts.json").is_file())
+    assert sorted(p.name for p in entry.iterdir() if p.is_dir()) == (["test", "val"] if streaming else
+                                                                     ["test", "train", "val"])
 
 
 def steps_of(dataset, dp, micro, acc, count, shuffle=True, state=None):

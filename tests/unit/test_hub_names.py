@@ -29,6 +29,7 @@ from tests.helpers import add_to_hub_cache
 @pytest.mark.parametrize("text, key, expected", [
     ("org/name", "data.train_files", ("org/name", None, None, "train")),
     ("org/name", "data.val_files", ("org/name", None, None, "validation")),
+    ("org/name", "data.test_files", ("org/name", None, None, "test")),
     ("org/name:chat", "data.train_files", ("org/name", None, "chat", "train")),
     ("org/name:chat:test", "data.val_files", ("org/name", None, "chat", "test")),
     ("org/name::test", "data.train_files", ("org/name", None, None, "test")),
@@ -131,7 +132,7 @@ def recipe(tmp_path, sft_file):
         path = tmp_path / "recipe.yaml"
         path.write_text(yaml.safe_dump({"model": model, "train": {"output_dir": str(tmp_path / "out")},
                                         "data": {"train_files": ["org/data", "org/data:small", str(sft_file)],
-                                                 "val_files": ["org/data"]}}))
+                                                 "val_files": ["org/data"], "test_files": ["org/data"]}}))
         return load_config(str(path), [], "sft", 1)
     return load
 
@@ -145,6 +146,7 @@ def test_the_run_reads_snapshot_folders_and_pinned_sources_while_the_recipe_keep
     assert (local.model.name_or_path, local.model.tokenizer, local.model.revision) == ("/snap/1", None, None)
     assert local.data.train_files == [f"org/data@{'c' * 40}::train", f"org/data@{'c' * 40}:small:train", str(sft_file)]
     assert local.data.val_files == [f"org/data@{'c' * 40}::validation"]
+    assert local.data.test_files == [f"org/data@{'c' * 40}::test"]
     assert (config.model.name_or_path, config.model.revision, config.data.train_files[0]) == ("org/tiny", "v1", "org/data")
 
 

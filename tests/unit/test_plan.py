@@ -1,6 +1,10 @@
 """`llmtune plan`: the meta-device trace counts what a real forward saves, the sizes are those the run shards, and
-the command refuses what the run refuses, with the run's messages. Predicted against measured peaks:
-tests/dist/test_plan_peaks.py."""
+the command refuses what the run refuses, with the run's messages; train.per_device_train_batch_size: auto takes the
+largest micro-batch whose plan fits. Predicted against measured peaks: tests/dist/test_plan_peaks.py."""
+
+import copy
+import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,9 +12,12 @@ import yaml
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3MoeConfig
 
 from llmtune.config import load_config
-from llmtune.model.build import decoder_layers
+from llmtune.errors import UserError
+from llmtune.model.build import decoder_layers, load_model_config
 from llmtune.run import cli
-from llmtune.run.plan import loss_bytes, plan_memory, saved_activations, shard_bytes
+from llmtune.run.micro_batch import decide_micro_batch
+from llmtune.run.plan import (GIB, USABLE_FRACTION, auto_micro_batch, device_memory_gib, gib, loss_bytes, plan_memory,
+                              saved_activations, shard_bytes)
 
 LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -137,13 +144,84 @@ def test_plan_layout_of_nodes(plan_recipe, capsys):
 
 
 def test_moving_averages_add_an_fp32_copy_of_the_trained_parameters_per_decay(plan_recipe):
-    from llmtune.config import load_config
-    from llmtune.model.build import load_model_config
-    from llmtune.run.plan import plan_memory
-
     plain = load_config(plan_recipe(), [], "pt", 2)
     two = load_config(plan_recipe(ema_decay=[0.99, 0.999]), [], "pt", 2)
     model_config = load_model_config(plain.model)
     without, with_averages = plan_memory(plain, model_config, 2), plan_memory(two, model_config, 2)
     assert without.averages == 0 and with_averages.averages == 2 * with_averages.grads
     assert with_averages.peak - without.peak == 2 * with_averages.grads
+
+
+def auto_recipe(plan_recipe, world_size: int, global_batch: int, **train):
+    """(the loaded recipe with per_device_train_batch_size: auto, its model config)."""
+    config = load_config(plan_recipe(per_device_train_batch_size="auto", global_batch_size=global_batch, **train), [],
+                         "pt", world_size)
+    return config, load_model_config(config.model)
+
+
+def peak(config, model_config, world_size: int, micro_batch: int) -> int:
+    """The plan's peak of the recipe written with this micro-batch."""
+    explicit = copy.deepcopy(config)
+    explicit.use_micro_batch(micro_batch, world_size)
+    return plan_memory(explicit, model_config, world_size).peak
+
+
+def between(low: int, high: int) -> float:
+    """A device's GiB whose usable part lies halfway between two peaks."""
+    return (low + high) / 2 / GIB / USABLE_FRACTION
+
+
+@pytest.mark.parametrize("world_size, global_batch, fitting, expected", [
+    (1, 12, (2, 3), 2),  # between the peaks of 2 and 3: 2
+    (1, 12, (3, 4), 3),  # 3 divides 12 (accumulation 4); 5 would not, so it is never tried
+    (2, 16, (2, 4), 2),  # 8 rows per data-parallel rank: 8, 4, 2 or 1
+])
+def test_auto_takes_the_largest_micro_batch_that_fits_and_divides_the_batch(plan_recipe, world_size, global_batch,
+                                                                            fitting, expected):
+    config, model_config = auto_recipe(plan_recipe, world_size, global_batch)
+    low, high = (peak(config, model_config, world_size, m) for m in fitting)
+    plan = auto_micro_batch(config, model_config, world_size, between(low, high))
+    assert plan.layout.micro_batch == expected
+    assert plan.layout.accumulation * expected * world_size == global_batch
+    assert plan.peak == low
+    # A device that holds every micro-batch: the whole share of a rank, no accumulation.
+    assert auto_micro_batch(config, model_config, world_size, 80).layout.micro_batch == global_batch // world_size
+
+
+def test_auto_refuses_when_one_row_does_not_fit_with_the_plans_advice(plan_recipe):
+    config, model_config = auto_recipe(plan_recipe, 1, 8)
+    checkpointed, _ = auto_recipe(plan_recipe, 1, 8, gradient_checkpointing=True)
+    device = between(peak(checkpointed, model_config, 1, 1), peak(config, model_config, 1, 1))
+    with pytest.raises(UserError) as err:
+        auto_micro_batch(config, model_config, 1, device)
+    assert str(err.value).startswith("train.per_device_train_batch_size: auto, but not even a micro-batch of 1 fits: "
+                                     f"a step's peak is {gib(peak(config, model_config, 1, 1))} per rank")
+    assert str(err.value).endswith("cheapest change that fits: train.gradient_checkpointing: true")
+    with pytest.raises(UserError, match="no single change fits: combine them, or use a device with more memory"):
+        auto_micro_batch(config, model_config, 1, 1e-4)
+
+
+def test_auto_on_cpu_plans_for_the_available_ram_over_the_nodes_processes(plan_recipe, monkeypatch, caplog):
+    config, model_config = auto_recipe(plan_recipe, 2, 16)
+    low, high = peak(config, model_config, 2, 2), peak(config, model_config, 2, 4)
+    available = 2 * between(low, high) * GIB  # two processes share it: each gets what fits 2, not 4
+    monkeypatch.setattr("llmtune.run.plan.torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("llmtune.run.plan.psutil.virtual_memory", lambda: SimpleNamespace(available=available))
+    assert device_memory_gib(2) == pytest.approx(between(low, high))
+    with caplog.at_level(logging.INFO, logger="llmtune"):
+        assert decide_micro_batch(config, model_config, 2, 2) == 2
+    assert caplog.messages == [
+        f"train.per_device_train_batch_size: auto -> 2 (accumulation 4, global batch 16): the largest micro-batch whose "
+        f"planned peak, {gib(low)} per rank, fits 90% of {between(low, high):.2f} GiB, the RAM available over 2 "
+        "processes"]
+
+
+def test_plan_resolves_auto_for_the_device(plan_recipe, capsys):
+    config, model_config = auto_recipe(plan_recipe, 2, 16)
+    device = between(peak(config, model_config, 2, 2), peak(config, model_config, 2, 4))
+    recipe = plan_recipe(per_device_train_batch_size="auto")
+    assert cli.main(["plan", recipe, "--nproc", "2", "--task", "pt", "--device-memory", str(device)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("train.per_device_train_batch_size: auto -> 2, the largest micro-batch that fits\n")
+    assert "batch: micro-batch 2 x 512 tokens (512 per rank), accumulation 4; 8,192 tokens per optimizer step" in out
+    assert "fit: fits" in out

@@ -89,6 +89,7 @@ def test_every_tracker_the_recipe_accepts_has_a_type():
 def test_metric_names_are_the_hf_trainers_and_nulls_are_left_out():
     record = {"step": 3, "epoch": 0, "loss": 1.5, "mfu": None, "aux_loss": 0.1, "eval_loss": 2.0}
     assert tracker_metrics(record) == {"train/epoch": 0, "train/loss": 1.5, "train/aux_loss": 0.1, "eval/loss": 2.0}
+    assert tracker_metrics({"step": 4, "epoch": 1.0, "test_loss": 1.8}) == {"train/epoch": 1.0, "test/loss": 1.8}
 
 
 def scalars(accumulator, tag) -> list[tuple[int, float]]:
