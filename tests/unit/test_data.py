@@ -204,15 +204,15 @@ def test_collate_pads_right_and_shifts_labels():
 
 def test_validation_gives_every_row_once_in_equal_batch_counts_and_is_due_every_eval_steps_and_at_the_end():
     dataset = datasets.Dataset.from_list([{"input_ids": [i, i], "labels": [i, i]} for i in range(1, 11)])
-    per_rank = [list(Validation(dataset, 2, 0, True, 4, rank, eval_steps=4).batches()) for rank in range(4)]
+    per_rank = [list(Validation(dataset, 2, 0, DataConfig(), 4, rank, eval_steps=4).batches()) for rank in range(4)]
     assert [len(batches) for batches in per_rank] == [2, 2, 2, 2], "ranks 2 and 3 hold 2 rows, 0 and 1 hold 3"
     labels = [t for batches in per_rank for b in batches for t in b.inputs["shift_labels"].flatten().tolist()]
     assert sorted(t for t in labels if t != IGNORE_INDEX) == list(range(1, 11))
     assert per_rank[3][1].num_tokens == 0, "a rank whose share has run out adds nothing"
-    every_4 = Validation(dataset, 2, 0, True, 1, 0, eval_steps=4)
+    every_4 = Validation(dataset, 2, 0, DataConfig(), 1, 0, eval_steps=4)
     assert [step for step in range(1, 11) if every_4.due(step, last=step == 10)] == [4, 8, 10]
     assert [step for step in range(1, 11) if every_4.due(step, last=False)] == [4, 8]
-    assert not Validation(None, 2, 0, True, 1, 0, eval_steps=4).due(8, last=True), "no validation data"
+    assert not Validation(None, 2, 0, DataConfig(), 1, 0, eval_steps=4).due(8, last=True), "no validation data"
 
 
 def test_a_streaming_run_validates_on_the_whole_of_val_files_at_the_eval_steps(tmp_path, tokenizer, state):
