@@ -168,8 +168,8 @@ class DataConfig:
                                  "(torch DataLoader workers), training and validation; 0 does it in the training "
                                  "process. The samples and their order do not depend on it. Not with "
                                  "data.streaming (HF: dataloader_num_workers).")
-    pin_memory: bool = _field(True, "Hand the micro-batches over in page-locked memory, so that their copy to the GPU does not wait; "
-                                    "CUDA only, a CPU run ignores it (HF: dataloader_pin_memory).")
+    pin_memory: bool = _field(True, "Hand the micro-batches over in page-locked memory, so that their copy to the "
+                                    "GPU does not wait; CUDA only, a CPU run ignores it (HF: dataloader_pin_memory).")
     prefetch_factor: int | None = _field(None, "Micro-batches each worker prepares ahead; needs data.num_workers "
                                                "> 0; default: torch's, 2 (HF: dataloader_prefetch_factor).")
     persistent_workers: bool = _field(False, "Keep the workers from one epoch (and evaluation) to the next "

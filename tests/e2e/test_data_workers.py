@@ -60,11 +60,13 @@ def test_workers_give_the_same_losses_resume_exactly_and_end_with_the_run(recipe
     # file: a worker would hold a pipe open, and the wait for the pipe's end would hide a worker that outlives the
     # run. The marker finds the run's processes wherever they were re-parented.
     marker = uuid.uuid4().hex
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+           "LLMTUNE_TEST_RUN": marker}
     workers, log = tmp_path / "workers", tmp_path / "workers.log"
     with log.open("w") as stderr:
         done = subprocess.run([str(REPO / "bin" / "llmtune"), *cli_words(
             ["sft", recipe, f"train.output_dir={workers}", "--dataloader_num_workers", "2",
-             "--dataloader_persistent_workers", "true"])], cwd=REPO, env={**os.environ, "LLMTUNE_TEST_RUN": marker},
+             "--dataloader_persistent_workers", "true"])], cwd=REPO, env=env,
             stdout=subprocess.DEVNULL, stderr=stderr, timeout=600)
     assert processes_with(f"LLMTUNE_TEST_RUN={marker}") == [], "the run's worker processes outlived it"
     assert done.returncode == 0, log.read_text()[-3000:]
