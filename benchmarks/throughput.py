@@ -4,6 +4,7 @@ tokens, optimizer and steps.
     python benchmarks/throughput.py [--steps 30] [--warmup 5] [--repeats 2] [--seq 512] [--batch 8] [--nproc 1]
     python benchmarks/throughput.py --sft [--samples 2000] [--sft-seq 2048] [--batch 8] [--steps 30] ...
     python benchmarks/throughput.py --interleaved [--nproc 1|2] [--steps 30] [--warmup 5] [--seq 512] [--batch 8]
+    python benchmarks/throughput.py --workers [--sft] [--steps 30] ...
 
 The model is a Llama of 19.5M parameters trained from scratch (4 layers, hidden 256, MLP 688, 4 heads of 64, vocab
 32,000, untied lm_head); the demo's tokenizer (llmtune.demo.assets) gives the token ids. AdamW at lr 1e-3 without
@@ -30,13 +31,19 @@ plain loop.
   processes, one step each in turn, alternating which goes first, for llmtune's defaults and for the same work
   as the plain loop (no document masks, full logits). Steps taken in turn see the same drift of the machine,
   which separate processes do not; prints each loop's tokens/s and llmtune / plain loop.
+- --workers: data loading. llmtune alone on the pt workload (with --sft, the sft one), its defaults (the
+  micro-batches collated in the training process) against 2 DataLoader workers (data.num_workers 2, kept
+  between epochs: data.persistent_workers); prints both and their ratio. Mind that on a machine of few cores
+  the workers take CPU from the training threads.
 
 Method. This machine's speed drifts by about 10% within seconds (a fixed matmul loop, same process). Every
 contender runs in fresh processes of its own, all contenders once per repeat, the order rotated by one at each
 repeat (--repeats times); a contender's tokens/s is the median over its repeats. One StepClock times every step
 the same way, the first --warmup steps left out: the wall time of one whole turn of the loop, data included
 (llmtune: one Trainer.advance; plain loop: one call; HF Trainer: from one on_step_end to the next, see
-hf_trainer_baseline.py). In one run, tokens/s is the step's tokens over the median step time where every
+hf_trainer_baseline.py). For llmtune it also keeps the trainer's wait for each step's micro-batches; the
+"data wait" column is their sum over the timed steps' time (metrics.jsonl's data_wait_frac, over the timed
+steps), the median over repeats. In one run, tokens/s is the step's tokens over the median step time where every
 step has the same tokens (pt), else the tokens of the timed steps over their time (sft). Also printed: each
 repeat's tokens/s, the median real tokens per step and rank 0's peak RSS (of the whole process: under
 --interleaved both loops share it).
@@ -90,13 +97,19 @@ SFT = {"llmtune defaults": Contender(("llmtune",)),
 INTERLEAVED = {"same work": Contender(("plain", "llmtune"), {"data": {"document_mask": False},
                                                              "train": {"chunk_loss_size": 0}}),
                "defaults": Contender(("plain", "llmtune"))}
-CONTENDERS = {**PT, **SFT, **INTERLEAVED}
+DATA_WORKERS = {"data": {"num_workers": 2, "persistent_workers": True}}
+WORKERS = {"pt": {"llmtune fp32": PT["llmtune fp32"],
+                  "llmtune fp32, 2 workers": Contender(("llmtune",), DATA_WORKERS)},
+           "sft": {"llmtune defaults": SFT["llmtune defaults"],
+                   "llmtune defaults, 2 workers": Contender(("llmtune",), DATA_WORKERS)}}
+CONTENDERS = {**PT, **SFT, **INTERLEAVED, **WORKERS["pt"], **WORKERS["sft"]}
 # (numerator, denominator, goal) of the ratios printed under each table.
 RATIOS = {
     "pt": [("llmtune fp32", "HF Trainer fp32", ">= 1.3"), ("llmtune bf16", "HF Trainer bf16", ">= 2"),
            ("llmtune compile", "llmtune fp32", "> 1, or a reason"), ("llmtune fp32", "plain loop", "")],
     "sft": [("llmtune defaults", "llmtune unmasked", ">= 0.98"), ("llmtune defaults", "HF Trainer", ">= 3.5")],
     "interleaved": [(f"{name}: llmtune", f"{name}: plain", "") for name in INTERLEAVED],
+    "workers": [(f"{name}, 2 workers", name, "") for name in ("llmtune fp32", "llmtune defaults")],
 }
 
 
@@ -125,22 +138,33 @@ class Workload:
 
 class StepClock:
     """The one way a step is timed: wall time from start() or the previous lap to lap(tokens), with the real
-    tokens of the step; the first `warmup` steps are left out of result()."""
+    tokens of the step and, where the loop tells it, its wait for data; the first `warmup` steps are left out of
+    result()."""
 
     def __init__(self, warmup: int):
-        self.warmup, self.times, self.tokens, self.started = warmup, [], [], 0.0
+        self.warmup, self.times, self.tokens, self.data_waits, self.started = warmup, [], [], [], 0.0
 
     def start(self) -> None:
         self.started = time.perf_counter()
 
-    def lap(self, tokens: int) -> None:
+    def lap(self, tokens: int, data_wait: float | None = None) -> None:
         now = time.perf_counter()
         self.times.append(now - self.started)
         self.tokens.append(tokens)
+        if data_wait is not None:
+            self.data_waits.append(data_wait)
         self.started = now
 
     def result(self) -> dict:
-        return {"step_times_s": self.times[self.warmup:], "step_tokens": self.tokens[self.warmup:]}
+        result = {"step_times_s": self.times[self.warmup:], "step_tokens": self.tokens[self.warmup:]}
+        if self.data_waits:
+            result["data_wait_s"] = self.data_waits[self.warmup:]
+        return result
+
+
+def data_wait_frac(result: dict) -> float | None:
+    """The share of one run's timed steps spent waiting for data, as metrics.jsonl's data_wait_frac."""
+    return sum(result["data_wait_s"]) / sum(result["step_times_s"]) if "data_wait_s" in result else None
 
 
 def speed(result: dict) -> float:
@@ -156,13 +180,14 @@ def speed(result: dict) -> float:
 
 
 def time_steps(runners: dict, workload: Workload) -> dict:
-    """{name: StepClock result} of each runner (one step per call, returning the step's real tokens) over warmup +
-    steps rounds; several runners take turns within a round, alternating which goes first."""
+    """{name: StepClock result} of each runner (one step per call, returning the step's real tokens and its wait for
+    data, None where the loop does not tell it) over warmup + steps rounds; several runners take turns within a
+    round, alternating which goes first."""
     clocks = {name: StepClock(workload.warmup) for name in runners}
     for turn in range(workload.warmup + workload.steps):
         for name in sorted(runners, reverse=turn % 2 == 1):
             clocks[name].start()
-            clocks[name].lap(runners[name]())
+            clocks[name].lap(*runners[name]())
     return {name: clock.result() for name, clock in clocks.items()}
 
 
@@ -187,7 +212,8 @@ def llmtune_recipe(workload: Workload, settings: dict, out: Path) -> Path:
 def llmtune_step(workload: Workload, settings: dict, state, out: Path):
     """llmtune's loop as `llmtune pt|sft` builds it (worker.build_trainer): each call is one Trainer.advance (data,
     token counting, forward/backward, clipping, optimizer, monitor) and returns the step's non-pad tokens on all
-    ranks, which the trainer has counted already: its train_step is wrapped to catch them."""
+    ranks and its wait for data, which the trainer has measured already: its train_step is wrapped to catch the
+    step's record, which advance completes with the wait."""
     from llmtune.config import load_config
     from llmtune.run.worker import build_trainer
     from llmtune.training.trainer import Trainer
@@ -195,16 +221,18 @@ def llmtune_step(workload: Workload, settings: dict, state, out: Path):
     config = load_config(str(llmtune_recipe(workload, settings, out)), [], workload.task, state.world_size)
     trainer, _ = build_trainer(config, state)
     trainer.model.train()
-    steps, tokens = trainer.data.steps(trainer.total_steps), []
+    trainer.monitor.begin(trainer.step)  # as Trainer.train: the last step's record is written
+    steps, records = trainer.data.steps(trainer.total_steps), []
 
     def train_step(micro_batches):
         stats = Trainer.train_step(trainer, micro_batches)
-        tokens.append(stats.input_tokens)
+        records.append(stats)
         return stats
 
-    def step() -> int:
+    def step() -> tuple[int, float]:
         trainer.advance(steps)
-        return tokens.pop()
+        stats = records.pop()
+        return stats.input_tokens, stats.data_wait
 
     trainer.train_step = train_step
     return step
@@ -216,9 +244,9 @@ def plain_step(workload: Workload, state):
     plain = PlainLoop(workload.model, workload.tokenizer, workload.data, workload.seq, workload.batch,
                       state.fsdp_mesh)
 
-    def step() -> int:
+    def step() -> tuple[int, None]:
         plain()
-        return plain.tokens_per_step
+        return plain.tokens_per_step, None
 
     return step
 
@@ -351,11 +379,13 @@ def print_table(runs: dict[str, list[dict]], ratios: list[tuple[str, str, str]])
     """One row per runner (tokens/s: median over repeats), then the ratios of the medians."""
     medians = {runner: statistics.median(speed(r) for r in results) for runner, results in runs.items()}
     width = max(map(len, runs)) + 2
-    print(f"\n{'':{width}}{'tokens/s':>10}  {'tokens/step':>11}  {'peak RSS':>8}  each repeat")
+    print(f"\n{'':{width}}{'tokens/s':>10}  {'tokens/step':>11}  {'peak RSS':>8}  {'data wait':>9}  each repeat")
     for runner, results in runs.items():
         tokens = statistics.median(t for r in results for t in r["step_tokens"])
         rss = max(r["peak_rss_gib"] for r in results)
-        print(f"{runner:{width}}{medians[runner]:>10,.0f}  {tokens:>11,.0f}  {rss:>4.2f} GiB  "
+        waits = [data_wait_frac(r) for r in results]
+        wait = f"{statistics.median(waits):.2%}" if None not in waits else "-"
+        print(f"{runner:{width}}{medians[runner]:>10,.0f}  {tokens:>11,.0f}  {rss:>4.2f} GiB  {wait:>9}  "
               + " ".join(f"{speed(r):,.0f}" for r in results))
     for numerator, denominator, goal in ratios:
         if numerator in medians and denominator in medians:
@@ -369,6 +399,8 @@ def parse_args() -> argparse.Namespace:
     mode.add_argument("--sft", action="store_true", help="Measure sft on skewed sample lengths (one process).")
     mode.add_argument("--interleaved", action="store_true",
                       help="Measure llmtune's loop and the plain loop taking turns in the same processes.")
+    parser.add_argument("--workers", action="store_true",
+                        help="Measure llmtune alone, without and with 2 DataLoader workers (pt, or --sft).")
     parser.add_argument("--steps", type=int, default=30, help="Timed optimizer steps per run.")
     parser.add_argument("--warmup", type=int, default=5, help="Steps run before the timed ones (compilation too).")
     parser.add_argument("--repeats", type=int, default=2, help="Runs of every contender, each in fresh processes.")
@@ -384,6 +416,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.sft and args.nproc != 1:
         parser.error("--sft measures one process; leave out --nproc")
+    if args.workers and args.interleaved:
+        parser.error("--workers measures llmtune alone; leave out --interleaved")
     return args
 
 
@@ -393,13 +427,13 @@ def main() -> None:
         worker(args.worker[0], Path(args.worker[1]))
         return
     mode = "sft" if args.sft else "interleaved" if args.interleaved else "pt"
-    contenders = {"pt": PT, "sft": SFT, "interleaved": INTERLEAVED}[mode]
+    contenders = WORKERS[mode] if args.workers else {"pt": PT, "sft": SFT, "interleaved": INTERLEAVED}[mode]
     # On CPU the HF Trainer trains in one process.
     names = [name for name, c in contenders.items() if args.nproc == 1 or "hf" not in c.parts]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         prepare(root, args).write(root)
-        print_table(measure(root, names, args.nproc, args.repeats), RATIOS[mode])
+        print_table(measure(root, names, args.nproc, args.repeats), RATIOS["workers" if args.workers else mode])
 
 
 if __name__ == "__main__":

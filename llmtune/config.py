@@ -41,6 +41,10 @@ KEY_ALIASES = {
     "train.greater_is_better": "checkpoint.greater_is_better",
     "train.run_name": "monitor.run_name",
     "monitor.wandb_project": "monitor.project",
+    "train.dataloader_num_workers": "data.num_workers",
+    "train.dataloader_pin_memory": "data.pin_memory",
+    "train.dataloader_prefetch_factor": "data.prefetch_factor",
+    "train.dataloader_persistent_workers": "data.persistent_workers",
     # LLaMA-Factory's names.
     "model.model_name_or_path": "model.name_or_path",
     "data.cutoff_len": "data.max_seq_len",
@@ -185,6 +189,17 @@ class DataConfig:
                                     "train.max_steps.")
     shuffle_buffer: int = _field(10000, "Streaming: samples in the shuffle buffer.")
     num_proc: int = _field(1, "Processes for tokenization (datasets.map).")
+    num_workers: int = _field(0, "Processes that read and collate the next micro-batches while the model trains "
+                                 "(torch DataLoader workers), training and validation; 0 does it in the training "
+                                 "process. The samples and their order do not depend on it. Not with "
+                                 "data.streaming (HF: dataloader_num_workers).")
+    pin_memory: bool = _field(True, "Hand the micro-batches over in page-locked memory, so that their copy to the "
+                                    "GPU does not wait; CUDA only, a CPU run ignores it (HF: dataloader_pin_memory).")
+    prefetch_factor: int | None = _field(None, "Micro-batches each worker prepares ahead; needs data.num_workers "
+                                               "> 0; default: torch's, 2 (HF: dataloader_prefetch_factor).")
+    persistent_workers: bool = _field(False, "Keep the workers from one epoch (and evaluation) to the next "
+                                             "instead of starting them anew; needs data.num_workers > 0 (HF: "
+                                             "dataloader_persistent_workers).")
     cache_dir: str | None = _field(None, "Where tokenized datasets are cached; default $LLMTUNE_CACHE/data or "
                                          "~/.cache/llmtune/data.")
 
@@ -221,6 +236,21 @@ class DataConfig:
             out.append("data.val_ratio: a stream cannot be split; give data.val_files instead")
         if self.num_proc < 1 or self.shuffle_buffer < 1:
             out.append("data: num_proc and shuffle_buffer must be at least 1")
+        if self.num_workers < 0:
+            out.append(f"data.num_workers: {self.num_workers} must be 0 (no workers) or more")
+        if self.num_workers == 0:
+            for key, value in (("prefetch_factor", self.prefetch_factor is not None),
+                               ("persistent_workers", self.persistent_workers)):
+                if value:
+                    out.append(f"data.{key}: only DataLoader workers prefetch or persist; set data.num_workers > 0 "
+                               f"or leave data.{key} out")
+        if self.prefetch_factor is not None and self.prefetch_factor < 1:
+            out.append(f"data.prefetch_factor: {self.prefetch_factor} must be at least 1")
+        if self.streaming and self.num_workers:
+            # datasets deals a stream's shards out to the workers, whose batches then interleave: another order,
+            # which a resume would not continue exactly.
+            out.append("data.num_workers: a stream is read in the training process (workers would change the "
+                       "order of its samples); set data.num_workers=0 with data.streaming")
         return out
 
 

@@ -12,8 +12,14 @@ class MicroBatch:
     inputs: dict[str, torch.Tensor]  # keyword arguments of the training model's forward, shift_labels included
     num_tokens: int  # input tokens that are not padding
 
+    def pin_memory(self) -> "MicroBatch":
+        """In page-locked memory: DataLoader's pin_memory calls this on the batches it hands out."""
+        return MicroBatch({k: v.pin_memory() for k, v in self.inputs.items()}, self.num_tokens)
+
     def to(self, device: torch.device) -> "MicroBatch":
-        return MicroBatch({k: v.to(device) for k, v in self.inputs.items()}, self.num_tokens)
+        # From pinned memory the copy to a GPU is queued on its stream and the host goes on; from pageable memory,
+        # and to the CPU, non_blocking changes nothing.
+        return MicroBatch({k: v.to(device, non_blocking=True) for k, v in self.inputs.items()}, self.num_tokens)
 
 
 def pad_token_id(tokenizer) -> int:

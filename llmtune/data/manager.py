@@ -9,6 +9,10 @@ data-parallel size at the exact next sample.
 
 Streaming data: each data-parallel rank reads its own shard of the stream, so the order depends
 on the data-parallel size, and a resume must keep it.
+
+A torch DataLoader reads and collates the micro-batches, in data.num_workers processes besides the training one
+(training and validation; a stream always in the training process). The sampler runs in the training process and
+DataLoader hands the batches out in the sampler's order, so the workers change when a batch is made, never which.
 """
 
 import hashlib
@@ -47,15 +51,17 @@ class Validation:
     """This rank's share of the validation split in micro-batches, and when an evaluation is due. Without
     validation data it is never due (a run without validation has this do-nothing one)."""
 
-    def __init__(self, dataset: datasets.Dataset | None, batch_size: int, pad_id: int, document_mask: bool,
-                 dp_size: int, dp_rank: int, train_cfg):
+    def __init__(self, dataset: datasets.Dataset | None, batch_size: int, pad_id: int, data_cfg, dp_size: int,
+                 dp_rank: int, train_cfg, cuda: bool = False):
         self.dataset = dataset
-        self.batch_size = batch_size
-        self.collate = partial(collate, pad_id=pad_id, document_mask=document_mask)
-        self.dp_size = dp_size
-        self.dp_rank = dp_rank
+        self.collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask)
         self.eval_steps, self.eval_epochs = train_cfg.eval_steps, train_cfg.eval_epochs
-        self.max_batches = train_cfg.max_eval_steps
+        if dataset is not None:
+            # Made once, so that persistent workers serve every evaluation.
+            self.loader = loader(dataset, data_cfg, cuda, batch_size=batch_size, collate_fn=self.collate,
+                                 sampler=range(dp_rank, len(dataset), dp_size))
+            count = math.ceil(math.ceil(len(dataset) / dp_size) / batch_size)
+            self.count = min(count, train_cfg.max_eval_steps or count)
 
     @property
     def fingerprint(self) -> str:
@@ -76,14 +82,16 @@ class Validation:
         Every rank yields the same number of batches, so FSDP's collectives stay in step: a rank
         whose share has run out yields a batch whose labels are all -100, which adds nothing.
         """
-        share = range(self.dp_rank, len(self.dataset), self.dp_size)
-        starts = range(0, math.ceil(len(self.dataset) / self.dp_size), self.batch_size)
-        for start in starts[:self.max_batches or None]:
-            rows = [self.dataset[i] for i in share[start:start + self.batch_size]]
-            batch = self.collate(rows or [self.dataset[0]])
-            if not rows:
-                batch.inputs["shift_labels"].fill_(IGNORE_INDEX)
-                batch.num_tokens = 0
+        given = 0
+        for batch in self.loader:
+            if given == self.count:  # max_eval_steps
+                break
+            given += 1
+            yield batch
+        for _ in range(self.count - given):
+            batch = self.collate([self.dataset[0]])
+            batch.inputs["shift_labels"].fill_(IGNORE_INDEX)
+            batch.num_tokens = 0
             yield batch
 
 
@@ -118,20 +126,34 @@ class StepSampler(Sampler[int]):
         return (self.steps_per_epoch - self.start_step) * self.share
 
 
-def loader(dataset, **kwargs) -> DataLoader:
-    """A DataLoader with a random generator of its own. Each iterator it opens draws a seed from that generator,
-    by default the global one: a resumed run opens its epoch after the RNG state was restored, an uninterrupted
-    run before its first step, and dropout would then draw different numbers after a resume."""
-    return DataLoader(dataset, generator=torch.Generator(), **kwargs)
+def loader(dataset, data_cfg, cuda: bool, **kwargs) -> DataLoader:
+    """A DataLoader with the recipe's workers, and a random generator of its own. Each iterator it opens draws a
+    seed from that generator, by default the global one: a resumed run opens its epoch after the RNG state was
+    restored, an uninterrupted run before its first step, and dropout would then draw different numbers after a
+    resume.
+
+    Memory is pinned only for batches bound for a CUDA device (cuda): without one pinning has no use, and torch
+    warns at every iterator. Without workers prefetch_factor and persistent_workers keep their defaults, as torch
+    requires (DataConfig.problems refuses others).
+
+    Worker processes end with the run: when the run lets its data go (the iterator shuts its workers down), else
+    when the process ends through process_exit, whose exit handlers include multiprocessing's, which terminates
+    daemonic children (DataLoader's workers are). A process killed outright leaves them to DataLoader's watchdog,
+    which ends a worker seconds after its parent is gone (it looks every 5 seconds).
+    """
+    return DataLoader(dataset, generator=torch.Generator(), num_workers=data_cfg.num_workers,
+                      pin_memory=data_cfg.pin_memory and cuda, prefetch_factor=data_cfg.prefetch_factor,
+                      persistent_workers=data_cfg.persistent_workers, **kwargs)
 
 
 class DataManager:
-    def __init__(self, dataset: datasets.Dataset, data_cfg, train_cfg, pad_id: int, dp_size: int, dp_rank: int):
+    def __init__(self, dataset: datasets.Dataset, data_cfg, train_cfg, pad_id: int, dp_size: int, dp_rank: int,
+                 cuda: bool = False):
         micro_batch = train_cfg.per_device_train_batch_size
         self.accumulation = train_cfg.gradient_accumulation_steps
         self.sampler = StepSampler(len(dataset), micro_batch, self.accumulation, dp_size, dp_rank, data_cfg.shuffle,
                                    train_cfg.seed)
-        self.loader = loader(dataset, batch_size=micro_batch, sampler=self.sampler,
+        self.loader = loader(dataset, data_cfg, cuda, batch_size=micro_batch, sampler=self.sampler,
                              collate_fn=partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask))
         self.steps_per_epoch = self.sampler.steps_per_epoch
         self.global_batch = self.sampler.global_batch
@@ -200,6 +222,7 @@ class StreamingDataManager:
 
     def __init__(self, dataset: datasets.IterableDataset, data_cfg, train_cfg, pad_id: int, state):
         self.state = state
+        self.data_cfg = data_cfg
         self.micro_batch = train_cfg.per_device_train_batch_size
         self.accumulation = train_cfg.gradient_accumulation_steps
         self.global_batch = self.micro_batch * self.accumulation * state.dp_size
@@ -220,7 +243,8 @@ class StreamingDataManager:
         stream = self.stream.skip(consumed) if consumed else self.stream
         # skip() returns a new dataset whose epoch must be set again for the same shuffle.
         stream.set_epoch(self.epoch)
-        return iter(loader(stream, batch_size=self.micro_batch, drop_last=True, collate_fn=self.collate))
+        return iter(loader(stream, self.data_cfg, self.state.device.type == "cuda", batch_size=self.micro_batch,
+                           drop_last=True, collate_fn=self.collate))
 
     def steps(self, count: int):
         given = 0
@@ -263,6 +287,7 @@ def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataMan
     """This rank's training data, validation and test split, from the recipe's data section."""
     data_cfg, train_cfg = config.data, config.train
     pad_id = pad_token_id(tokenizer)
+    cuda = state.device.type == "cuda"
     if data_cfg.streaming:
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)
@@ -276,11 +301,11 @@ def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataMan
                                                 train_cfg.per_device_train_batch_size, state)
         if state.is_main:
             log.info("data: %s", stats.summary())
-        data = DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank)
+        data = DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank, cuda)
 
     def held_out(split, cfg) -> Validation:
-        return Validation(split, train_cfg.per_device_eval_batch_size, pad_id, data_cfg.document_mask, state.dp_size,
-                          state.dp_rank, cfg)
+        return Validation(split, train_cfg.per_device_eval_batch_size, pad_id, data_cfg, state.dp_size, state.dp_rank,
+                          cfg, cuda)
 
     # The test split is read whole, once: max_eval_steps bounds the evaluations during training.
     return data, held_out(val, train_cfg), held_out(test, replace(train_cfg, max_eval_steps=0))

@@ -138,6 +138,27 @@ def test_stop_signals_and_the_collective_timeout_are_checked(tmp_path):
     assert "parallel.timeout_minutes: 0.0 must be above 0" in message
 
 
+def test_dataloader_settings_that_torch_or_a_stream_cannot_take_are_refused_together(tmp_path):
+    recipe = write_recipe(tmp_path, data={"prefetch_factor": 2, "persistent_workers": True, "streaming": True},
+                          train={"max_steps": 4})
+    with pytest.raises(UserError) as err:
+        load_config(recipe, [], "sft", 1)
+    assert str(err.value).splitlines() == [
+        "data.prefetch_factor: only DataLoader workers prefetch or persist; set data.num_workers > 0 or leave "
+        "data.prefetch_factor out",
+        "data.persistent_workers: only DataLoader workers prefetch or persist; set data.num_workers > 0 or leave "
+        "data.persistent_workers out"]
+    with pytest.raises(UserError) as err:
+        load_config(recipe, ["data.num_workers=2", "data.prefetch_factor=0"], "sft", 1)
+    assert str(err.value).splitlines() == [
+        "data.prefetch_factor: 0 must be at least 1",
+        "data.num_workers: a stream is read in the training process (workers would change the order of its "
+        "samples); set data.num_workers=0 with data.streaming"]
+    assert load_config(recipe, ["data.num_workers=2", "data.streaming=false"], "sft", 1).data.prefetch_factor == 2
+    with pytest.raises(UserError, match=r"^data.num_workers: -1 must be 0 \(no workers\) or more$"):
+        load_config(write_recipe(tmp_path), ["data.num_workers=-1"], "sft", 1)
+
+
 def test_resolved_config_round_trips(tmp_path):
     config = load_config(write_recipe(tmp_path), ["train.learning_rate=1e-4"], "pt", 1)
     config.write(tmp_path / "config.yaml")

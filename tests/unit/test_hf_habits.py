@@ -77,6 +77,8 @@ def test_a_misspelt_flat_key_gets_the_closest_names(typed, hint):
     ("train.report_to", "monitor.report_to", ["tensorboard"]),
     ("train.run_name", "monitor.run_name", "first-try"),
     ("monitor.wandb_project", "monitor.project", "chat-models"),
+    ("train.dataloader_num_workers", "data.num_workers", 2),
+    ("train.dataloader_pin_memory", "data.pin_memory", False),
     ("model.model_name_or_path", "model.name_or_path", "other/model"),
     ("data.cutoff_len", "data.max_seq_len", 1024),
     ("train.lr", "train.learning_rate", 2e-5),
@@ -106,6 +108,19 @@ def test_hf_key_names_are_read_as_llmtunes_and_written_as_llmtunes(tmp_path, ali
     written = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert written[target_section][target_key] == value and key not in written[section]
     assert load_config(str(tmp_path / "config.yaml"), [], "sft", 1) == config
+
+
+def test_hf_dataloader_names_are_read_as_llmtunes_data_keys(tmp_path):
+    """prefetch_factor and persistent_workers need workers (test_config), so the four are given together."""
+    hf = {"dataloader_num_workers": 2, "dataloader_pin_memory": False, "dataloader_prefetch_factor": 4,
+          "dataloader_persistent_workers": True}
+    assert {f"train.{key}" for key in hf} <= set(KEY_ALIASES)
+    config = load_config(write_recipe(tmp_path, train=hf), [], "sft", 1)
+    expected = {"num_workers": 2, "pin_memory": False, "prefetch_factor": 4, "persistent_workers": True}
+    assert {key: getattr(config.data, key) for key in expected} == expected
+    config.write(tmp_path / "config.yaml")
+    written = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert expected.items() <= written["data"].items() and not hf.keys() & written["train"].keys()
 
 
 @pytest.mark.parametrize("train, expected", [

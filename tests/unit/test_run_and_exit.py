@@ -3,6 +3,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,33 @@ def test_an_uncaught_exception_prints_its_traceback_and_exits_1():
 def test_a_message_given_to_sys_exit_is_printed_and_exits_1():
     result = run("sys.exit('stopped: disk full')")
     assert (result.returncode, result.stderr.strip()) == (1, "stopped: disk full")
+
+
+WORKERS_PROGRAM = """
+import multiprocessing, sys
+from torch.utils.data import DataLoader
+from llmtune.run.process_exit import run_and_exit
+
+def main():
+    global batches  # still open at the exit, as after a run stopped by an error mid-epoch
+    batches = iter(DataLoader(range(100), num_workers=2))
+    next(batches)
+    with open(sys.argv[1], "w") as f:
+        f.write(" ".join(str(p.pid) for p in multiprocessing.active_children()))
+
+run_and_exit(main)
+"""
+
+
+def test_dataloader_workers_end_with_the_process(tmp_path):
+    """The exit handlers that run_and_exit runs include multiprocessing's, which terminates the daemonic children
+    that DataLoader's workers are: os._exit alone would leave them to DataLoader's watchdog for 5 to 10 seconds.
+    The output goes to files: a worker would hold a pipe open and the wait for its end would hide it."""
+    pids, log = tmp_path / "pids", tmp_path / "stderr"
+    with log.open("w") as stderr:
+        done = subprocess.run([sys.executable, "-c", WORKERS_PROGRAM, str(pids)], cwd=REPO, stdout=stderr,
+                              stderr=stderr, timeout=60)
+    assert done.returncode == 0, log.read_text()
+    workers = [int(pid) for pid in pids.read_text().split()]
+    assert len(workers) == 2
+    assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == []
