@@ -5,6 +5,7 @@ tokens, optimizer and steps.
     python benchmarks/throughput.py --sft [--samples 2000] [--sft-seq 2048] [--batch 8] [--steps 30] ...
     python benchmarks/throughput.py --interleaved [--nproc 1|2] [--steps 30] [--warmup 5] [--seq 512] [--batch 8]
     python benchmarks/throughput.py --workers [--sft] [--steps 30] ...
+    python benchmarks/throughput.py --ema [--sft] [--steps 30] ...
 
 The model is a Llama of 19.5M parameters trained from scratch (4 layers, hidden 256, MLP 688, 4 heads of 64, vocab
 32,000, untied lm_head); the demo's tokenizer (llmtune.demo.assets) gives the token ids. AdamW at lr 1e-3 without
@@ -35,6 +36,9 @@ plain loop.
   micro-batches collated in the training process) against 2 DataLoader workers (data.num_workers 2, kept
   between epochs: data.persistent_workers); prints both and their ratio. Mind that on a machine of few cores
   the workers take CPU from the training threads.
+- --ema: the cost of a moving average of the weights. llmtune alone as with --workers, without and with
+  train.ema_decay 0.9999 (one fp32 lerp over every trained parameter's local rows per step); prints both and
+  their ratio (goal: at least 0.98, a step-time overhead of 2% at most).
 
 Method. This machine's speed drifts by about 10% within seconds (a fixed matmul loop, same process). Every
 contender runs in fresh processes of its own, all contenders once per repeat, the order rotated by one at each
@@ -97,19 +101,28 @@ SFT = {"llmtune defaults": Contender(("llmtune",)),
 INTERLEAVED = {"same work": Contender(("plain", "llmtune"), {"data": {"document_mask": False},
                                                              "train": {"chunk_loss_size": 0}}),
                "defaults": Contender(("plain", "llmtune"))}
-DATA_WORKERS = {"data": {"num_workers": 2, "persistent_workers": True}}
-WORKERS = {"pt": {"llmtune fp32": PT["llmtune fp32"],
-                  "llmtune fp32, 2 workers": Contender(("llmtune",), DATA_WORKERS)},
-           "sft": {"llmtune defaults": SFT["llmtune defaults"],
-                   "llmtune defaults, 2 workers": Contender(("llmtune",), DATA_WORKERS)}}
-CONTENDERS = {**PT, **SFT, **INTERLEAVED, **WORKERS["pt"], **WORKERS["sft"]}
+# llmtune alone, its defaults against one setting changed (--workers, --ema): the setting, its name in the table and
+# the goal of the ratio; compared with the llmtune contender of the workload (pt or sft).
+VARIANTS = {"workers": ({"data": {"num_workers": 2, "persistent_workers": True}}, "2 workers", ""),
+            "ema": ({"train": {"ema_decay": 0.9999}}, "EMA 0.9999", ">= 0.98")}
+BASES = {"pt": ("llmtune fp32", PT), "sft": ("llmtune defaults", SFT)}
+
+
+def variant_contenders(variant: str, mode: str) -> dict[str, Contender]:
+    (setting, label, _), (base, contenders) = VARIANTS[variant], BASES[mode]
+    return {base: contenders[base], f"{base}, {label}": Contender(("llmtune",), setting)}
+
+
+CONTENDERS = {**PT, **SFT, **INTERLEAVED,
+              **{name: c for variant in VARIANTS for mode in BASES for name, c in variant_contenders(variant, mode).items()}}
 # (numerator, denominator, goal) of the ratios printed under each table.
 RATIOS = {
     "pt": [("llmtune fp32", "HF Trainer fp32", ">= 1.3"), ("llmtune bf16", "HF Trainer bf16", ">= 2"),
            ("llmtune compile", "llmtune fp32", "> 1, or a reason"), ("llmtune fp32", "plain loop", "")],
     "sft": [("llmtune defaults", "llmtune unmasked", ">= 0.98"), ("llmtune defaults", "HF Trainer", ">= 3.5")],
     "interleaved": [(f"{name}: llmtune", f"{name}: plain", "") for name in INTERLEAVED],
-    "workers": [(f"{name}, 2 workers", name, "") for name in ("llmtune fp32", "llmtune defaults")],
+    **{variant: [(f"{base}, {label}", base, goal) for base, _ in BASES.values()]
+       for variant, (_, label, goal) in VARIANTS.items()},
 }
 
 
@@ -216,6 +229,7 @@ def llmtune_step(workload: Workload, settings: dict, state, out: Path):
     step's record, which advance completes with the wait."""
     from llmtune.config import load_config
     from llmtune.run.worker import build_trainer
+    from llmtune.training.stop_signals import StopSignals
     from llmtune.training.trainer import Trainer
 
     config = load_config(str(llmtune_recipe(workload, settings, out)), [], workload.task, state.world_size)
@@ -223,6 +237,7 @@ def llmtune_step(workload: Workload, settings: dict, state, out: Path):
     trainer.model.train()
     trainer.monitor.begin(trainer.step)  # as Trainer.train: the last step's record is written
     steps, records = trainer.data.steps(trainer.total_steps), []
+    no_signals = StopSignals([])
 
     def train_step(micro_batches):
         stats = Trainer.train_step(trainer, micro_batches)
@@ -230,7 +245,7 @@ def llmtune_step(workload: Workload, settings: dict, state, out: Path):
         return stats
 
     def step() -> tuple[int, float]:
-        trainer.advance(steps)
+        trainer.advance(steps, no_signals)
         stats = records.pop()
         return stats.input_tokens, stats.data_wait
 
@@ -399,8 +414,11 @@ def parse_args() -> argparse.Namespace:
     mode.add_argument("--sft", action="store_true", help="Measure sft on skewed sample lengths (one process).")
     mode.add_argument("--interleaved", action="store_true",
                       help="Measure llmtune's loop and the plain loop taking turns in the same processes.")
-    parser.add_argument("--workers", action="store_true",
-                        help="Measure llmtune alone, without and with 2 DataLoader workers (pt, or --sft).")
+    variant = parser.add_mutually_exclusive_group()
+    variant.add_argument("--workers", action="store_const", const="workers", dest="variant",
+                         help="Measure llmtune alone, without and with 2 DataLoader workers (pt, or --sft).")
+    variant.add_argument("--ema", action="store_const", const="ema", dest="variant",
+                         help="Measure llmtune alone, without and with a moving average of the weights (pt, or --sft).")
     parser.add_argument("--steps", type=int, default=30, help="Timed optimizer steps per run.")
     parser.add_argument("--warmup", type=int, default=5, help="Steps run before the timed ones (compilation too).")
     parser.add_argument("--repeats", type=int, default=2, help="Runs of every contender, each in fresh processes.")
@@ -416,8 +434,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.sft and args.nproc != 1:
         parser.error("--sft measures one process; leave out --nproc")
-    if args.workers and args.interleaved:
-        parser.error("--workers measures llmtune alone; leave out --interleaved")
+    if args.variant and args.interleaved:
+        parser.error(f"--{args.variant} measures llmtune alone; leave out --interleaved")
     return args
 
 
@@ -427,13 +445,14 @@ def main() -> None:
         worker(args.worker[0], Path(args.worker[1]))
         return
     mode = "sft" if args.sft else "interleaved" if args.interleaved else "pt"
-    contenders = WORKERS[mode] if args.workers else {"pt": PT, "sft": SFT, "interleaved": INTERLEAVED}[mode]
+    contenders = variant_contenders(args.variant, mode) if args.variant else \
+        {"pt": PT, "sft": SFT, "interleaved": INTERLEAVED}[mode]
     # On CPU the HF Trainer trains in one process.
     names = [name for name, c in contenders.items() if args.nproc == 1 or "hf" not in c.parts]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         prepare(root, args).write(root)
-        print_table(measure(root, names, args.nproc, args.repeats), RATIOS["workers" if args.workers else mode])
+        print_table(measure(root, names, args.nproc, args.repeats), RATIOS[args.variant or mode])
 
 
 if __name__ == "__main__":
