@@ -2,7 +2,7 @@
 between the plan's peaks of micro-batches 2 and 4: the run takes 2, says so in one line, records 2 in config.yaml,
 and its losses are those of the run that writes 2, and (global token counting) of the run that takes the whole
 global batch in one micro-batch. The choice itself: tests/unit/test_plan.py; on torchrun:
-tests/dist/test_auto_micro_batch.py."""
+tests/dist/test_auto_micro_batch_ranks.py."""
 
 import copy
 import logging

@@ -111,3 +111,10 @@ def test_recipe_and_path_checks_do_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
     assert result.returncode == 0, result.stderr
+
+
+def test_test_modules_have_names_of_their_own():
+    """tests/ has no __init__.py per folder: pytest imports test modules by their basename, and two with one name in
+    two folders stop the whole suite at collection."""
+    names = [path.name for path in (PACKAGE.parent / "tests").rglob("test_*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
