@@ -42,6 +42,11 @@ class LossScale:
         if self.good_steps == GROWTH_INTERVAL:
             self.scale, self.good_steps = self.scale * 2.0, 0
 
+    def counts_skip(self) -> bool:
+        """Whether a skipped step counts towards train.max_skipped_steps: always without fp16; with it only once the
+        scale is below 1, where scaling is no longer the cause (overflows are the scale's to handle)."""
+        return not self.enabled or self.scale < 1
+
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps} if self.enabled else {}
 

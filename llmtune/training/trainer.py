@@ -247,8 +247,7 @@ class Trainer:
             self.ema.update()
             self.callbacks("on_optimizer_step")
         self.loss_scale.update(finite)
-        # An fp16 overflow is the loss scale's to handle; only once the scale is below 1 is scaling not the cause.
-        self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + (self.loss_scale.scale < 1)
+        self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + self.loss_scale.counts_skip()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return StepRecord(loss=mean_loss, lr=lr, grad_norm=grad_norm, label_tokens=int(label_tokens),

@@ -25,8 +25,8 @@ from llmtune.training.trainer import Trainer
 def crash_after(step: int) -> None:
     advance = Trainer.advance
 
-    def advance_then_crash(self, steps):
-        advance(self, steps)
+    def advance_then_crash(self, steps, signals):
+        advance(self, steps, signals)
         if self.step == step and self.state.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
             os._exit(13)
 

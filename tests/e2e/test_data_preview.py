@@ -123,12 +123,14 @@ def test_shares_the_training_cache_entry(previewed, assets, sft_file, tmp_path, 
     # One entry, whichever of the two came first (the other tests read this recipe's data too).
     assert len(list((Path(recipe).parent / "cache").iterdir())) == 1
 
+    import torch
+
     from llmtune.data.manager import build_data
 
     fresh = write_recipe(tmp_path, assets, sft_file)
     local, tokenizer = run_inputs(fresh)
     one_rank = SimpleNamespace(local_rank=0, first_error=lambda error, group: error, wait_group=None, is_main=True,
-                               dp_size=1, dp_rank=0)
+                               dp_size=1, dp_rank=0, device=torch.device("cpu"))
     build_data(local, tokenizer, one_rank)
     caplog.clear()  # build_data's "data: built"
     # In this process the preview's log lines reach caplog, not stderr.

@@ -35,3 +35,12 @@ def test_unscale_divides_every_gradient_and_off_changes_nothing():
     assert off.scale == 1.0 and off.state_dict() == {} and params[0].grad.tolist() == [3.0, 3.0, 3.0]
     off.load_state_dict({"scale": 8.0, "good_steps": 1})
     assert off.scale == 1.0, "an fp16 checkpoint resumed without fp16 does not scale"
+
+
+def test_a_skipped_step_counts_towards_the_limit_without_fp16_and_with_it_once_the_scale_is_below_1():
+    assert LossScale(enabled=False).counts_skip()
+    scale = LossScale(enabled=True)
+    assert not scale.counts_skip()
+    while scale.scale >= 1:
+        scale.update(finite=False)
+    assert scale.counts_skip()
