@@ -285,8 +285,9 @@ class CheckpointManager:
                     check_base(chosen, self.base)
                 elif init_from:
                     shapes = {name: list(tensor.shape) for name, tensor in model_state.items()}
-                    plan = init_from_plan(Path(init_from), self.base, shapes, self.config.model.strict_load,
-                                          self.cfg.verify_checksums)
+                    # The preflight (run/preflight.check_init_from) has read every file's checksum already, when
+                    # asked: sizes are enough here.
+                    plan = init_from_plan(Path(init_from), self.base, shapes, self.config.model.strict_load, False)
             except UserError as err:
                 error = str(err)
         chosen, plan, error = self.state.broadcast_object((chosen, plan, error))

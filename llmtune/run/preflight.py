@@ -40,7 +40,6 @@ def check_run(local, world_size: int):
     check_inputs(local)
     from llmtune.features.registry import check_features
     from llmtune.model.build import check_model, load_model_config
-
     from llmtune.training.callbacks import import_callback
 
     for path in local.train.callbacks:  # importable, before any process starts
