@@ -20,8 +20,8 @@ import yaml
 
 from llmtune.atomic import write_text
 from llmtune.errors import UserError
+from llmtune.tasks.registry import TASKS
 
-TASKS = ("pt", "sft")
 DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response", "tokenized")
 TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
@@ -54,6 +54,12 @@ KEY_ALIASES = {
     "peft.lora_alpha": "peft.alpha",
     "peft.lora_dropout": "peft.dropout",
     "peft.lora_target": "peft.target_modules",
+    "dpo.pref_beta": "dpo.beta",
+    "dpo.pref_loss": "dpo.loss_type",
+    "dpo.pref_ftx": "dpo.sft_weight",
+    "dpo.dpo_label_smoothing": "dpo.label_smoothing",
+    # TRL's name.
+    "dpo.rpo_alpha": "dpo.sft_weight",
 }
 SCHEDULER_ALIASES = {"constant_with_warmup": "constant", "cosine_with_min_lr": "cosine", "warmup_stable_decay": "wsd"}
 # LLaMA-Factory's finetuning_type values, as peft.method reads them; its freeze (the last layers trained) is llmtune's
@@ -76,6 +82,12 @@ PEFT_METHODS = ("none", "lora", "dora")
 # peft's other initialisations (pissa, olora, loftq, corda, eva, ...) read or rewrite the base weights or need data
 # at init, which the sharded model built on the meta device does not give them.
 LORA_INITS = (True, False, "gaussian")
+
+
+# dpo.loss_type's losses; simpo and orpo need no reference model.
+PREFERENCE_LOSSES = ("sigmoid", "robust", "hinge", "ipo", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")
+REFERENCES = ("model", "adapter_off", "precomputed")
 
 
 SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
@@ -580,6 +592,71 @@ class MonitorConfig:
                 f"{world_size - 1}); name ranks below {world_size}"] if missing else []
 
 
+@dataclass
+class DPOConfig:
+    beta: float = _field(0.1, "The strength of the preference: the reward of a response is beta x (its log-probability "
+                              "under the policy - under the reference); for orpo the weight of the odds-ratio "
+                              "term (TRL's, LLaMA-Factory's pref_beta).")
+    loss_type: list[str] = _field(["sigmoid"], "The pair loss: sigmoid (DPO; cDPO with label_smoothing), robust, "
+                                               "hinge, ipo (on per-token log-probabilities), simpo (no reference, "
+                                               "length-normalised, margin simpo_gamma), orpo (no reference: odds "
+                                               "ratio plus the chosen responses' NLL); a list adds several, weighted "
+                                               "by loss_weights.")
+    loss_weights: list[float] = _field([], "One weight per loss_type entry; empty = 1 each.")
+    label_smoothing: float = _field(0.0, "sigmoid and robust: the probability that a pair's preference is flipped "
+                                         "(cDPO, robust DPO), in [0, 0.5).")
+    simpo_gamma: float = _field(0.5, "simpo: the target reward margin.")
+    sft_weight: float = _field(0.0, "Weight of an added NLL term on the chosen responses (RPO; TRL's rpo_alpha, "
+                                    "LLaMA-Factory's pref_ftx), averaged over the chosen tokens of the whole step.")
+    reference: str = _field("model", "The reference model: model (a frozen copy of the starting weights, sharded "
+                                     "like the policy; ref_model names another), adapter_off (with peft adapters: "
+                                     "the policy with its adapters off, no copy) or precomputed (its log-probabilities "
+                                     "computed once before training and cached beside the tokenized data). Losses "
+                                     "without a reference (simpo, orpo) build none.")
+    ref_model: str | None = _field(None, "reference model: a HF folder or Hub id to use instead of the starting "
+                                         "weights.")
+    max_length: int | None = _field(None, "The most tokens of prompt + response, for each of chosen and rejected "
+                                          "(TRL's max_length); a pair takes up to twice this in a row of "
+                                          "data.max_seq_len; default data.max_seq_len / 2.")
+    max_prompt_length: int | None = _field(None, "The most tokens of a prompt: a longer one keeps its end; default: "
+                                                 "no limit of its own.")
+    truncation: bool = _field(True, "A pair longer than max_length: the prompt keeps its end (at least half of "
+                                    "max_length, or what the longer response leaves) and the responses are cut at "
+                                    "their end; false refuses the pair, naming its row.")
+    disable_dropout: bool = _field(True, "Dropout off in the policy (as in the reference), so that a pair's reward is "
+                                         "0 while the policy equals the reference (TRL's default).")
+
+    def needs_reference(self) -> bool:
+        return any(loss not in REFERENCE_FREE for loss in self.loss_type)
+
+    def problems(self) -> list[str]:
+        out = [_choice_problem("dpo.loss_type", loss, PREFERENCE_LOSSES) for loss in self.loss_type
+               if loss not in PREFERENCE_LOSSES]
+        if not self.loss_type:
+            out.append(f"dpo.loss_type: name at least one loss ({', '.join(PREFERENCE_LOSSES)})")
+        if self.loss_weights and len(self.loss_weights) != len(self.loss_type):
+            out.append(f"dpo.loss_weights: give one weight per dpo.loss_type entry ({len(self.loss_type)}), not "
+                       f"{self.loss_weights}")
+        if self.reference not in REFERENCES:
+            out.append(_choice_problem("dpo.reference", self.reference, REFERENCES))
+        if self.beta <= 0:
+            out.append(f"dpo.beta: {self.beta} must be above 0")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            out.append(f"dpo.label_smoothing: {self.label_smoothing} must be in [0, 0.5)")
+        if self.sft_weight < 0:
+            out.append(f"dpo.sft_weight: {self.sft_weight} must not be negative")
+        if self.max_length is not None and self.max_length < 2:
+            out.append(f"dpo.max_length: {self.max_length} must be at least 2")
+        if self.max_prompt_length is not None and (self.max_prompt_length < 1 or (
+                self.max_length is not None and self.max_prompt_length >= self.max_length)):
+            out.append(f"dpo.max_prompt_length: {self.max_prompt_length} must be at least 1 and below dpo.max_length, "
+                       "to leave room for the responses")
+        if self.ref_model is not None and self.reference == "adapter_off":
+            out.append("dpo.ref_model: the adapter_off reference is the policy itself; set dpo.reference: model to "
+                       "use ref_model")
+        return out
+
+
 SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -588,6 +665,7 @@ SECTIONS = {
     "peft": PeftConfig,
     "checkpoint": CheckpointConfig,
     "monitor": MonitorConfig,
+    "dpo": DPOConfig,
 }
 
 
@@ -601,6 +679,7 @@ class Config:
     peft: PeftConfig
     checkpoint: CheckpointConfig
     monitor: MonitorConfig
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # the sections of tasks: only their own recipes give them
 
     def dp_size(self, world_size: int) -> int:
         return world_size // self.parallel.cp_size
@@ -614,8 +693,9 @@ class Config:
 
     def to_dict(self) -> dict:
         """The sections, as a recipe: the file written from it loads back to an equal Config. Accumulation derived
-        from train.global_batch_size is left out, so that the file also loads on another number of ranks."""
-        recipe = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        from train.global_batch_size is left out, so that the file also loads on another number of ranks; so are
+        other tasks' sections."""
+        recipe = {name: dataclasses.asdict(getattr(self, name)) for name in task_sections(self.task)}
         if self.train.global_batch_size is not None:
             del recipe["train"]["gradient_accumulation_steps"]
         return recipe
@@ -625,9 +705,15 @@ class Config:
         write_text(path, header + yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-def parse_overrides(tokens: list[str]) -> tuple[list[str], int | None]:
+def task_sections(task: str) -> dict:
+    """The sections a recipe of `task` has: every section but the other tasks' own."""
+    others = {entry.section for entry in TASKS.values()} - {TASKS[task].section}
+    return {name: cls for name, cls in SECTIONS.items() if name not in others}
+
+
+def parse_overrides(tokens: list[str], task: str = "sft") -> tuple[list[str], int | None]:
     """`a.b=c`, `--a.b=c` and `--a.b c` -> ["a.b=c", ...], a key written without its section (`--learning_rate
-    2e-5`, `learning_rate=2e-5`) given the one it belongs to; plus the value of --nproc."""
+    2e-5`, `learning_rate=2e-5`) given the one it belongs to in a recipe of `task`; plus the value of --nproc."""
     overrides, nproc, i = [], None, 0
     while i < len(tokens):
         token = tokens[i]
@@ -642,32 +728,36 @@ def parse_overrides(tokens: list[str]) -> tuple[list[str], int | None]:
                 raise UserError(f"--nproc: {value!r} is not a positive number of processes")
             nproc = int(value)
         elif "=" in name:
-            overrides.append(f"{qualified(key)}={value}")
+            overrides.append(f"{qualified(key, task)}={value}")
         else:
             raise UserError(f"unexpected argument {token!r}; overrides are written --key value or section.key=value")
         i += 1
     return overrides, nproc
 
 
-def key_names() -> dict[str, set[str]]:
-    """Each key's name -> the section.key it can stand for: every section's own keys, and KEY_ALIASES' targets."""
+def key_names(task: str) -> dict[str, set[str]]:
+    """Each key's name -> the section.key it can stand for in a recipe of `task`: its sections' own keys, and
+    KEY_ALIASES' targets."""
     names: dict[str, set[str]] = {}
-    for section, cls in SECTIONS.items():
+    sections = task_sections(task)
+    for section, cls in sections.items():
         for f in dataclasses.fields(cls):
             names.setdefault(f.name, set()).add(f"{section}.{f.name}")
     for alias, target in KEY_ALIASES.items():
-        names.setdefault(alias.partition(".")[2], set()).add(target)
+        if target.partition(".")[0] in sections:
+            names.setdefault(alias.partition(".")[2], set()).add(target)
     return names
 
 
-def qualified(key: str) -> str:
-    """`section.key` as given; a key without its section -> the one section.key it stands for."""
+def qualified(key: str, task: str) -> str:
+    """`section.key` as given; a key without its section -> the one section.key it stands for in a recipe of
+    `task`."""
     if "." in key:
         return key
-    names = key_names()
+    names = key_names(task)
     if key not in names:
         close = difflib.get_close_matches(key, list(names), n=3, cutoff=0.6)
-        hint = f"did you mean {' or '.join('--' + c for c in close)}?" if close else "see llmtune sft --help"
+        hint = f"did you mean {' or '.join('--' + c for c in close)}?" if close else f"see llmtune {task} --help"
         raise UserError(f"--{key}: no recipe key has this name; {hint}")
     if len(names[key]) > 1:
         raise UserError(f"--{key}: several sections have this key ({', '.join(sorted(names[key]))}); write it with "
@@ -716,6 +806,7 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
     if config.checkpoint.export_ema and not config.train.ema_decays():
         problems.append("checkpoint.export_ema: there is no moving average to export; set train.ema_decay")
     problems.extend(config.monitor.rank_problems(world_size))
+    problems.extend(_task_problems(config, provided))
     if problems:
         raise UserError("\n".join(problems))
     return config
@@ -924,6 +1015,36 @@ def _auto_batch_problems(config: Config, world_size: int, provided: set[str]) ->
     return []
 
 
+def pair_length(config: Config) -> int:
+    """The most tokens of one sequence of a pair (prompt + response): dpo.max_length, else half a row."""
+    return config.dpo.max_length or config.data.max_seq_len // 2
+
+
+def _task_problems(config: Config, provided: set[str]) -> list[str]:
+    """The task's own section, given to another task; the keys that do not apply to the task."""
+    section = TASKS[config.task].section
+    out = [f"{name}: this section is for llmtune {name}, not {config.task}; leave it out of a {config.task} recipe"
+           for name in sorted({key.partition(".")[0] for key in provided} & {t.section for t in TASKS.values()})
+           if name != section]
+    if section != "dpo":
+        return out
+    dpo, data, train = config.dpo, config.data, config.train
+    if 2 * pair_length(config) > data.max_seq_len:
+        out.append(f"dpo.max_length: a pair of two sequences of {dpo.max_length} tokens does not fit a row of "
+                   f"data.max_seq_len={data.max_seq_len}; raise data.max_seq_len to {2 * dpo.max_length} or lower "
+                   "dpo.max_length")
+    if dpo.reference == "adapter_off" and dpo.needs_reference() and config.peft.method == "none":
+        out.append("dpo.reference: adapter_off is the policy with its adapters off, and this run trains no adapters; "
+                   "set peft.method (lora or dora) or dpo.reference: model")
+    for key, value in (("z_loss", train.z_loss), ("label_smoothing", train.label_smoothing)):
+        if value:
+            out.append(f"train.{key}: applies to the token loss of pt and sft; preference losses use the "
+                       f"log-probabilities as the model gives them (dpo.label_smoothing is cDPO's)")
+    if data.streaming:
+        out.append("data.streaming: preference pairs are built whole before training; set data.streaming: false")
+    return out
+
+
 def _evaluation_problems(config: Config) -> list[str]:
     """Settings that evaluate, or rank by an eval metric, in a run without validation data."""
     if config.data.has_validation_sources() or config.data.val_ratio:
@@ -939,9 +1060,9 @@ def _evaluation_problems(config: Config) -> list[str]:
             "data.val_ratio)" for key in asked]
 
 
-def recipe_keys():
-    """(section, key, default as YAML writes it, help) of every recipe key, in the sections' order."""
-    for section, cls in SECTIONS.items():
+def recipe_keys(sections: dict = SECTIONS):
+    """(section, key, default as YAML writes it, help) of every recipe key of `sections`, in their order."""
+    for section, cls in sections.items():
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             # Flow style: a list or mapping default on one line, as a table cell and a --help line hold it.
@@ -958,13 +1079,14 @@ def reference_table() -> str:
     return "\n".join(rows)
 
 
-def recipe_help() -> str:
-    """`llmtune pt|sft --help`: every recipe key with its default and help, as the command line takes it."""
-    names = key_names()
+def recipe_help(task: str) -> str:
+    """`llmtune TASK --help`: every recipe key of the task with its default and help, as the command line takes
+    it."""
+    names = key_names(task)
     lines = ["recipe keys: in the recipe's sections, or on the command line as --key VALUE (the key alone where no",
              "other section has it) or section.key=VALUE; a later override wins."]
     current = None
-    for section, key, default, help in recipe_keys():
+    for section, key, default, help in recipe_keys(task_sections(task)):
         if section != current:
             lines += ["", f"{section}:"]
             current = section
@@ -974,7 +1096,8 @@ def recipe_help() -> str:
         lines += textwrap.wrap(help, width=110, initial_indent="      ", subsequent_indent="      ",
                                break_on_hyphens=False)
     lines += ["", "names of the HF Trainer and LLaMA-Factory, also read (config.yaml holds llmtune's):"]
-    lines += [f"  {alias} (--{alias.partition('.')[2]}) = {target}" for alias, target in KEY_ALIASES.items()]
+    lines += [f"  {alias} (--{alias.partition('.')[2]}) = {target}" for alias, target in KEY_ALIASES.items()
+              if target.partition(".")[0] in task_sections(task)]
     lines += ["  lr_scheduler_type: " + ", ".join(f"{hf} = {ours}" for hf, ours in SCHEDULER_ALIASES.items()),
               "  train.lr_scheduler_kwargs: {min_lr_rate, num_decay_steps, decay_type} = the train keys above",
               "  train.warmup_steps below 1 = train.warmup_ratio; monitor.report_to: none = []",

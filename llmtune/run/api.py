@@ -3,11 +3,12 @@ fetched and every preflight check made as the CLI makes them, then the same work
 
 import yaml
 
-from llmtune.config import SECTIONS, TASKS, load_config, plain, qualified
+from llmtune.config import SECTIONS, load_config, plain, qualified
 from llmtune.errors import UserError
 from llmtune.run.launch import world_size_from_env
 from llmtune.run.preflight import checked_inputs
 from llmtune.run.summary import RunResult
+from llmtune.tasks.registry import TASKS
 
 RESUME_CALL = 'the same llmtune.train call with resume_from_checkpoint="auto"'
 
@@ -17,7 +18,7 @@ def yaml_text(value) -> str:
     return yaml.safe_dump(plain(value), default_flow_style=True, width=float("inf")).removesuffix("\n...\n").strip()
 
 
-def override_items(overrides: dict) -> list[str]:
+def override_items(overrides: dict, task: str) -> list[str]:
     """Keyword overrides -> the CLI's `section.key=value`: a key as one section has it (`learning_rate=1e-4`, an HF
     Trainer name included), `**{"train.learning_rate": 1e-4}`, or a section's dict (`train={"learning_rate": 1e-4}`)."""
     items = []
@@ -26,7 +27,7 @@ def override_items(overrides: dict) -> list[str]:
             raise UserError("nproc: llmtune.train runs in this process; for several, start the script with torchrun "
                             "--nproc-per-node N (each process calls llmtune.train), or use llmtune's --nproc")
         pairs = [(f"{key}.{name}", item) for name, item in value.items()] \
-            if key in SECTIONS and isinstance(value, dict) else [(qualified(key), value)]
+            if key in SECTIONS and isinstance(value, dict) else [(qualified(key, task), value)]
         items += [f"{name}={yaml_text(item)}" for name, item in pairs]
     return items
 
@@ -36,7 +37,7 @@ def run_recipe(task: str, recipe, overrides: dict, callbacks: list) -> RunResult
     if task not in TASKS:
         raise UserError(f"task: {task!r} is not a task; use {' or '.join(TASKS)}")
     world_size = world_size_from_env()
-    config = load_config(recipe, override_items(overrides), task, world_size)
+    config = load_config(recipe, override_items(overrides, task), task, world_size)
     local = checked_inputs(config, world_size)
     from llmtune.run.worker import run  # torch and transformers: imported once the recipe has passed its checks
 

@@ -10,19 +10,19 @@ import sys
 
 from llmtune import __version__
 from llmtune.errors import Preempted, TrainingStopped, UserError
+from llmtune.tasks.registry import TASKS
 
-USAGE = """llmtune pt|sft RECIPE [--key VALUE ...] [section.key=VALUE ...] [--nproc N]
+NAMES = "|".join(TASKS)
+USAGE = f"""llmtune {NAMES} RECIPE [--key VALUE ...] [section.key=VALUE ...] [--nproc N]
                [--resume_from_checkpoint PATH|auto]
-       llmtune data RECIPE [--n N] [--task pt|sft] [section.key=value ...]
+       llmtune data RECIPE [--n N] [--task {NAMES}] [section.key=value ...]
        llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge] [--verify]
        llmtune plot OUTPUT_DIR
-       llmtune plan RECIPE [--nproc N | --nnodes M --nproc-per-node N] [--device-memory GiB] [--task pt|sft]
+       llmtune plan RECIPE [--nproc N | --nnodes M --nproc-per-node N] [--device-memory GiB] [--task {NAMES}]
                [section.key=VALUE ...]
        llmtune demo
-       llmtune pt|sft --help    every recipe key, its default and its meaning"""
+       llmtune {NAMES} --help    every recipe key, its default and its meaning"""
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
-TASK_DESCRIPTIONS = {"pt": "Pre-training: packed blocks of text, every token trained.",
-         "sft": "Supervised fine-tuning: conversations rendered by the chat template, the assistant's tokens trained."}
 
 
 def train_command(task: str, recipe: str, rest: list[str]) -> int:
@@ -30,7 +30,7 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
     from llmtune.run import launch
     from llmtune.run.preflight import checked_inputs
 
-    overrides, nproc = parse_overrides(rest)
+    overrides, nproc = parse_overrides(rest, task)
     if nproc and launch.launched_by_torchrun():
         raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
     world_size = nproc or launch.world_size_from_env()
@@ -76,19 +76,23 @@ def take_flag(args: list[str], flag: str, default: str) -> str:
     return default
 
 
+def check_task(task: str) -> None:
+    if task not in TASKS:
+        raise UserError(f"--task: {task!r} is not a task; use one of {', '.join(TASKS)}")
+
+
 def data_command(args: list[str]) -> int:
     """RECIPE, --n, --task and overrides -> the first N training samples and the data statistics, on one process."""
     from llmtune.config import parse_overrides
 
     recipe, rest = args[0], list(args[1:])
     count, task = take_flag(rest, "--n", "3"), take_flag(rest, "--task", "sft")
-    overrides, nproc = parse_overrides(rest)
+    check_task(task)
+    overrides, nproc = parse_overrides(rest, task)
     if nproc:
         raise UserError("--nproc: llmtune data runs on one process and starts none; remove --nproc")
     if not count.isdigit() or int(count) < 1:
         raise UserError(f"--n: {count!r} is not a positive number of samples")
-    if task not in ("pt", "sft"):
-        raise UserError(f"--task: {task!r} is not a task; use pt or sft")
     from llmtune.config import AUTO, load_config
     from llmtune.run.inputs import check_inputs, fetch_hub_inputs, local_inputs
 
@@ -142,14 +146,13 @@ def plan_command(args: list[str]) -> int:
     task = take_flag(rest, "--task", "sft")
     nnodes, per_node = take_flag(rest, "--nnodes", ""), take_flag(rest, "--nproc-per-node", "")
     memory = take_flag(rest, "--device-memory", "")
-    overrides, nproc = parse_overrides(rest)
+    check_task(task)
+    overrides, nproc = parse_overrides(rest, task)
     if nproc and (nnodes or per_node):
         raise UserError("llmtune plan: give --nproc N (one node) or --nnodes M --nproc-per-node N, not both")
     for flag, value in (("--nnodes", nnodes), ("--nproc-per-node", per_node)):
         if value and (not value.isdigit() or int(value) < 1):
             raise UserError(f"{flag}: {value!r} is not a positive number")
-    if task not in ("pt", "sft"):
-        raise UserError(f"--task: {task!r} is not a task; use pt or sft")
     try:
         device_gib = float(memory) if memory else None
     except ValueError:
@@ -180,16 +183,16 @@ def plot_command(args: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtune", usage=USAGE,
-                                     description="FSDP2 pre-training (pt) and supervised fine-tuning (sft) of HF causal LMs.")
+                                     description="FSDP2 training of HF causal LMs: " + ", ".join(TASKS) + ".")
     parser.add_argument("--version", action="version", version=f"llmtune {__version__}")
-    parser.add_argument("command", choices=["pt", "sft", "data", "export", "demo", "plot", "plan"])
+    parser.add_argument("command", choices=[*TASKS, "data", "export", "demo", "plot", "plan"])
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
-    if parsed.command in ("pt", "sft") and {"-h", "--help"} & set(parsed.args):
+    if parsed.command in TASKS and {"-h", "--help"} & set(parsed.args):
         from llmtune.config import recipe_help
 
-        print(f"usage: {USAGE.splitlines()[0].replace('pt|sft', parsed.command)}\n"
-              f"{USAGE.splitlines()[1]}\n\n{TASK_DESCRIPTIONS[parsed.command]}\n\n{recipe_help()}")
+        print(f"usage: {USAGE.splitlines()[0].replace(NAMES, parsed.command)}\n"
+              f"{USAGE.splitlines()[1]}\n\n{TASKS[parsed.command].description}\n\n{recipe_help(parsed.command)}")
         return 0
     try:
         if parsed.command == "export":

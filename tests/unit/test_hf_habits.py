@@ -12,7 +12,7 @@ import yaml
 
 from llmtune import config as config_module
 from llmtune.run import cli
-from llmtune.config import KEY_ALIASES, load_config, parse_overrides, recipe_keys
+from llmtune.config import KEY_ALIASES, key_names, load_config, parse_overrides, recipe_keys, task_sections
 from llmtune.errors import UserError
 from tests.helpers import REPO
 from tests.unit.test_config import write_recipe
@@ -24,17 +24,22 @@ def test_version_is_the_installed_packages():
     assert result.stdout.strip() == f"llmtune {importlib.metadata.version('llmtune')}"
 
 
-@pytest.mark.parametrize("task, words", [("sft", "Supervised fine-tuning"), ("pt", "Pre-training")])
+@pytest.mark.parametrize("task, words", [("sft", "Supervised fine-tuning"), ("pt", "Pre-training"),
+                                         ("dpo", "Preference training")])
 def test_help_lists_every_recipe_key_with_its_default_and_help(task, words, capsys):
     assert cli.main([task, "--help"]) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"usage: llmtune {task} RECIPE") and words in text
     flat = " ".join(text.split())  # the help is wrapped
-    for section, key, default, help in recipe_keys():
-        assert f"--{key} (default: {default})" in text, key
+    names = key_names(task)
+    for section, key, default, help in recipe_keys(task_sections(task)):
+        option = key if len(names[key]) == 1 else f"{section}.{key}"
+        assert f"--{option} (default: {default})" in text, key
         assert " ".join(help.split()) in flat, key
+    assert ("dpo:" in text.splitlines()) == (task == "dpo"), "a task's help lists its own section alone"
     for alias, target in KEY_ALIASES.items():
-        assert f"{alias} (--{alias.partition('.')[2]}) = {target}" in text
+        listed = f"{alias} (--{alias.partition('.')[2]}) = {target}" in text
+        assert listed == (target.partition(".")[0] in task_sections(task)), alias
 
 
 def test_flat_keys_name_their_section(tmp_path):

@@ -1,0 +1,39 @@
+"""The tasks, in one place: `llmtune TASK recipe.yaml` and `llmtune.train(TASK, ...)` accept these names.
+
+A task is a registration here plus its objective: a class (in this package) that names the step's counts, computes
+a micro-batch's loss terms and metrics, and builds any extra model it needs (a reference); the Trainer calls it and
+never asks which task it is. The entry also names the task's rows, which the data layer builds (data/build.py reads
+`rows`, never the task's name), and its recipe section, if it has one (config.py).
+
+Torch-free and importing nothing of llmtune: the CLI lists and checks tasks before torch is imported, and the recipe
+layer reads the rows and sections here. The objective is named by its import path and imported by the run that
+trains it (tasks/objective.py).
+"""
+
+from dataclasses import dataclass
+
+# What a task's rows are, each built by its own path in data/build.py.
+DOCUMENTS = "documents"  # text packed into blocks, every token trained (pt)
+CONVERSATIONS = "conversations"  # samples rendered by the chat template, the assistant's tokens trained (sft)
+PAIRS = "pairs"  # a prompt with a chosen and a rejected response, both rendered (dpo)
+UNPAIRED = "unpaired"  # a prompt and one response labelled desirable or undesirable (kto)
+
+
+@dataclass(frozen=True)
+class Task:
+    objective: str  # "module:Class" of the objective (tasks/objective.py's Objective)
+    rows: str
+    section: str | None  # the recipe section of the task's own keys, None for none
+    description: str  # the first line of `llmtune TASK --help`
+
+
+TASKS = {
+    "pt": Task("llmtune.tasks.language_model:LanguageModel", DOCUMENTS, None,
+               "Pre-training: packed blocks of text, every token trained."),
+    "sft": Task("llmtune.tasks.language_model:LanguageModel", CONVERSATIONS, None,
+                "Supervised fine-tuning: conversations rendered by the chat template, the assistant's tokens "
+                "trained."),
+    "dpo": Task("llmtune.tasks.preference:DPO", PAIRS, "dpo",
+                "Preference training (DPO and its kin): a chosen and a rejected response to each prompt, the policy "
+                "moved towards the chosen one against a reference model."),
+}
