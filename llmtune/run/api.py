@@ -35,7 +35,7 @@ def override_items(overrides: dict, task: str) -> list[str]:
 def run_recipe(task: str, recipe, overrides: dict, callbacks: list) -> RunResult:
     """llmtune.train's work (see its docstring in llmtune/__init__.py)."""
     if task not in TASKS:
-        raise UserError(f"task: {task!r} is not a task; use {' or '.join(TASKS)}")
+        raise UserError(f"task: {task!r} is not a task; use {', '.join(list(TASKS)[:-1])} or {list(TASKS)[-1]}")
     world_size = world_size_from_env()
     config = load_config(recipe, override_items(overrides, task), task, world_size)
     local = checked_inputs(config, world_size)
