@@ -75,6 +75,7 @@ def measure(config, keep_process_group: bool = False) -> int:
     from llmtune.training.callbacks import Callbacks, CallbackState
     from llmtune.training.ema import EMA
     from llmtune.training.optim import build_optimizer, build_scheduler
+    from llmtune.tasks.language_model import LanguageModel
     from llmtune.training.trainer import Trainer
 
     state = ParallelState.initialize(config.parallel.cp_size)
@@ -82,7 +83,8 @@ def measure(config, keep_process_group: bool = False) -> int:
     model = build_model(load_model_config(config.model), config.model, config.train, state, features)
     optimizer = build_optimizer(model, config.train)
     # Only train_step runs: no data, validation, monitor or checkpoints, no callbacks, no moving averages.
-    trainer = Trainer(model, optimizer, build_scheduler(optimizer, config.train, 10), None, None, None, None, features,
+    trainer = Trainer(model, LanguageModel(), optimizer, build_scheduler(optimizer, config.train, 10), None, None, None,
+                      None, features,
                       state, config.train, 10, Callbacks([], config, CallbackState(state.rank, state.world_size, 10), {}),
                       EMA(model, []), None)
     generator = torch.Generator().manual_seed(state.dp_rank)

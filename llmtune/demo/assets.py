@@ -120,6 +120,28 @@ def generate_data(seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
     return docs, sft_train, sft_eval
 
 
+def _near_miss(rng: random.Random, total: int) -> int:
+    """A wrong sum of the kind a model that almost adds makes: off by one or two in a digit."""
+    return total + rng.choice((-1, 1, -2, 2)) * rng.choice((1, 10))
+
+
+def preference_data(sft_train: list[dict], sft_eval: list[dict], seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(dpo train rows, dpo eval rows) in TRL's conversational preference form: the sft questions (the same operand
+    pairs: the eval ones never in train), the correct equation chosen, a near miss rejected. Drawn from a generator
+    of their own, so that the other files do not change."""
+    rng = random.Random(seed + 1)
+
+    def pair(row: dict) -> dict:
+        equation = row["response"]
+        total = int(equation.rpartition("= ")[2])
+        wrong = f"{equation.rpartition('= ')[0]}= {_near_miss(rng, total)}"
+        return {"prompt": [{"role": "user", "content": row["prompt"]}],
+                "chosen": [{"role": "assistant", "content": equation}],
+                "rejected": [{"role": "assistant", "content": wrong}]}
+
+    return [pair(row) for row in sft_train], [pair(row) for row in sft_eval]
+
+
 def _write_jsonl(path: pathlib.Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -168,7 +190,7 @@ def _train_tokenizer(lines: list[str], out_dir: pathlib.Path, spm_dir: pathlib.P
 
 
 def write_demo_assets(root: pathlib.Path, seed: int = 0) -> None:
-    """Write data/{pt,sft_train,sft_eval}.jsonl, tokenizer/ (transformers), sentencepiece/
+    """Write data/{pt,sft_train,sft_eval,dpo_train,dpo_eval}.jsonl, tokenizer/ (transformers), sentencepiece/
     (the raw tokenizer.model) and model/config.json under root."""
     from transformers import LlamaConfig
 
@@ -177,6 +199,9 @@ def write_demo_assets(root: pathlib.Path, seed: int = 0) -> None:
     _write_jsonl(root / "data" / "pt.jsonl", docs)
     _write_jsonl(root / "data" / "sft_train.jsonl", sft_train)
     _write_jsonl(root / "data" / "sft_eval.jsonl", sft_eval)
+    dpo_train, dpo_eval = preference_data(sft_train, sft_eval, seed)
+    _write_jsonl(root / "data" / "dpo_train.jsonl", dpo_train)
+    _write_jsonl(root / "data" / "dpo_eval.jsonl", dpo_eval)
 
     # The tokenizer sees the corpus and the SFT rows rendered as they are trained.
     lines = [d["text"] for d in docs]

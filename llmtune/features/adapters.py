@@ -15,6 +15,7 @@ peft cannot do on a model built on the meta device and sharded, llmtune does aro
 import copy
 import json
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -180,6 +181,21 @@ class Adapters(Feature):
         for module in adapters.values():
             module.to(device)
         return values
+
+    @staticmethod
+    @contextmanager
+    def disabled(hf_model):
+        """The base model: every adapter layer passes its input through its base layer alone (a preference task's
+        reference, dpo.reference: adapter_off). The flag is peft's own, set directly: peft's enable_adapters would
+        also turn the adapters' requires_grad off, which the optimizer and FSDP's gradients rely on."""
+        layers = lora_layers(hf_model).values()
+        for layer in layers:
+            layer._disable_adapters = True
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer._disable_adapters = False
 
     def modules_to_save(self) -> list[str]:
         return list(self.lora.modules_to_save or self.config.peft.modules_to_save)

@@ -31,6 +31,9 @@ class Feature:
     """One feature of a run, made from the run's Config when `enabled(config)` says it is on."""
 
     name = ""
+    # Whether the feature also acts on a frozen copy of the model (a preference task's reference model): what changes
+    # how the model computes (its attention, its kernels), not what it trains.
+    on_reference = False
 
     def __init__(self, config):
         self.config = config
@@ -103,6 +106,10 @@ class Features:
     def weights_ready(self, hf_model) -> None:
         for feature in self.features:
             feature.weights_ready(hf_model)
+
+    def for_reference(self, first: Feature) -> "Features":
+        """The features of a frozen copy of the model: `first`, then those of this run that act on one."""
+        return Features([first, *(feature for feature in self.features if feature.on_reference)])
 
     def find(self, kind: type) -> Feature | None:
         """The run's feature of this class, if it is on."""

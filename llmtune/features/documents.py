@@ -21,6 +21,7 @@ from llmtune.model.attention import DOCUMENTS, document_attention, document_posi
 
 class PackedDocuments(Feature):
     name = "packed_documents"
+    on_reference = True
 
     @staticmethod
     def enabled(config) -> bool:

@@ -22,6 +22,7 @@ FIX = "set train.fused_kernels: false"
 
 class FusedKernels(Feature):
     name = "fused_kernels"
+    on_reference = True
 
     @staticmethod
     def enabled(config) -> bool:

@@ -55,6 +55,7 @@ def layout_problems(model_config, cp: int) -> list[str]:
 
 class ContextParallel(Feature):
     name = "context_parallel"
+    on_reference = True
 
     @staticmethod
     def enabled(config) -> bool:
@@ -109,8 +110,11 @@ class SequenceShard:
             positions, documents = (torch.cat([t, t[:, -1:] + torch.arange(1, extra + 1, device=t.device)], dim=1)
                                     for t in (positions, documents))
         part = slice(self.rank * padded // self.size, (self.rank + 1) * padded // self.size)
-        return {"input_ids": input_ids[:, part].contiguous(), "shift_labels": labels[:, part].contiguous(),
-                "position_ids": positions[:, part].contiguous(), "document_positions": documents.contiguous()}
+        sliced = {"input_ids": input_ids[:, part].contiguous(), "shift_labels": labels[:, part].contiguous(),
+                  "position_ids": positions[:, part].contiguous(), "document_positions": documents.contiguous()}
+        if "sequence_ids" in inputs:  # a preference task's: which sequence each token belongs to (-1: padding)
+            sliced["sequence_ids"] = F.pad(inputs["sequence_ids"], (0, extra), value=-1)[:, part].contiguous()
+        return sliced
 
 
 class _AllToAll(torch.autograd.Function):

@@ -91,10 +91,12 @@ def memory_gib() -> tuple[float, float]:
 
 
 class TrainMonitor:
-    """recipe: the resolved recipe, for the trackers (their runs' config)."""
+    """recipe: the resolved recipe, for the trackers (their runs' config); unit: what the step's samples are
+    (samples_per_s, or a task's own: pairs_per_s)."""
 
     def __init__(self, output_dir: Path, monitor_cfg, logging_steps: int, total_steps: int, flops_token: float,
-                 world_size: int, rank: int, recipe: dict | None = None):
+                 world_size: int, rank: int, recipe: dict | None = None, unit: str = "samples"):
+        self.unit = unit
         self.logging_steps = logging_steps
         self.total_steps = total_steps
         self.flops_token = flops_token
@@ -169,7 +171,7 @@ class TrainMonitor:
             "loss": sum(s.loss for s in steps) / len(steps),
             "lr": stats.lr, "grad_norm": stats.grad_norm,
             "tokens": stats.label_tokens, "input_tokens": input_tokens,
-            "tokens_per_s": tokens_per_s, "samples_per_s": sum(s.samples for s in steps) / elapsed,
+            "tokens_per_s": tokens_per_s, f"{self.unit}_per_s": sum(s.samples for s in steps) / elapsed,
             "step_time_s": sum(s.step_time for s in steps) / len(steps),
             "data_wait_frac": sum(s.data_wait for s in steps) / elapsed,
             "tflops": tflops, "mfu": tflops / self.peak if self.peak else None,

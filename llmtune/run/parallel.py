@@ -110,6 +110,13 @@ class ParallelState:
         dist.broadcast_object_list(holder, src=0, group=group)
         return holder[0]
 
+    def cp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of `tensor` over the cp peers (a copy; no gradient flows through it)."""
+        total = tensor.detach().clone()
+        if self.cp_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.mesh.get_group("cp"))
+        return total
+
     def cp_all_to_all(self, send: torch.Tensor) -> torch.Tensor:
         """Among the cp peers: send[i] goes to peer i; returns what each peer sent here, in peer order."""
         received = torch.empty_like(send)

@@ -29,6 +29,7 @@ from llmtune.run.parallel import ParallelState
 from llmtune.run.preflight import check_run
 from llmtune.run.rank_agreement import check_ranks_agree
 from llmtune.run.summary import RunResult, run_result, run_summary
+from llmtune.tasks.objective import build_objective
 from llmtune.training.callbacks import Callbacks, CallbackState, recipe_callbacks
 from llmtune.training.ema import EMA
 from llmtune.training.optim import build_optimizer, build_scheduler
@@ -79,6 +80,8 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     check_vocab(model_config, tokenizer)
     features = enabled_features(config)
     model = build_model(model_config, local.model, config.train, state, features)
+    objective = build_objective(config, local=local, model_config=model_config, model=model, features=features,
+                                state=state)
     check_ranks_agree(state, config, data, validation, test, model.hf_model)
     # From here on ranks draw different random numbers (dropout), each from its own stream.
     torch.manual_seed(config.train.seed + state.rank)
@@ -87,7 +90,7 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     scheduler = build_scheduler(optimizer, config.train, total_steps)
     monitor = TrainMonitor(output_dir, config.monitor, config.train.logging_steps, total_steps,
                            flops_per_token(model.hf_model, config.data.max_seq_len), state.world_size, state.rank,
-                           {"task": config.task, **config.to_dict()})
+                           {"task": config.task, **config.to_dict()}, objective.unit)
     # Only a run with frozen weights saves the trained part alone, and needs its base to resume.
     frozen = any(not param.requires_grad for param in model.parameters())
     base = base_record(config, local.model, model_config) if frozen else None
@@ -95,7 +98,7 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     events = Callbacks([*recipe_callbacks(config), *callbacks], config,
                        CallbackState(state.rank, state.world_size, total_steps),
                        {"model": model.hf_model, "optimizer": optimizer, "lr_scheduler": scheduler})
-    trainer = Trainer(model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
+    trainer = Trainer(model, objective, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
                       config.train, total_steps, events, EMA(model, config.train.ema_decays()), test)
     trainer.built()
     checkpoints.restore(trainer)

@@ -10,7 +10,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from llmtune.errors import Preempted, TrainingStopped
-from llmtune.model.loss import IGNORE_INDEX
 from llmtune.monitor.metrics import StepRecord
 from llmtune.training.callbacks import TrainerControl
 from llmtune.training.loss_scale import LossScale
@@ -26,9 +25,10 @@ class Trainer:
     their events (none: nothing happens there), the test split once training has ended (none: no test). A
     callback's control adds to what is due: an evaluation, a record, a save, the end of training."""
 
-    def __init__(self, model, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
+    def __init__(self, model, objective, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
                  train_cfg, total_steps: int, callbacks, ema, test):
         self.model = model
+        self.objective = objective
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.data = data
@@ -153,10 +153,11 @@ class Trainer:
 
     def _evaluate(self) -> dict:
         """Evaluate, tell the callbacks (on_evaluate, then every rank's agreement) and keep the metrics."""
-        metrics = {"eval_loss": self.evaluate(self.validation)}
+        metrics = {f"eval_{name}": value for name, value in self.evaluate(self.validation).items()}
         for decay in self.ema.decays if self.cfg.eval_ema else ():
             with self.ema.swapped_in(decay):
-                metrics[f"eval_loss_ema{self.ema.suffix(decay)}"] = self.evaluate(self.validation)
+                metrics.update({f"eval_{name}_ema{self.ema.suffix(decay)}": value
+                                for name, value in self.evaluate(self.validation).items()})
         self.last_eval = {"step": self.step, **metrics}
         self._event("on_evaluate", metrics=metrics)
         return metrics
@@ -166,7 +167,7 @@ class Trainer:
         metric_key_prefix="test") after train(): on_evaluate, then its own record at the last step."""
         if self.test.dataset is None:
             return
-        metrics = {"test_loss": self.evaluate(self.test)}
+        metrics = {f"test_{name}": value for name, value in self.evaluate(self.test).items()}
         self._event("on_evaluate", metrics=metrics)
         self.monitor.evaluation(self.step, self.data.progress, metrics, self._on_log)
 
@@ -209,33 +210,28 @@ class Trainer:
     def train_step(self, micro_batches) -> StepRecord:
         """One optimizer step.
 
-        Every micro-batch contributes sum(CE) / T, T the labelled tokens of the whole step on all
-        ranks, counted before the first forward. FSDP averages gradients over its N ranks, so the
-        loss is also multiplied by N: the gradient is then exactly that of the global mean,
-        whatever the split over ranks, micro-batches and accumulation steps. A non-finite loss or
-        gradient norm (both global, so every rank sees the same) skips the update on every rank.
+        The objective's loss terms are sums (over tokens, pairs, ...), each divided by its count over the whole step
+        on every rank, counted before the first forward (tasks/objective.py). FSDP averages gradients over its N
+        ranks, so the loss is also multiplied by N: the gradient is then exactly that of the step's mean, whatever
+        the split over ranks, micro-batches and accumulation steps. A non-finite loss or gradient norm (both global,
+        so every rank sees the same) skips the update on every rank.
         """
-        device = self.state.device
-        batches = [self.features.transform(b.to(device).inputs) for b in micro_batches]
-        # Labels are counted on the slices (each token once over dp x cp); whole rows only by one rank of each
-        # cp group, whose peers hold the same rows.
-        rows_here = self.state.cp_rank == 0
-        counts = torch.tensor([sum(int((b["shift_labels"] != IGNORE_INDEX).sum()) for b in batches),
-                               sum(b.num_tokens for b in micro_batches) * rows_here,
-                               sum(len(b["input_ids"]) for b in batches) * rows_here], device=device,
-                              dtype=torch.float64)
-        label_tokens, input_tokens, samples = self.state.all_reduce_sum(counts).tolist()
-        scale = self.state.fsdp_group_size / max(label_tokens, 1.0) * self.loss_scale.scale
-        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-        for i, batch in enumerate(batches):
-            self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            loss = self.model(**batch)
-            (loss * scale).backward()
-            loss_sum += loss.detach()
-            if i < len(batches) - 1:
+        device, objective = self.state.device, self.objective
+        micro_batches = [b.to(device) for b in micro_batches]
+        inputs = [self.features.transform(b.inputs) for b in micro_batches]
+        totals = self._step_totals(inputs, micro_batches)
+        weights = (objective.weights(totals) * (self.state.fsdp_group_size * self.loss_scale.scale)).float()
+        sums = torch.zeros(sum(objective.sizes()), device=device, dtype=torch.float64)
+        for i, (batch_inputs, batch) in enumerate(zip(inputs, micro_batches)):
+            self.model.set_requires_gradient_sync(i == len(inputs) - 1)
+            terms = objective.terms(self.model, batch_inputs, batch)
+            (terms.loss * weights).sum().backward()
+            sums += torch.cat([terms.loss.detach(), terms.metrics]).double()
+            if i < len(inputs) - 1:
                 self.callbacks("on_substep_end")
-        mean_loss = self.state.all_reduce_sum(loss_sum).item() / max(label_tokens, 1.0)
-        feature_metrics = self.features.step_metrics(self.state)
+        values = objective.summary(*self.state.all_reduce_sum(sums).split(objective.sizes()), totals)
+        mean_loss = values.pop("loss")
+        feature_metrics = {**values, **self.features.step_metrics(self.state)}
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_scale.unscale(trained)
         grad_norm = clip_gradients(trained, self.cfg.max_grad_norm)
@@ -250,24 +246,38 @@ class Trainer:
         self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + self.loss_scale.counts_skip()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return StepRecord(loss=mean_loss, lr=lr, grad_norm=grad_norm, label_tokens=int(label_tokens),
-                          input_tokens=int(input_tokens), samples=int(samples), step_time=0.0, data_wait=0.0,
-                          skipped=not finite, features=feature_metrics,
+        count = dict(zip(objective.names(), totals.tolist()))
+        return StepRecord(loss=mean_loss, lr=lr, grad_norm=grad_norm, label_tokens=int(count["label_tokens"]),
+                          input_tokens=int(count["input_tokens"]), samples=int(count[objective.samples]),
+                          step_time=0.0, data_wait=0.0, skipped=not finite, features=feature_metrics,
                           loss_scale=self.loss_scale.scale if self.loss_scale.enabled else None)
 
-    def evaluate(self, held_out) -> float:
-        """The loss of a held-out split (the validation or the test one): the token-weighted mean over its batches on
-        all ranks."""
+    def _step_totals(self, inputs: list[dict], micro_batches: list) -> torch.Tensor:
+        """The objective's counts of these micro-batches, summed over them and over every rank (one all-reduce)."""
+        counts = sum(self._counts(i, b) for i, b in zip(inputs, micro_batches))
+        return self.state.all_reduce_sum(counts)
+
+    def _counts(self, inputs: dict, batch) -> torch.Tensor:
+        return torch.tensor(self.objective.local_counts(inputs, batch, self.state.cp_rank), device=self.state.device,
+                            dtype=torch.float64)
+
+    def evaluate(self, held_out) -> dict[str, float]:
+        """The loss and metrics of a held-out split (the validation or the test one), as the objective defines them
+        for a training step, over all its batches on all ranks."""
+        objective, device = self.objective, self.state.device
         self.model.eval()
-        totals = torch.zeros(2, device=self.state.device, dtype=torch.float64)
+        counts = torch.zeros(len(objective.names()), device=device, dtype=torch.float64)
+        sums = torch.zeros(sum(objective.sizes()), device=device, dtype=torch.float64)
         with torch.no_grad():
             for batch in held_out.batches():
-                inputs = self.features.transform(batch.to(self.state.device).inputs)
-                totals[0] += self.model(**inputs).double()
-                totals[1] += (inputs["shift_labels"] != IGNORE_INDEX).sum()
+                batch = batch.to(device)
+                inputs = self.features.transform(batch.inputs)
+                counts += self._counts(inputs, batch)
+                terms = objective.terms(self.model, inputs, batch)
+                sums += torch.cat([terms.loss, terms.metrics]).double()
         self.model.train()
-        loss_sum, count = self.state.all_reduce_sum(totals).tolist()
-        return loss_sum / max(count, 1.0)
+        totals, sums = self.state.all_reduce_sum(torch.cat([counts, sums])).split([len(counts), len(sums)])
+        return objective.summary(*sums.split(objective.sizes()), totals)
 
 
 def clip_gradients(parameters: list, max_norm: float) -> float:

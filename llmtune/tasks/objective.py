@@ -1,0 +1,87 @@
+"""What a task trains: the Objective the Trainer calls for every micro-batch, whatever the task.
+
+Every number an objective gives is a SUM that adds up over micro-batches and ranks, so that the step's value does
+not depend on how its micro-batches are laid out:
+- counts: before the first forward, each micro-batch's counts (the trainer's own: labelled tokens, input tokens and
+  rows, then the objective's `counts`) are summed over the step's micro-batches and all-reduced over every rank: the
+  step's totals.
+- terms: each micro-batch's loss terms, each a sum its divisor (one of the counts) turns into a mean of the whole
+  step: loss = sum_i terms[i] / totals[divisors[i]]. The trainer backpropagates that, times the number of ranks FSDP
+  averages gradients over; logged, the terms are all-reduced and divided the same way.
+- metrics: sums of the step's values (detached), each divided by its own count once they are all-reduced.
+
+Under context parallelism a count or term is a sum over each rank's slice of the tokens, or, for a value of a whole
+sequence, counted once over the cp peers (ParallelState.cp_rank == 0): see tasks/preference.py.
+"""
+
+from dataclasses import dataclass
+from importlib import import_module
+
+import torch
+
+from llmtune.model.loss import IGNORE_INDEX
+from llmtune.tasks.registry import TASKS
+
+# The counts every task has, counted by trainer_counts; an objective's own follow them.
+BASE_COUNTS = ("label_tokens", "input_tokens", "rows")
+
+
+@dataclass
+class Terms:
+    """One micro-batch's share of the step: loss terms (differentiable) and metric sums (detached)."""
+    loss: torch.Tensor  # [len(Objective.divisors)]
+    metrics: torch.Tensor  # [len(Objective.metrics)]
+
+
+class Objective:
+    """A task's loss and metrics (subclasses per task; the registry names them). Class attributes:
+    counts: the objective's own counts, after BASE_COUNTS; divisors: the count that divides each loss term;
+    metrics: (name, count that divides it) of each metric; samples: the count metrics.jsonl's samples_per_s reads,
+    and unit: its name there (pairs_per_s)."""
+
+    counts: tuple[str, ...] = ()
+    divisors: tuple[str, ...] = ("label_tokens",)
+    metrics: tuple[tuple[str, str], ...] = ()
+    samples: str = "rows"
+    unit: str = "samples"
+
+    def count(self, inputs: dict, batch, cp_rank: int) -> list[float]:
+        """This micro-batch's values of `counts` (inputs: as the model gets them, after the features' transform)."""
+        return []
+
+    def terms(self, model, inputs: dict, batch) -> Terms:
+        raise NotImplementedError
+
+    def sizes(self) -> list[int]:
+        """The lengths of Terms.loss and Terms.metrics."""
+        return [len(self.divisors), len(self.metrics)]
+
+    def names(self) -> tuple[str, ...]:
+        return BASE_COUNTS + self.counts
+
+    def local_counts(self, inputs: dict, batch, cp_rank: int) -> list[float]:
+        """Every count of one micro-batch on this rank: the labelled tokens of its slice, and its input tokens and rows
+        once per cp group (cp peers hold the same rows), then the objective's."""
+        rows_here = cp_rank == 0
+        return [float((inputs["shift_labels"] != IGNORE_INDEX).sum()), float(batch.num_tokens * rows_here),
+                float(len(inputs["input_ids"]) * rows_here), *self.count(inputs, batch, cp_rank)]
+
+    def weights(self, totals: torch.Tensor) -> torch.Tensor:
+        """The factor of each loss term: 1 / its divisor's step total (at least 1: a step without any adds 0)."""
+        names = self.names()
+        return torch.stack([1.0 / totals[names.index(d)].clamp(min=1.0) for d in self.divisors])
+
+    def summary(self, loss_sums: torch.Tensor, metric_sums: torch.Tensor, totals: torch.Tensor) -> dict[str, float]:
+        """{"loss": the step's (or a held-out split's) loss, then each metric}, from all-reduced sums and totals."""
+        names = self.names()
+        values = {"loss": float((loss_sums.double() * self.weights(totals.double())).sum())}
+        for (name, divisor), value in zip(self.metrics, metric_sums.tolist()):
+            values[name] = value / max(float(totals[names.index(divisor)]), 1.0)
+        return values
+
+
+def build_objective(config, **parts) -> Objective:
+    """The objective of config.task (the registry's class), built by its `build(config, **parts)`: the parts of the
+    run it may need (the model, features, state, ...), passed by the worker."""
+    module, _, name = TASKS[config.task].objective.partition(":")
+    return getattr(import_module(module), name).build(config, **parts)
