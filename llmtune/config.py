@@ -603,8 +603,8 @@ class DPOConfig:
                                                "ratio plus the chosen responses' NLL); a list adds several, weighted "
                                                "by loss_weights.")
     loss_weights: list[float] = _field([], "One weight per loss_type entry; empty = 1 each.")
-    label_smoothing: float = _field(0.0, "sigmoid and robust: the probability that a pair's preference is flipped "
-                                         "(cDPO, robust DPO), in [0, 0.5).")
+    label_smoothing: float = _field(0.0, "sigmoid, robust and simpo: the probability that a pair's preference is "
+                                         "flipped (cDPO, robust DPO; TRL's CPO for simpo), in [0, 0.5).")
     simpo_gamma: float = _field(0.5, "simpo: the target reward margin.")
     sft_weight: float = _field(0.0, "Weight of an added NLL term on the chosen responses (RPO; TRL's rpo_alpha, "
                                     "LLaMA-Factory's pref_ftx), averaged over the chosen tokens of the whole step.")
