@@ -123,7 +123,7 @@ def test_a_response_without_labelled_tokens_counts_one_token():
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.2])
-def test_a_policy_equal_to_its_reference_has_loss_ln2_no_reward_and_no_accuracy(eps):
+def test_a_policy_equal_to_its_reference_has_loss_ln2_no_reward_and_chance_accuracy(eps):
     same = [dict(p, pi_c=p["ref_c"], pi_r=p["ref_r"]) for p in PAIRS]
     losses = losses_of(["sigmoid"], same, eps=eps)
     if eps == 0.0:
@@ -131,8 +131,8 @@ def test_a_policy_equal_to_its_reference_has_loss_ln2_no_reward_and_no_accuracy(
     assert losses == pytest.approx([math.log(2)] * len(same), rel=1e-15)
     chosen, rejected = pair_rewards(policy_logps(same), reference_logps(same), BETA)
     assert chosen.tolist() == rejected.tolist() == [0.0] * len(same)
-    assert metric_sums(policy_logps(same), reference_logps(same), BETA)["rewards/accuracies"].item() == 0.0, \
-        "a tie is not a pair ranked right"
+    assert metric_sums(policy_logps(same), reference_logps(same), BETA)["rewards/accuracies"].item() == \
+        0.5 * len(same), "a tie is half a pair ranked right"
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.2])
