@@ -684,6 +684,10 @@ class Config:
     def dp_size(self, world_size: int) -> int:
         return world_size // self.parallel.cp_size
 
+    def holds_reference_copy(self) -> bool:
+        """Whether the run holds a second, frozen copy of the model while it trains (dpo.reference: model)."""
+        return TASKS[self.task].section == "dpo" and self.dpo.needs_reference() and self.dpo.reference == "model"
+
     def use_micro_batch(self, micro_batch: int, world_size: int) -> None:
         """per_device_train_batch_size: auto, resolved: this micro-batch, and the accumulation that keeps
         train.global_batch_size on world_size ranks."""
@@ -1036,6 +1040,10 @@ def _task_problems(config: Config, provided: set[str]) -> list[str]:
     if dpo.reference == "adapter_off" and dpo.needs_reference() and config.peft.method == "none":
         out.append("dpo.reference: adapter_off is the policy with its adapters off, and this run trains no adapters; "
                    "set peft.method (lora or dora) or dpo.reference: model")
+    if config.model.init_from and dpo.needs_reference() and dpo.reference != "adapter_off" and not dpo.ref_model:
+        out.append(f"dpo.reference: {dpo.reference} is built from model.name_or_path, but model.init_from starts the "
+                   "policy from other weights; set dpo.ref_model to the weights the reference should have (e.g. the "
+                   "folder init_from's run exported)")
     for key, value in (("z_loss", train.z_loss), ("label_smoothing", train.label_smoothing)):
         if value:
             out.append(f"train.{key}: applies to the token loss of pt and sft; preference losses use the "

@@ -20,7 +20,8 @@ def hub_inputs(config) -> dict[HubRepo, str]:
     model = config.model
     found = {}
     for key, repo in (("model.name_or_path", _model_repo(model, model.name_or_path, tokenizer_only=False)),
-                      ("model.tokenizer", _model_repo(model, model.tokenizer, tokenizer_only=True))):
+                      ("model.tokenizer", _model_repo(model, model.tokenizer, tokenizer_only=True)),
+                      ("dpo.ref_model", _reference_repo(config))):
         if repo:
             found.setdefault(repo, key)
     if model.revision and not found:
@@ -36,6 +37,11 @@ def hub_inputs(config) -> dict[HubRepo, str]:
 
 def _model_repo(model, text: str | None, tokenizer_only: bool) -> HubRepo | None:
     return model_repo(text, model.revision, model.trust_remote_code, tokenizer_only=tokenizer_only)
+
+
+def _reference_repo(config) -> HubRepo | None:
+    """dpo.ref_model, a model of its own: model.revision names the policy's revision, not its."""
+    return model_repo(config.dpo.ref_model, None, config.model.trust_remote_code, tokenizer_only=False)
 
 
 def pin_hub_inputs(config) -> dict[HubRepo, str]:
@@ -65,10 +71,12 @@ def local_inputs(config, folders: dict[HubRepo, Path]):
 
     local_model = replace(model, name_or_path=folder(model.name_or_path, tokenizer_only=False),
                           tokenizer=folder(model.tokenizer, tokenizer_only=True), revision=None)
+    reference = _reference_repo(config)
+    local_dpo = replace(config.dpo, ref_model=str(folders[reference]) if reference else config.dpo.ref_model)
     local_data = replace(data, train_files=sources(data.train_files, "data.train_files"),
                          val_files=sources(data.val_files, "data.val_files"),
                          test_files=sources(data.test_files, "data.test_files"))
-    return replace(config, model=local_model, data=local_data)
+    return replace(config, model=local_model, data=local_data, dpo=local_dpo)
 
 
 def check_data_sources(sources: list[Source]) -> None:
@@ -166,6 +174,10 @@ def check_inputs(config) -> None:
     sinks are installed."""
     check_optional_packages(config)
     check_model_paths(config.model)
+    reference = config.dpo.ref_model
+    if reference and not (Path(reference) / "config.json").is_file():
+        raise UserError(f"dpo.ref_model: {reference} is not a HF model folder (no config.json there); point it at a "
+                        "folder written by save_pretrained, or at a Hub id (org/name)")
     tokenizer_dir = Path(config.model.tokenizer or config.model.name_or_path)
     if config.task == "sft" and not config.data.chat_template and not has_chat_template(tokenizer_dir):
         raise UserError(f"data.chat_template: the tokenizer in {tokenizer_dir} has no chat template; set "

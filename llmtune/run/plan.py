@@ -61,6 +61,7 @@ class Plan:
     trainable: int  # parameters that train, whole model
     total_params: int
     averages: int = 0  # train.ema_decay's moving averages: an fp32 copy of the trained parameters per decay
+    reference: int = 0  # a preference task's frozen reference copy (dpo.reference: model), in the compute dtype
 
     @property
     def peak(self) -> int:
@@ -68,8 +69,8 @@ class Plan:
         two decoder layers are gathered (the one in backward and the next, prefetched) with the first layer's
         unsharded gradient; the sharded gradients exist whole from the second micro-batch on (accumulation)."""
         grads = self.grads if self.layout.accumulation > 1 else 0
-        return (self.params + self.optimizer + self.averages + grads + self.root + 3 * self.largest_layer
-                + self.activations + self.loss)
+        return (self.params + self.optimizer + self.averages + self.reference + grads + self.root
+                + 3 * self.largest_layer + self.activations + self.loss)
 
 
 class _MetaAsOnDevice(TorchFunctionMode):
@@ -200,7 +201,10 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
         loss=loss_bytes(layout.micro_batch * tokens, hidden, head.shape[0], train.chunk_loss_size, compute,
                         head.requires_grad),
         trainable=sum(p.numel() for p in trainable), total_params=sum(p.numel() for p in params),
-        averages=len(train.ema_decays()) * trained)
+        averages=len(train.ema_decays()) * trained,
+        # Every weight frozen, so stored in the compute dtype (model/build.py); the shapes of the policy's model
+        # (dpo.ref_model is another checkpoint of it).
+        reference=sum(shard_bytes(p, world_size, compute) for p in params) if config.holds_reference_copy() else 0)
 
 
 def gib(nbytes: float) -> str:
@@ -292,6 +296,8 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         ("gradients (fp32, sharded)", plan.grads),
         ("optimizer state (AdamW's two moments, fp32)", plan.optimizer),
         *([("moving averages (train.ema_decay, fp32, sharded)", plan.averages)] if plan.averages else []),
+        *([(f"reference model (dpo.reference: model; frozen, {dtype}, sharded)", plan.reference)]
+          if plan.reference else []),
         (f"largest all-gathered decoder layer ({dtype})", plan.largest_layer),
         (f"embeddings, lm_head and norm, gathered ({dtype})", plan.root),
         (f"activations per micro-batch, checkpointing {checkpointing}", plan.activations),

@@ -30,6 +30,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 LAYOUTS = {
     "demo/pt.yaml": ("pt", (1, 2)),
     "demo/sft.yaml": ("sft", (1, 2)),
+    "demo/dpo.yaml": ("dpo", (1, 2)),
     "llama3/pt-continued.yaml": ("pt", (8, 16, 32)),
     "llama3/sft-8b.yaml": ("sft", (8, 16, 32)),
     "qwen3/sft-8b.yaml": ("sft", (8, 16, 32)),
