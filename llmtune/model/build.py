@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from llmtune.errors import UserError
 from llmtune.model.attention import backend_problems, resolve_backend
-from llmtune.model.loss import LossOptions, cross_entropy_sum
+from llmtune.model.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum, token_logps
 from llmtune.model.pretrained import checkpoint_index, load_weights, weight_sources
 from llmtune.model.state import saved_tensors
 
@@ -35,7 +35,8 @@ class CausalLMForTraining(nn.Module):
 
     Its forward runs the decoder and then the loss from the last hidden states and the lm_head
     weight, plus the features' loss terms. Being the root, FSDP has unsharded the embeddings and
-    lm_head exactly where the loss needs them, and the HF model class is never edited.
+    lm_head exactly where the loss needs them, and the HF model class is never edited. sequence_logps
+    (preference training) is a second forward method: build_model registers it with FSDP.
 
     `features`: the run's Features (features/base.py), passed in rather than imported: the features are the layer
     above the model, they build on it.
@@ -53,10 +54,7 @@ class CausalLMForTraining(nn.Module):
         """Summed loss over the labelled tokens (the lm_head never runs on the whole sequence), or the
         logits, as the HF model gives them, when no labels are given. model_kwargs reach the decoder and,
         through it, the attention function of every layer (context parallelism's full_position_ids)."""
-        outputs = self.hf_model.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-            **model_kwargs
-        )
+        outputs = self._decode(input_ids, attention_mask, position_ids, model_kwargs)
         head = self.hf_model.get_output_embeddings()
         if shift_labels is None:
             logits = head(outputs.last_hidden_state)
@@ -66,6 +64,37 @@ class CausalLMForTraining(nn.Module):
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       shift_labels=shift_labels, **model_kwargs)
         return sum(self.features.loss_terms(outputs, inputs), loss)
+
+    def sequence_logps(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None,
+                       sequence_ids=None, sequences: int = 0, **model_kwargs) -> tuple[Tensor, Tensor, Tensor]:
+        """For the sequences packed in the micro-batch's rows: (the sum of each one's labelled tokens'
+        log-probabilities, fp32 [sequences]; the count of its labelled tokens, fp32 [sequences]; the features' loss
+        terms summed, a scalar, 0 when none), from the same decoder and LossOptions as forward, never the whole
+        [tokens, vocab] logits.
+
+        sequence_ids [b, S]: the index in the micro-batch of each token's sequence, -1 for padding (it never reaches
+        the decoder); None: each row is one sequence. sequences: how many there are, 0: as many as the ids name (which
+        reads them on the host)."""
+        outputs = self._decode(input_ids, attention_mask, position_ids, model_kwargs)
+        head = self.hf_model.get_output_embeddings()
+        logps = token_logps(outputs.last_hidden_state, head.weight, head.bias, shift_labels, self.loss_options)
+        if sequence_ids is None:
+            sequence_ids = torch.arange(len(input_ids), device=input_ids.device)[:, None].expand(input_ids.shape)
+        sequences = sequences or int(sequence_ids.max()) + 1
+        counted = (shift_labels != IGNORE_INDEX) & (sequence_ids >= 0)
+        owners = sequence_ids[counted]
+        sums = logps.new_zeros(sequences).index_add(0, owners, logps[counted])
+        counts = logps.new_zeros(sequences).index_add(0, owners, logps.new_ones(len(owners)))
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      shift_labels=shift_labels, sequence_ids=sequence_ids, **model_kwargs)
+        return sums, counts, sum(self.features.loss_terms(outputs, inputs), logps.new_zeros(()))
+
+    def _decode(self, input_ids, attention_mask, position_ids, model_kwargs: dict):
+        """The decoder's outputs, the one call of it for forward and sequence_logps."""
+        return self.hf_model.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+            **model_kwargs
+        )
 
 
 def load_model_config(model_cfg):
@@ -166,6 +195,8 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     for layer in layers:
         fully_shard(layer, mesh=state.fsdp_mesh, mp_policy=policy)
     fully_shard(module, mesh=state.fsdp_mesh, mp_policy=policy)
+    # FSDP unshards the root's own parameters (embeddings, lm_head) around `forward` alone.
+    register_fsdp_forward_method(module, "sequence_logps")
     if pretrained:
         buffers = {name: buffer.clone() for name, buffer in module.named_buffers()}
         module.to_empty(device=state.device)

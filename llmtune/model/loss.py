@@ -25,6 +25,10 @@ chunks' weight gradients in the weight's dtype, where bf16 loses the small contr
 many chunks; here they are summed in fp32. Tokens whose label is ignored are dropped before
 chunking, so masked prompt tokens cost nothing. Without grad mode (evaluation) only the loss is
 computed.
+
+Per-token log-probabilities (token_logps, for preference training) take the same two paths, the chunked one
+with the same blocks, capping and softmax, but recompute each chunk's logits in backward (see
+_ChunkedTokenLogps).
 """
 
 from dataclasses import dataclass
@@ -78,10 +82,16 @@ def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return _full_logits_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
 
 
-def _full_logits_cross_entropy_sum(hidden, weight, bias, labels, options: LossOptions) -> torch.Tensor:
+def _full_logits(hidden, weight, bias, options: LossOptions) -> torch.Tensor:
+    """fp32 (soft-capped) logits of every token: the reference paths' [T, V]."""
     logits = F.linear(hidden, weight, bias).float()
     if options.logit_softcap is not None:
         logits = options.logit_softcap * torch.tanh(logits / options.logit_softcap)
+    return logits
+
+
+def _full_logits_cross_entropy_sum(hidden, weight, bias, labels, options: LossOptions) -> torch.Tensor:
+    logits = _full_logits(hidden, weight, bias, options)
     loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum",
                            label_smoothing=options.label_smoothing)
     if options.z_loss:
@@ -146,18 +156,32 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def _loss_and_grads(hidden, weight, bias, labels, options, needs):
     """The summed loss and the gradients of it w.r.t. (hidden, weight, bias) flagged in `needs` (else None)."""
-    need_hidden, need_weight, need_bias = needs
-    grads = (torch.zeros_like(hidden) if need_hidden else None,
-             # fp32 accumulators: summed in bf16, each chunk's small contribution would be rounded away
-             torch.zeros_like(weight, dtype=torch.float32) if need_weight else None,
-             torch.zeros_like(bias, dtype=torch.float32) if need_bias else None)
+    grads = _grad_accumulators(hidden, weight, bias, needs)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    chunks = (labels != IGNORE_INDEX).nonzero().squeeze(1).split(options.chunk_size)
-    blocks = _Blocks(max((len(chunk) for chunk in chunks), default=0), weight)
+    chunks = _labelled_chunks(labels, options.chunk_size)
+    blocks = _Blocks.for_chunks(chunks, weight)
     for chunk in chunks:
         loss += _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks)
+    return loss, *_in_input_dtypes(grads, weight, bias)
+
+
+def _labelled_chunks(labels: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, ...]:
+    """Row indices of the labelled tokens, chunk_size at a time: ignored tokens cost no matmul."""
+    return (labels != IGNORE_INDEX).nonzero().squeeze(1).split(chunk_size)
+
+
+def _grad_accumulators(hidden, weight, bias, needs):
+    """Zeroed gradients of (hidden, weight, bias) where `needs` flags them (else None)."""
+    need_hidden, need_weight, need_bias = needs
+    return (torch.zeros_like(hidden) if need_hidden else None,
+            # fp32 accumulators: summed in bf16, each chunk's small contribution would be rounded away
+            torch.zeros_like(weight, dtype=torch.float32) if need_weight else None,
+            torch.zeros_like(bias, dtype=torch.float32) if need_bias else None)
+
+
+def _in_input_dtypes(grads, weight, bias):
     grad_hidden, grad_weight, grad_bias = grads
-    return (loss, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+    return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype))
 
 
@@ -169,6 +193,10 @@ class _Blocks:
     def __init__(self, rows: int, weight: torch.Tensor):
         self.fp32 = weight.new_empty((rows, weight.shape[0]), dtype=torch.float32)
         self.low = None if weight.dtype == torch.float32 else weight.new_empty((rows, weight.shape[0]))
+
+    @classmethod
+    def for_chunks(cls, chunks: tuple[torch.Tensor, ...], weight: torch.Tensor) -> "_Blocks":
+        return cls(max((len(chunk) for chunk in chunks), default=0), weight)
 
     def logits(self, chunk_hidden, weight, bias) -> torch.Tensor:
         """fp32 logits of the chunk, from a matmul in the inputs' dtype (as the plain path's)."""
@@ -186,13 +214,19 @@ class _Blocks:
 
 def _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks: _Blocks) -> torch.Tensor:
     """Loss of the tokens at row indices `chunk`; their gradients are added to `grads` (None: not needed)."""
-    grad_hidden, grad_weight, grad_bias = grads
     chunk_hidden = hidden.index_select(0, chunk)
     logits = blocks.logits(chunk_hidden, weight, bias)
     loss, grad_logits = _cross_entropy_and_grad(logits, labels.index_select(0, chunk), options,
                                                 need_grad=any(g is not None for g in grads))
-    if grad_logits is None:
-        return loss
+    if grad_logits is not None:
+        _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks)
+    return loss
+
+
+def _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks: _Blocks) -> None:
+    """Back from the fp32 gradient of the chunk's logits (in a block) through the lm_head: into the rows `chunk` of
+    the hidden states' gradient, and added to the weight's and bias's (None: not needed)."""
+    grad_hidden, grad_weight, grad_bias = grads
     if grad_bias is not None:
         grad_bias += grad_logits.sum(0)
     grad_logits = blocks.in_weight_dtype(grad_logits)
@@ -200,7 +234,6 @@ def _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks: _Blo
         grad_hidden.index_copy_(0, chunk, grad_logits @ weight)
     if grad_weight is not None:
         _add_matmul(grad_weight, grad_logits.T, chunk_hidden)
-    return loss
 
 
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -218,22 +251,12 @@ def _cross_entropy_and_grad(logits: torch.Tensor, labels: torch.Tensor, options:
     loss = lse - (1 - eps) * s[label] - eps * mean(s) + z_loss * lse**2, the definition of
     F.cross_entropy(label_smoothing=eps) plus the z-loss.
     """
-    cap, eps, z_loss = options.logit_softcap, options.label_smoothing, options.z_loss
-    if cap is not None:
-        logits = logits.div_(cap).tanh_()
-        tanh_slope = 1 - logits.square() if need_grad else None
-        logits = logits.mul_(cap)
+    eps, z_loss = options.label_smoothing, options.z_loss
+    logits, tanh_slope = _softcap_(logits, options.logit_softcap, need_grad)
     per_token = -(1 - eps) * logits.gather(1, labels[:, None]).squeeze(1)
     if eps:
         per_token -= eps * logits.mean(dim=-1)
-    row_max = logits.amax(dim=-1)
-    # Softmax in place, in one fused kernel that finishes each row while it is in cache: five separate passes over
-    # the [n, V] block (max, subtract, exp, sum, divide) took twice as long on CPU, and torch.logsumexp allocates a
-    # second block. Writing through out= into the input is safe because the kernel reads a row before writing it;
-    # tests/unit/test_chunk_loss.py holds this against F.cross_entropy. The largest probability, the top logit's,
-    # is exactly 1 / sum(exp(s - row_max)) and at least 1 / V, so it gives the log-normalizer without underflow.
-    probs = torch.softmax(logits, dim=-1, out=logits)
-    lse = row_max - probs.amax(dim=-1).log()
+    probs, lse = _softmax_and_lse_(logits)
     per_token += lse
     if z_loss:
         per_token += z_loss * lse.square()
@@ -245,6 +268,110 @@ def _cross_entropy_and_grad(logits: torch.Tensor, labels: torch.Tensor, options:
     if eps:
         grad -= eps / grad.size(1)
     grad[torch.arange(grad.size(0), device=grad.device), labels] -= 1 - eps
-    if cap is not None:
+    if tanh_slope is not None:
         grad *= tanh_slope
     return per_token.sum(), grad
+
+
+def _softcap_(logits: torch.Tensor, cap: float | None, need_slope: bool):
+    """(cap * tanh(logits / cap), computed in the logits' storage; if need_slope, its derivative 1 - tanh**2 for the
+    gradient, else None). No cap: the logits as they are and no slope."""
+    if cap is None:
+        return logits, None
+    logits = logits.div_(cap).tanh_()
+    slope = 1 - logits.square() if need_slope else None
+    return logits.mul_(cap), slope
+
+
+def _softmax_and_lse_(logits: torch.Tensor):
+    """(softmax of fp32 logits [n, V], written over them; logsumexp of each row, [n])."""
+    row_max = logits.amax(dim=-1)
+    # Softmax in place, in one fused kernel that finishes each row while it is in cache: five separate passes over
+    # the [n, V] block (max, subtract, exp, sum, divide) took twice as long on CPU, and torch.logsumexp allocates a
+    # second block. Writing through out= into the input is safe because the kernel reads a row before writing it;
+    # tests/unit/test_chunk_loss.py holds this against F.cross_entropy. The largest probability, the top logit's,
+    # is exactly 1 / sum(exp(s - row_max)) and at least 1 / V, so it gives the log-normalizer without underflow.
+    probs = torch.softmax(logits, dim=-1, out=logits)
+    return probs, row_max - probs.amax(dim=-1).log()
+
+
+def token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shifted_labels: torch.Tensor,
+                options: LossOptions = LossOptions()) -> torch.Tensor:
+    """fp32 log p(label) of every token, in the shape of shifted_labels, 0.0 (and no gradient) where the label is
+    IGNORE_INDEX; hidden [..., H], weight [V, H], bias [V] or None.
+
+    These are the model's log-probabilities: options.logit_softcap applies, since the capping is part of the model
+    (Gemma), and z_loss and label_smoothing do not, since they are terms of the training loss, not of the model's
+    distribution. options.fused is not used: Liger's fused op returns the reduced loss, never a value per token, so
+    the chunked path serves (options.chunk_size; 0 computes the full [tokens, vocab] logits, the reference).
+    """
+    labels = shifted_labels.reshape(-1)
+    hidden = hidden.reshape(-1, hidden.size(-1))
+    if not options.chunk_size:
+        logps = _full_logits_token_logps(hidden, weight, bias, labels, options)
+    # Decided here, not in forward: there grad mode is always off (as in _chunked_cross_entropy_sum).
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        logps = _ChunkedTokenLogps.apply(hidden, weight, bias, labels, options)
+    else:
+        logps, _ = _chunked_token_logps(hidden, weight, bias, labels, options)
+    return logps.view(shifted_labels.shape)
+
+
+def _full_logits_token_logps(hidden, weight, bias, labels, options: LossOptions) -> torch.Tensor:
+    labelled = labels != IGNORE_INDEX
+    logps = _full_logits(hidden, weight, bias, options).log_softmax(dim=-1)
+    picked = logps.gather(1, labels.where(labelled, 0)[:, None]).squeeze(1)
+    return picked.where(labelled, 0.0)
+
+
+def _chunked_token_logps(hidden, weight, bias, labels, options: LossOptions):
+    """(fp32 log-probs [T], 0 where ignored; the logsumexp of each labelled token's logits, in the order of
+    _labelled_chunks), one [chunk, V] block at a time."""
+    logps = torch.zeros(len(labels), dtype=torch.float32, device=hidden.device)
+    chunks = _labelled_chunks(labels, options.chunk_size)
+    blocks = _Blocks.for_chunks(chunks, weight)
+    lse = []
+    for chunk in chunks:
+        logits = blocks.logits(hidden.index_select(0, chunk), weight, bias)
+        logits, _ = _softcap_(logits, options.logit_softcap, need_slope=False)
+        picked = logits.gather(1, labels.index_select(0, chunk)[:, None]).squeeze(1)
+        _, chunk_lse = _softmax_and_lse_(logits)
+        logps.index_copy_(0, chunk, picked - chunk_lse)
+        lse.append(chunk_lse)
+    return logps, torch.cat(lse) if lse else logps.new_empty(0)
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """Unlike the loss, whose gradients are computed in forward, this backward recomputes each chunk's logits (one
+    more matmul): the weight of each token's log-probability in the loss is known only once the per-sequence sums
+    have gone through the objective (DPO's), so forward cannot compute the gradients. It keeps the logsumexp per
+    labelled token, so that the recomputed logits become probabilities without another reduction over the
+    vocabulary."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, options):
+        logps, lse = _chunked_token_logps(hidden, weight, bias, labels, options)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.options = options
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        options = ctx.options
+        grads = _grad_accumulators(hidden, weight, bias, ctx.needs_input_grad[:3])
+        chunks = _labelled_chunks(labels, options.chunk_size)
+        blocks = _Blocks.for_chunks(chunks, weight)
+        for chunk, chunk_lse in zip(chunks, lse.split(options.chunk_size)):
+            chunk_hidden = hidden.index_select(0, chunk)
+            logits = blocks.logits(chunk_hidden, weight, bias)
+            logits, tanh_slope = _softcap_(logits, options.logit_softcap, need_slope=True)
+            grad = grad_logps.index_select(0, chunk)
+            # d log p(label) / d s = onehot(label) - p, with p = exp(s - lse), scaled per token by its grad_output;
+            # all in the block, which holds the logits.
+            grad_logits = logits.sub_(chunk_lse[:, None]).exp_().mul_(-grad[:, None])
+            grad_logits[torch.arange(len(chunk), device=chunk.device), labels.index_select(0, chunk)] += grad
+            if tanh_slope is not None:
+                grad_logits *= tanh_slope
+            _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks)
+        return *_in_input_dtypes(grads, weight, bias), None, None
