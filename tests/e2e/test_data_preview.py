@@ -173,5 +173,5 @@ def test_preference_rows_are_refused_in_one_line(assets, tmp_path, capsys):
     # The lines before it are datasets' progress bars.
     assert code == 2 and "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == (
-        f"llmtune: error: {pairs}: preference data (chosen/rejected columns) is for DPO or reward training, not sft "
-        "or pt; llmtune trains sft and pt, leave it out of data.train_files")
+        f"llmtune: error: {pairs}: preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo, not "
+        "sft; train it with llmtune dpo, or leave it out of data.train_files")
