@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llmtune.config import (CheckpointConfig, Config, DataConfig, DPOConfig, ModelConfig, MonitorConfig,
-                            ParallelConfig, PeftConfig, TrainConfig)
+                            ParallelConfig, PeftConfig, TrainConfig, load_config)
 from llmtune.data.build import build_datasets, cache_key, describe, load_or_build
 from llmtune.data.collate import collate
 from llmtune.data.formats import detect_format, to_canonical
@@ -355,3 +355,13 @@ def test_the_preview_shows_the_prompt_once_and_marks_each_responses_trained_toke
         f"pair 1: prompt {prompt} tokens, chosen {chosen} tokens ({chosen} trained), rejected {rejected} tokens "
         f"({rejected} trained)\n"
         f"prompt:\n{PROMPT}\nchosen:\n[[It is 5.</s>]]\nrejected:\n[[It is 6.</s>]]\n\n")
+
+
+def test_a_dpo_recipe_that_would_let_a_rejected_response_attend_to_its_chosen_one_is_refused(tmp_path):
+    recipe = {"model": {"config": str(tmp_path), "tokenizer": str(tmp_path)},
+              "data": {"train_files": ["pairs.jsonl"], "document_mask": False},
+              "train": {"output_dir": str(tmp_path / "out")}}
+    with pytest.raises(UserError, match=r"data.document_mask: false would let a pair's rejected response attend to its "
+                                        r"chosen one"):
+        load_config(recipe, [], "dpo", world_size=1)
+    assert not load_config(recipe, [], "sft", world_size=1).data.document_mask
