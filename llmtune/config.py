@@ -22,7 +22,8 @@ from llmtune.atomic import write_text
 from llmtune.errors import UserError
 from llmtune.tasks.registry import TASKS
 
-DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response", "tokenized")
+DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response", "tokenized",
+                "prompt_chosen_rejected", "chosen_rejected", "alpaca_ranking", "sharegpt_ranking")
 TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "wsd")
@@ -174,13 +175,14 @@ class DataConfig:
     val_ratio: float = _field(0.0, "Hold out this fraction of the training samples for validation (seeded); "
                                    "used when val_files is empty.")
     format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_completion | prompt_response "
-                                 "| tokenized; auto: detected from the columns of each source (see Data formats).")
+                                 "| tokenized; dpo: prompt_chosen_rejected | chosen_rejected | alpaca_ranking | "
+                                 "sharegpt_ranking; auto: detected from the columns of each source (see Data formats).")
     text_sample_by: str = _field("line", ".txt sources, what one document is: line (as datasets and LLaMA-Factory "
                                          "read them), paragraph (blank-line separated) or document (a whole file); "
                                          "blank lines are no documents.")
     chat_template: str | None = _field(None, "Chat template: a built-in name (basic) or a .jinja file; default: the "
-                                             "tokenizer's own. sft renders with it; it is saved with the exported "
-                                             "tokenizer (pt too).")
+                                             "tokenizer's own. sft and dpo render with it; it is saved with the "
+                                             "exported tokenizer (pt too).")
     train_on_prompt: bool = _field(False, "sft: also train on the non-assistant tokens (system, user, tool results, "
                                           "template).")
     train_on_reasoning: bool = _field(True, "sft: train on the assistant's reasoning (reasoning_content / thinking) "
@@ -1050,6 +1052,9 @@ def _task_problems(config: Config, provided: set[str]) -> list[str]:
                        f"log-probabilities as the model gives them (dpo.label_smoothing is cDPO's)")
     if data.streaming:
         out.append("data.streaming: preference pairs are built whole before training; set data.streaming: false")
+    if not data.document_mask:
+        out.append("data.document_mask: false would let a pair's rejected response attend to its chosen one (a row "
+                   "holds both); leave data.document_mask true for dpo")
     return out
 
 

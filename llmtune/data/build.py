@@ -1,9 +1,13 @@
 """Sources -> canonical rows -> tokens -> (packing) -> the train and validation datasets.
 
+Each task's rows (tasks/registry.py's `rows`) take their own path: documents are packed into blocks (pretrain.py),
+conversations become samples (sft.py), preference pairs rows of two sequences (preference.py); the path is read
+from the rows, never from the task's name.
+
 Preprocessing is paid once: the result is saved under a key of (source fingerprints: each
 file's size and mtime, a Hub dataset's repository, config, split and commit; tokenizer,
-transform settings); on N ranks, local rank 0 of each node builds it while the others wait,
-then every rank memory-maps the same files. A streaming run tokenizes its training sources
+transform settings, and a pair task's PairLimits); on N ranks, local rank 0 of each node builds
+it while the others wait, then every rank memory-maps the same files. A streaming run tokenizes its training sources
 as it reads them; only its validation and test splits (data.val_files, data.test_files) are built here.
 """
 
@@ -21,15 +25,17 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from llmtune.data import packing, pretrain, sft
+from llmtune.data import packing, preference, pretrain, sft
 from llmtune.data.files import is_saved_dataset, resolve_data_files
-from llmtune.data.formats import (KTO_LABEL, canonical_columns, check_columns, detect_format, not_sft_error,
-                                  not_sft_reason, to_canonical)
+from llmtune.data.formats import (KTO_LABEL, ROWS_FORMS, canonical_columns, check_columns, detect_format,
+                                  other_rows_error, to_canonical)
+from llmtune.data.preference import PairLimits
 from llmtune.data.registry import Source, split_sources
 from llmtune.data.sources import load_source, undecodable_error
 from llmtune.errors import UserError
 from llmtune.hub import dataset_source, fetch
 from llmtune.model.loss import IGNORE_INDEX
+from llmtune.tasks.registry import CONVERSATIONS, DOCUMENTS, PAIRS, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +51,8 @@ SPLITS = ("train", "val", "test")
 @dataclass
 class DataStats:
     task: str
-    samples: int  # sft: the samples kept, however many a row holds
-    rows: int  # the rows the model is given: packed rows, one sample each, or pt's blocks
+    samples: int  # sft: the samples kept, however many a row holds; dpo: the pairs kept
+    rows: int  # the rows the model is given: packed rows, one sample (pair) each, or pt's blocks
     max_seq_len: int
     tokens: int
     label_tokens: int
@@ -59,33 +65,39 @@ class DataStats:
     test_samples: int
 
     def summary(self) -> str:
-        if self.task == "pt":
+        rows = TASKS[self.task].rows
+        unit = "pairs" if rows == PAIRS else "samples"
+        if rows == DOCUMENTS:
             kept = f"{self.rows} rows of up to {self.max_seq_len} tokens"
         elif self.rows != self.samples:
-            kept = f"{self.samples} samples packed into {self.rows} rows of up to {self.max_seq_len} tokens"
+            kept = f"{self.samples} {unit} packed into {self.rows} rows of up to {self.max_seq_len} tokens"
         else:
-            kept = f"{self.samples} samples, one per row"
-        test = f", {self.test_samples} test samples" if self.test_samples else ""
-        return (f"{kept}, {self.tokens} tokens, label tokens "
-                f"{self.label_tokens / max(self.tokens, 1):.1%}, {self.truncated} truncated, {self.dropped_too_long} "
-                f"dropped as too long, {self.dropped_no_labels} dropped with no label "
-                f"({self._share(self.dropped_no_labels)}), {self.fully_labelled} with every token labelled "
-                f"({self._share(self.fully_labelled)}), efficiency {self.efficiency:.1%} (non-pad tokens), "
-                f"{self.val_samples} validation samples{test}")
+            kept = f"{self.samples} {unit}, one per row"
+        if rows == PAIRS:
+            dropped = self.dropped_too_long + self.dropped_no_labels
+            counts = (f"{self.truncated} truncated ({self._share(self.truncated)}), {dropped} dropped "
+                      f"({self._share(dropped)})")
+        else:
+            counts = (f"{self.truncated} truncated, {self.dropped_too_long} dropped as too long, "
+                      f"{self.dropped_no_labels} dropped with no label ({self._share(self.dropped_no_labels)}), "
+                      f"{self.fully_labelled} with every token labelled ({self._share(self.fully_labelled)})")
+        test = f", {self.test_samples} test {unit}" if self.test_samples else ""
+        return (f"{kept}, {self.tokens} tokens, label tokens {self.label_tokens / max(self.tokens, 1):.1%}, {counts}, "
+                f"efficiency {self.efficiency:.1%} (non-pad tokens), {self.val_samples} validation {unit}{test}")
 
     def _share(self, count: int) -> str:
-        """`count` as a share of every sample read (the kept ones and the dropped ones)."""
+        """`count` as a share of every sample (pair) read (the kept ones and the dropped ones)."""
         read = self.samples + self.dropped_too_long + self.dropped_no_labels
         return f"{count / max(read, 1):.1%}"
 
 
-def sample_count(split: datasets.Dataset) -> int:
-    """The samples of a split: in packed rows, the positions that restart at 0 (a packed sample is never cut
-    between rows; pt's blocks, which do cut documents, count as rows)."""
+def sample_count(split: datasets.Dataset, task: str) -> int:
+    """The samples (pairs) of a split: in packed rows, the positions that restart at 0 (a packed sample is never cut
+    between rows; pt's blocks, which do cut documents, count as rows), two to a pair."""
     if "position_ids" not in split.column_names:
         return len(split)
     starts = pc.equal(pc.list_flatten(split.data.column("position_ids")), 0)
-    return int(pc.sum(starts).as_py() or 0)
+    return int(pc.sum(starts).as_py() or 0) // (2 if TASKS[task].rows == PAIRS else 1)
 
 
 def map_options(dataset, num_proc: int, desc: str) -> dict:
@@ -110,8 +122,9 @@ def canonical_rows(source: Source, task: str, data_cfg, streaming: bool):
     rows = load_source(source.pattern, source.key, streaming, data_cfg.text_sample_by)
     columns = rows.column_names or list(next(iter(rows)).keys())
     # Before the form is detected: preference rows would be read as a conversation, or dropped with no label.
-    if reason := not_sft_reason(columns, KTO_LABEL in columns and boolean_label(rows)):
-        raise not_sft_error(source.pattern, reason, source.key)
+    if error := other_rows_error(source.pattern, columns, KTO_LABEL in columns and boolean_label(rows), task,
+                                 source.key):
+        raise error
     if source.row_format:
         row_format = source.row_format
         check_columns(row_format, columns, source.pattern, f"its {source.key} entry ({row_format.form})")
@@ -121,20 +134,20 @@ def canonical_rows(source: Source, task: str, data_cfg, streaming: bool):
     def convert(row, index):
         return to_canonical(row, row_format, f"{source.pattern}: row {index + 1}")
 
-    # A sample is one JSON value (formats.py says why); the other forms' columns are inferred.
-    features = datasets.Features({"sample": datasets.Json()}) if canonical_columns(row_format.form) == ("sample",) \
-        else None
+    # A sample or a pair is one JSON value (formats.py says why); the other forms' columns are inferred.
+    canonical = canonical_columns(row_format.form)
+    features = datasets.Features({canonical[0]: datasets.Json()}) if canonical in (("sample",), ("pair",)) else None
     try:
         converted = rows.map(convert, with_indices=True, remove_columns=columns, features=features,
                              **map_options(rows, data_cfg.num_proc, f"read {Path(source.pattern).name}"))
     except UnicodeDecodeError as err:
         raise undecodable_error(source.pattern, source.key, err) from None
-    return converted.select_columns(list(canonical_columns(row_format.form))), row_format.form
+    return converted.select_columns(list(canonical)), row_format.form
 
 
-def tokenize_source(rows, form: str, tokenizer, data_cfg, source: Source):
-    """Canonical rows of `source` -> input_ids, labels (and position_ids for pt blocks); samples keep a status
-    column."""
+def tokenize_source(rows, form: str, tokenizer, data_cfg, source: Source, pair_limits: PairLimits | None):
+    """Canonical rows of `source` -> input_ids, labels (and position_ids for pt blocks and pairs); samples and pairs
+    keep a status column."""
     if form == "text":
         docs = pretrain.tokenize_documents(rows, tokenizer, map_options(rows, data_cfg.num_proc, "tokenize"))
         # A stream cannot be checked without reading it.
@@ -144,6 +157,9 @@ def tokenize_source(rows, form: str, tokenizer, data_cfg, source: Source):
                             "the file")
         return pretrain.pack_documents(docs, data_cfg.max_seq_len, data_cfg.pt_remainder,
                                        map_options(rows, data_cfg.num_proc, "pack"))
+    if form in ROWS_FORMS[PAIRS]:
+        return preference.tokenize_pairs(rows, tokenizer, data_cfg, pair_limits,
+                                         map_options(rows, data_cfg.num_proc, "tokenize"), source.pattern)
     return sft.tokenize_examples(rows, tokenizer, data_cfg, map_options(rows, data_cfg.num_proc, "tokenize"),
                                  source.pattern)
 
@@ -201,19 +217,21 @@ def padded_efficiency(lengths: np.ndarray, batch_size: int, seed: int) -> float:
     return float(lengths.sum()) / padded
 
 
-def tokenized_sources(sources: list[Source], task: str, tokenizer, data_cfg, streaming: bool):
+def tokenized_sources(sources: list[Source], task: str, tokenizer, data_cfg, streaming: bool,
+                      pair_limits: PairLimits | None = None):
     """(one tokenized dataset per source, whether they are samples rather than packed pt blocks)."""
     canonical = [canonical_rows(source, task, data_cfg, streaming) for source in sources]
     kinds = {form == "text" for _, form in canonical}
     if len(kinds) > 1:
         raise UserError(f"{sources[0].key}: raw text and pre-tokenized sources cannot be mixed in one run; "
                         "tokenize the text sources too, or train on them separately")
-    return [tokenize_source(rows, form, tokenizer, data_cfg, source)
+    return [tokenize_source(rows, form, tokenizer, data_cfg, source, pair_limits)
             for source, (rows, form) in zip(sources, canonical)], kinds == {False}
 
 
-def build_split(sources: list[Source], weights: list[float], task: str, tokenizer, data_cfg, seed: int):
-    parts, _ = tokenized_sources(sources, task, tokenizer, data_cfg, False)
+def build_split(sources: list[Source], weights: list[float], task: str, tokenizer, data_cfg, seed: int,
+                pair_limits: PairLimits | None):
+    parts, _ = tokenized_sources(sources, task, tokenizer, data_cfg, False, pair_limits)
     return count_statuses(mix(parts, weights, seed))
 
 
@@ -232,27 +250,31 @@ def build_stream(task: str, data_cfg, tokenizer, seed: int) -> datasets.Iterable
     return stream
 
 
-def packed_split(split: datasets.Dataset | None, data_cfg) -> datasets.Dataset | None:
-    """Samples (sft, pre-tokenized) packed into rows when data.packing is on; pt text arrives as packed blocks."""
-    if split is None or not data_cfg.packing or "position_ids" in split.column_names:
+def packed_split(split: datasets.Dataset | None, task: str, data_cfg) -> datasets.Dataset | None:
+    """Samples (sft, pre-tokenized) and pairs packed into rows when data.packing is on; pt text arrives as packed
+    blocks."""
+    blocks = split is not None and TASKS[task].rows == DOCUMENTS and "position_ids" in split.column_names
+    if split is None or not data_cfg.packing or blocks:
         return split
     return packing.pack_samples(split, data_cfg.max_seq_len, map_options(split, data_cfg.num_proc, "pack"))
 
 
-def build_held_out(split: str, task: str, data_cfg, tokenizer, seed: int) -> datasets.Dataset | None:
+def build_held_out(split: str, task: str, data_cfg, tokenizer, seed: int,
+                   pair_limits: PairLimits | None = None) -> datasets.Dataset | None:
     """The validation ("val": data.val_files and data.val_datasets) or test ("test": data.test_files and
     data.test_datasets) split, packed as training rows are; None when the recipe names no source for it."""
     sources = split_sources(data_cfg, task, split)
     if not sources:
         return None
-    held_out, _ = build_split(sources, [], task, tokenizer, data_cfg, seed)
-    return packed_split(held_out, data_cfg)
+    held_out, _ = build_split(sources, [], task, tokenizer, data_cfg, seed, pair_limits)
+    return packed_split(held_out, task, data_cfg)
 
 
-def build_datasets(task: str, data_cfg, tokenizer, seed: int):
-    """(train, validation or None, counts of truncated and dropped samples), built from scratch."""
+def build_datasets(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairLimits | None = None):
+    """(train, validation or None, counts of truncated and dropped samples), built from scratch. `pair_limits`: a
+    task of pairs' (PairLimits.of)."""
     train, statuses = build_split(split_sources(data_cfg, task, "train"), data_cfg.mix_weights, task, tokenizer,
-                                  data_cfg, seed)
+                                  data_cfg, seed, pair_limits)
     too_long, no_labels = statuses.get(sft.TOO_LONG, 0), statuses.get(sft.NO_LABELS, 0)
     if not len(train) and too_long and not no_labels:
         raise UserError(f"data: every one of the {too_long} samples is longer than data.max_seq_len="
@@ -260,34 +282,36 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int):
     if not len(train):
         raise UserError(f"data.train_files: no training sample is left after tokenization and filtering "
                         f"({no_labels} had no label token, {too_long} were too long); check the data and data.format")
-    every_token = fully_labelled(train) if task == "sft" else 0
-    if every_token == len(train) and task == "sft" and not data_cfg.train_on_prompt:
+    conversations = TASKS[task].rows == CONVERSATIONS
+    every_token = fully_labelled(train) if conversations else 0
+    if every_token == len(train) and conversations and not data_cfg.train_on_prompt:
         raise UserError(f"data: every token of all {len(train)} training samples is labelled, so the prompts would be "
                         "trained as well as the answers: no prompt was found to mask (pre-tokenized rows without "
                         "labels, or a chat template that renders no prompt); check data.format and "
                         "data.chat_template, or set data.train_on_prompt: true if this is meant")
-    val = build_held_out("val", task, data_cfg, tokenizer, seed)
+    val = build_held_out("val", task, data_cfg, tokenizer, seed, pair_limits)
     if val is None and data_cfg.val_ratio > 0:
         split = train.train_test_split(test_size=max(1, round(len(train) * data_cfg.val_ratio)), seed=seed)
-        train, val = split["train"], packed_split(split["test"], data_cfg)
+        train, val = split["train"], packed_split(split["test"], task, data_cfg)
     counts = {"truncated": statuses.get(sft.TRUNCATED, 0), "dropped_too_long": too_long,
               "dropped_no_labels": no_labels, "fully_labelled": every_token}
-    return packed_split(train, data_cfg), val, counts
+    return packed_split(train, task, data_cfg), val, counts
 
 
 def describe(task: str, train: datasets.Dataset, val, test, counts: dict, data_cfg, batch_size: int,
              seed: int) -> DataStats:
     lengths, label_tokens = length_stats(train)
-    packed = "position_ids" in train.column_names
+    # A pair's row has position_ids (two sequences) whether pairs are packed or not.
+    packed = data_cfg.packing if TASKS[task].rows == PAIRS else "position_ids" in train.column_names
     efficiency = float(lengths.sum()) / (len(lengths) * data_cfg.max_seq_len) if packed \
         else padded_efficiency(lengths, batch_size, seed)
-    return DataStats(task=task, samples=sample_count(train), rows=len(train), max_seq_len=data_cfg.max_seq_len,
+    return DataStats(task=task, samples=sample_count(train, task), rows=len(train), max_seq_len=data_cfg.max_seq_len,
                      tokens=int(lengths.sum()), label_tokens=label_tokens, efficiency=efficiency,
-                     val_samples=sample_count(val) if val is not None else 0,
-                     test_samples=sample_count(test) if test is not None else 0, **counts)
+                     val_samples=sample_count(val, task) if val is not None else 0,
+                     test_samples=sample_count(test, task) if test is not None else 0, **counts)
 
 
-def cache_key(task: str, data_cfg, tokenizer, seed: int) -> str:
+def cache_key(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairLimits | None = None) -> str:
     settings = {k: v for k, v in asdict(data_cfg).items() if k not in NOT_IN_KEY}
     splits = ("val", "test") if data_cfg.streaming else ("train", "val", "test")
     sources = [[_fingerprint(s.pattern, s.key), asdict(s.row_format) if s.row_format else None]
@@ -296,6 +320,9 @@ def cache_key(task: str, data_cfg, tokenizer, seed: int) -> str:
         json.dumps(sorted(tokenizer.get_vocab().items()))
     parts = [CACHE_VERSION, task, settings, seed, sources, type(tokenizer).__name__,
              hashlib.sha256(tok.encode()).hexdigest(), tokenizer.chat_template, tokenizer.eos_token_id]
+    # Only a task of pairs has limits: the other tasks' keys stay those their cache entries were saved under.
+    if pair_limits is not None:
+        parts.append(asdict(pair_limits))
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -316,14 +343,16 @@ def cache_root(data_cfg) -> Path:
     return Path(os.environ.get("LLMTUNE_CACHE", Path.home() / ".cache" / "llmtune")) / "data"
 
 
-def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, state):
-    """(train, validation or None, test or None, stats), from the cache entry of this recipe (built if missing)."""
+def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, state,
+                  pair_limits: PairLimits | None = None):
+    """(train, validation or None, test or None, stats), from the cache entry of this recipe (built if missing).
+    `pair_limits`: a task of pairs' (PairLimits.of)."""
 
     def build():
-        train, val, counts = build_datasets(task, data_cfg, tokenizer, seed)
-        return train, val, build_held_out("test", task, data_cfg, tokenizer, seed), counts
+        train, val, counts = build_datasets(task, data_cfg, tokenizer, seed, pair_limits)
+        return train, val, build_held_out("test", task, data_cfg, tokenizer, seed, pair_limits), counts
 
-    folder = cached_entry(task, data_cfg, tokenizer, seed, state, build)
+    folder = cached_entry(task, data_cfg, tokenizer, seed, state, build, pair_limits)
     train, val, test = (cached_split(folder, name) for name in SPLITS)
     counts = json.loads((folder / "counts.json").read_text())
     stats = describe(task, train, val, test, counts, data_cfg, batch_size, seed)
@@ -360,7 +389,8 @@ class OneProcess:
         return error
 
 
-def cached_entry(task: str, data_cfg, tokenizer, seed: int, state, build) -> Path:
+def cached_entry(task: str, data_cfg, tokenizer, seed: int, state, build,
+                 pair_limits: PairLimits | None = None) -> Path:
     """The folder of this recipe's cache entry, which local rank 0 of each node fills with build() ->
     (train or None, validation or None, test or None, counts) if it is missing, while the others wait.
 
@@ -369,7 +399,7 @@ def cached_entry(task: str, data_cfg, tokenizer, seed: int, state, build) -> Pat
     connection instead). It waits on state.wait_group, not the training group: tokenizing a large
     corpus may take longer than parallel.timeout_minutes.
     """
-    folder = cache_root(data_cfg) / cache_key(task, data_cfg, tokenizer, seed)
+    folder = cache_root(data_cfg) / cache_key(task, data_cfg, tokenizer, seed, pair_limits)
     built, error = False, None
     if state.local_rank == 0 and not (folder / "counts.json").is_file():
         started = time.perf_counter()

@@ -1,6 +1,6 @@
 """Rows of token ids -> one micro-batch: the model's keyword arguments and the count of real tokens."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,15 +11,20 @@ from llmtune.model.loss import IGNORE_INDEX, shift_labels
 class MicroBatch:
     inputs: dict[str, torch.Tensor]  # keyword arguments of the training model's forward, shift_labels included
     num_tokens: int  # input tokens that are not padding
+    # Rows of preference pairs: one value per sequence of the micro-batch, numbered as inputs["sequence_ids"] numbers
+    # them (number_sequences); empty for other rows.
+    sequences: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def pin_memory(self) -> "MicroBatch":
         """In page-locked memory: DataLoader's pin_memory calls this on the batches it hands out."""
-        return MicroBatch({k: v.pin_memory() for k, v in self.inputs.items()}, self.num_tokens)
+        return MicroBatch({k: v.pin_memory() for k, v in self.inputs.items()}, self.num_tokens,
+                          {k: v.pin_memory() for k, v in self.sequences.items()})
 
     def to(self, device: torch.device) -> "MicroBatch":
         # From pinned memory the copy to a GPU is queued on its stream and the host goes on; from pageable memory,
         # and to the CPU, non_blocking changes nothing.
-        return MicroBatch({k: v.to(device, non_blocking=True) for k, v in self.inputs.items()}, self.num_tokens)
+        return MicroBatch({k: v.to(device, non_blocking=True) for k, v in self.inputs.items()}, self.num_tokens,
+                          {k: v.to(device, non_blocking=True) for k, v in self.sequences.items()})
 
 
 def pad_token_id(tokenizer) -> int:
@@ -28,7 +33,7 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def collate(rows: list[dict], pad_id: int, document_mask: bool = True) -> MicroBatch:
+def collate(rows: list[dict], pad_id: int, document_mask: bool = True, pairs: bool = False) -> MicroBatch:
     """Right-pad to the longest row; pads carry label -100.
 
     Rows with position_ids are packed (several documents or samples per row): the model gets
@@ -36,7 +41,8 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True) -> MicroB
     attention inside each document; pads get positions of their own so they form a separate
     "document". With document_mask off, an all-ones mask keeps attention across documents.
     Rows without position_ids get an attention mask that hides the pads. Rows without labels
-    are labelled with their own ids.
+    are labelled with their own ids. Rows of preference pairs (`pairs`) also number their sequences
+    (sequence_ids).
     """
     length = max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
@@ -59,4 +65,25 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True) -> MicroB
             inputs["attention_mask"] = torch.ones_like(input_ids)
     else:
         inputs["attention_mask"] = real
-    return MicroBatch(inputs, int(real.sum()))
+    batch = MicroBatch(inputs, int(real.sum()))
+    return number_sequences(batch, rows) if pairs else batch
+
+
+def number_sequences(batch: MicroBatch, rows: list[dict]) -> MicroBatch:
+    """Adds inputs["sequence_ids"] [b, S]: for every real token the index of its sequence in the micro-batch (numbered
+    row by row, in order; a sequence begins where position_ids is 0), -1 on padding; and per sequence its "length"
+    (real tokens) and, where the rows have a ref_logps column (one float per sequence of the row: the reference
+    model's log-probabilities, precomputed), "ref_logps" as float64. A row holds whole pairs, chosen first, so
+    sequence 2k is pair k's chosen response and 2k + 1 its rejected one."""
+    ids = torch.full(batch.inputs["input_ids"].shape, -1, dtype=torch.long)
+    first = 0
+    for i, row in enumerate(rows):
+        starts = torch.tensor(row["position_ids"]) == 0
+        ids[i, :len(starts)] = first + torch.cumsum(starts, 0) - 1
+        first += int(starts.sum())
+    batch.inputs["sequence_ids"] = ids
+    batch.sequences["length"] = torch.bincount(ids[ids >= 0], minlength=first)
+    if "ref_logps" in rows[0]:
+        batch.sequences["ref_logps"] = torch.tensor([value for row in rows for value in row["ref_logps"]],
+                                                    dtype=torch.float64)
+    return batch

@@ -1,10 +1,12 @@
-"""Rows in the forms users bring -> one canonical form per task.
+"""Rows in the forms users bring -> one canonical form per kind of rows (tasks/registry.py's `rows`).
 
-pt rows become {"text"}; pre-tokenized rows {"input_ids", "labels"}; sft rows {"sample"}, one JSON value that is
-either a conversation {"messages", "tools", "prompt_turns"} or a text pair {"prompt", "completion"} (TRL's
-prompt-completion form with strings, trained without a chat template, as TRL trains it). The JSON value keeps
-tool-call arguments and tool schemas exactly as written: Arrow columns of nested objects would give every row the
-union of all rows' keys, with nulls, which a template would render.
+Documents (pt) become {"text"}; pre-tokenized rows {"input_ids", "labels"}; conversations (sft) {"sample"}, one JSON
+value that is either a conversation {"messages", "tools", "prompt_turns"} or a text pair {"prompt", "completion"}
+(TRL's prompt-completion form with strings, trained without a chat template, as TRL trains it); preference pairs
+(dpo) {"pair"}, one JSON value {"prompt", "chosen", "rejected", "tools"}: the prompt a list of messages and each
+response a list of the messages that answer it, or all three strings (TRL's standard form, no chat template). The
+JSON value keeps tool-call arguments and tool schemas exactly as written: Arrow columns of nested objects would give
+every row the union of all rows' keys, with nulls, which a template would render.
 
 A canonical message has a role (system, developer, user, assistant, tool), a string content, and where given
 tool_calls (assistant; content may then be null or empty), reasoning_content (assistant; read from
@@ -16,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 
 from llmtune.errors import UserError
+from llmtune.tasks.registry import CONVERSATIONS, DOCUMENTS, PAIRS, TASKS, UNPAIRED
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
@@ -24,7 +27,7 @@ MESSAGE_KEYS = ("tool_call_id", "name")
 FUNCTION_CALL = "function_call"  # LLaMA-Factory's turn holding an assistant's tool call(s) as JSON text
 
 # Each form's columns (role in the form -> column name), as auto-detection and LLaMA-Factory's defaults name them;
-# the required ones identify the form, in the order auto-detection tries them.
+# the required ones identify the form.
 FORMS = {
     "text": ({"text": "text"}, ("text",)),
     "messages": ({"messages": "messages", "system": "system", "tools": "tools"}, ("messages",)),
@@ -35,23 +38,42 @@ FORMS = {
                           ("prompt", "completion")),
     "prompt_response": ({"prompt": "prompt", "response": "response", "system": "system"}, ("prompt", "response")),
     "tokenized": ({"input_ids": "input_ids", "labels": "labels"}, ("input_ids",)),
+    # TRL's preference forms: explicit prompt (with llmtune's optional system) and implicit prompt.
+    "prompt_chosen_rejected": ({"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "system": "system",
+                                "tools": "tools"}, ("prompt", "chosen", "rejected")),
+    "chosen_rejected": ({"chosen": "chosen", "rejected": "rejected", "tools": "tools"}, ("chosen", "rejected")),
+    # LLaMA-Factory's ranking: true entries of its two formattings.
+    "alpaca_ranking": ({"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected",
+                        "system": "system", "history": "history", "tools": "tools"}, ("prompt", "chosen", "rejected")),
+    "sharegpt_ranking": ({"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "system": "system",
+                          "tools": "tools"}, ("messages", "chosen", "rejected")),
 }
-PT_FORMS = ("text", "tokenized")
-SFT_FORMS = ("messages", "sharegpt", "alpaca", "prompt_completion", "prompt_response", "tokenized")
+# The forms of each kind of rows, in the order auto-detection tries them (a form whose columns are a subset of
+# another's comes after it). UNPAIRED (kto) has none yet: TRL's prompt/completion/label rows and LLaMA-Factory's
+# kto_tag entries would be its forms.
+ROWS_FORMS = {
+    DOCUMENTS: ("text", "tokenized"),
+    CONVERSATIONS: ("messages", "sharegpt", "alpaca", "prompt_completion", "prompt_response", "tokenized"),
+    PAIRS: ("prompt_chosen_rejected", "alpaca_ranking", "sharegpt_ranking", "chosen_rejected"),
+}
+# LLaMA-Factory's formattings of a ranking: true entry -> the form that reads it.
+RANKING_FORMS = {"alpaca": "alpaca_ranking", "sharegpt": "sharegpt_ranking"}
+SHAREGPT_FORMS = ("sharegpt", "sharegpt_ranking")
 # How a message names its role and content, and which role names mean what (LLaMA-Factory's sharegpt tags).
 MESSAGE_TAGS = {"role_tag": "role", "content_tag": "content"}
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
                  "observation_tag": "observation", "function_tag": FUNCTION_CALL, "system_tag": "system"}
 TAG_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "observation_tag": "tool",
              "function_tag": FUNCTION_CALL, "system_tag": "system"}
-# Rows llmtune does not train, told by their columns (TRL's preference forms, LLaMA-Factory's dpo and kto files and
+# Columns that tell the kind of rows a source holds (TRL's preference forms, LLaMA-Factory's dpo and kto files and
 # its v1 chosen_messages/rejected_messages), whether given by path or as the column roles of a LLaMA-Factory
-# dataset_info.json entry (registry.py). TRL's KTO form names its column `label`, as other data does: only true/false
-# values mark it.
-PREFERENCE = "preference data (chosen/rejected columns) is for DPO or reward training, not sft or pt"
-KTO = "KTO data (kto_tag, or a true/false label column) is for KTO training, not sft or pt"
-NOT_SFT_COLUMNS = {"chosen": PREFERENCE, "rejected": PREFERENCE, "chosen_messages": PREFERENCE,
-                   "rejected_messages": PREFERENCE, "kto_tag": KTO}
+# dataset_info.json entry (registry.py, where the entry's ranking: true is read as such a column too). A task whose
+# rows are of another kind refuses them, rather than reading preference rows as a conversation or dropping them with
+# no label. TRL's KTO form names its column `label`, as other data does: only true/false values mark it.
+KIND_COLUMNS = {"chosen": PAIRS, "rejected": PAIRS, "chosen_messages": PAIRS, "rejected_messages": PAIRS,
+                "ranking": PAIRS, "kto_tag": UNPAIRED}
+KIND_DATA = {PAIRS: "preference data (chosen/rejected columns, or ranking: true)",
+             UNPAIRED: "KTO data (kto_tag, or a true/false label column)"}
 KTO_LABEL = "label"
 
 
@@ -70,7 +92,7 @@ class RowFormat:
         defaults, _ = FORMS[form]
         chosen = columns if columns is not None else \
             {role: column for role, column in defaults.items() if present is None or column in present}
-        base = SHAREGPT_TAGS if form == "sharegpt" else MESSAGE_TAGS
+        base = SHAREGPT_TAGS if form in SHAREGPT_FORMS else MESSAGE_TAGS
         return cls(form, dict(chosen), {**base, **(tags or {})})
 
     def required(self) -> list[str]:
@@ -83,7 +105,7 @@ class RowFormat:
 
 
 def detect_format(columns: list[str], task: str, requested: str, source: str) -> RowFormat:
-    forms = PT_FORMS if task == "pt" else SFT_FORMS
+    forms = ROWS_FORMS[TASKS[task].rows]
     if requested != "auto":
         if requested not in forms:
             raise UserError(f"data.format: {requested!r} is not a {task} format; use one of auto, {', '.join(forms)}")
@@ -99,15 +121,19 @@ def detect_format(columns: list[str], task: str, requested: str, source: str) ->
                     f"{expected}, or set data.format")
 
 
-def not_sft_reason(columns: list[str], boolean_label: bool) -> str | None:
-    """Why rows with these columns are neither sft nor pt data, or None; `boolean_label`: their label column holds
-    true/false."""
-    named = [NOT_SFT_COLUMNS[column] for column in columns if column in NOT_SFT_COLUMNS]
-    return named[0] if named else KTO if boolean_label else None
-
-
-def not_sft_error(where: str, reason: str, key: str) -> UserError:
-    return UserError(f"{where}: {reason}; llmtune trains sft and pt, leave it out of {key}")
+def other_rows_error(where: str, marks: list[str], boolean_label: bool, task: str, key: str) -> UserError | None:
+    """The error for rows whose columns (or dataset_info.json flags) `marks` say they are not `task`'s kind of rows,
+    or None; `boolean_label`: their label column holds true/false."""
+    kinds = [KIND_COLUMNS[mark] for mark in marks if mark in KIND_COLUMNS] + ([UNPAIRED] if boolean_label else [])
+    other = next((kind for kind in kinds if kind != TASKS[task].rows), None)
+    if other is None:
+        return None
+    tasks = " or ".join(f"llmtune {name}" for name, entry in TASKS.items() if entry.rows == other)
+    if not tasks:
+        return UserError(f"{where}: {KIND_DATA[other]} is for a training llmtune does not have yet, not {task}; leave "
+                         f"it out of {key}")
+    return UserError(f"{where}: {KIND_DATA[other]} is for {tasks}, not {task}; train it with {tasks}, or leave it out "
+                     f"of {key}")
 
 
 def check_columns(row_format: RowFormat, columns: list[str], source: str, named_by: str) -> None:
@@ -122,7 +148,7 @@ def canonical_columns(form: str) -> tuple[str, ...]:
         return ("text",)
     if form == "tokenized":
         return ("input_ids", "labels")
-    return ("sample",)
+    return ("pair",) if form in ROWS_FORMS[PAIRS] else ("sample",)
 
 
 def to_canonical(row: dict, row_format: RowFormat, where: str) -> dict:
@@ -137,6 +163,8 @@ def to_canonical(row: dict, row_format: RowFormat, where: str) -> dict:
             raise UserError(f"{where}: labels has {len(labels)} tokens but input_ids has {len(input_ids)}; "
                             "give one label per input token")
         return {"input_ids": input_ids, "labels": labels}
+    if row_format.form in ROWS_FORMS[PAIRS]:
+        return {"pair": reader.pair()}
     return {"sample": reader.sample()}
 
 
@@ -196,6 +224,97 @@ class _Row:
         if tools:
             sample["tools"] = tools
         return sample
+
+    def pair(self) -> dict:
+        """The canonical pair: {"prompt", "chosen", "rejected"} (and "tools"), all messages or all strings."""
+        form = self.format.form
+        chosen, rejected = self.response("chosen"), self.response("rejected")
+        if form == "alpaca_ranking":
+            prompt = self.system() + self.history() + [_message("user", self.instruction())]
+            chosen, rejected = ([_message("assistant", self.text(role))] for role in ("chosen", "rejected"))
+        elif form == "sharegpt_ranking":
+            turns = self.get("messages")
+            if not isinstance(turns, list) or not turns:
+                raise UserError(f"{self.where}: field '{self.column('messages')}' needs a non-empty list of "
+                                f"messages, the conversation before the answer ({self.named})")
+            prompt = self.system() + self.messages(turns, self.column("messages"))
+            chosen, rejected = (self.messages([self.answer(role)], self.column(role))
+                                for role in ("chosen", "rejected"))
+        else:
+            explicit = form == "prompt_chosen_rejected"
+            given = [chosen, rejected, self.get("prompt")] if explicit else [chosen, rejected]
+            if not (all(isinstance(value, str) for value in given) or all(isinstance(value, list) for value in given)):
+                named = "'prompt', 'chosen' and 'rejected'" if explicit else "'chosen' and 'rejected'"
+                raise UserError(f"{self.where}: fields {named} must all be strings or all lists of messages "
+                                f"({self.named})")
+            if isinstance(chosen, list):
+                chosen, rejected = (self.messages(value, self.column(role))
+                                    for role, value in (("chosen", chosen), ("rejected", rejected)))
+            if not explicit:
+                prompt, chosen, rejected = self.shared_prompt(chosen, rejected)
+            elif isinstance(given[2], list):
+                prompt = self.system() + self.messages(given[2], self.column("prompt"))
+            else:
+                prompt = given[2]
+        if isinstance(prompt, str):
+            return self.text_pair(prompt, chosen, rejected)
+        return self.conversation_pair(prompt, chosen, rejected)
+
+    def response(self, role: str):
+        """A pair's chosen or rejected value, which every row must give."""
+        value = self.get(role)
+        if value is None or (isinstance(value, (str, list, dict)) and not value):
+            raise UserError(f"{self.where}: field '{self.column(role)}' is {'missing' if value is None else 'empty'}; "
+                            f"every pair needs a chosen and a rejected response ({self.named})")
+        return value
+
+    def answer(self, role: str) -> dict:
+        """LLaMA-Factory's sharegpt ranking: chosen and rejected are each one message object."""
+        value = self.get(role)
+        if not isinstance(value, dict):
+            tags = self.format.tags
+            raise UserError(f"{self.where}: field '{self.column(role)}' must be one message object, e.g. "
+                            f'{{"{tags["role_tag"]}": "{tags.get("assistant_tag", "assistant")}", '
+                            f'"{tags["content_tag"]}": "..."}} ({self.named})')
+        return value
+
+    def shared_prompt(self, chosen, rejected) -> tuple:
+        """TRL's implicit prompt: what chosen and rejected begin with alike, turns of conversations or characters of
+        strings (where the first difference follows a space, the space goes with the responses, as TRL's
+        extract_prompt splits)."""
+        shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        if isinstance(chosen, str) and 0 < shared < min(len(chosen), len(rejected)) and chosen[shared - 1] == " ":
+            shared -= 1
+        for role, value in (("chosen", chosen), ("rejected", rejected)):
+            if len(value) == shared:
+                raise UserError(f"{self.where}: field '{self.column(role)}' holds nothing besides the beginning it "
+                                f"shares with the other response, which is read as the prompt; chosen and rejected "
+                                f"must differ after it ({self.named})")
+        return chosen[:shared], chosen[shared:], rejected[shared:]
+
+    def text_pair(self, prompt: str, chosen: str, rejected: str) -> dict:
+        """TRL's standard form, trained without a chat template: nothing could render a system text or tools."""
+        for role in ("system", "tools"):
+            if self.get(role):
+                raise UserError(f"{self.where}: field '{self.column(role)}' needs a chat template, and string pairs "
+                                f"are trained without one; give prompt, chosen and rejected as lists of messages "
+                                f"({self.named})")
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+    def conversation_pair(self, prompt: list[dict], chosen: list[dict], rejected: list[dict]) -> dict:
+        if not prompt:
+            raise UserError(f"{self.where}: the pair has no prompt: chosen and rejected share no leading turn; give "
+                            f"the turns before the answer as the prompt ({self.named})")
+        for role, response in (("chosen", chosen), ("rejected", rejected)):
+            if response[0]["role"] != "assistant":
+                raise UserError(f"{self.where}: field '{self.column(role)}' must begin with the assistant's answer to "
+                                f"the prompt, not a {response[0]['role']} turn ({self.named})")
+            _check_tool_turns(prompt + response, self.where, self.named)
+        pair = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+        tools = self.tools()
+        if tools:
+            pair["tools"] = tools
+        return pair
 
     def system(self) -> list[dict]:
         system = self.get("system")

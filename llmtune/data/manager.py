@@ -30,8 +30,10 @@ from torch.utils.data import DataLoader, Sampler
 
 from llmtune.data.build import build_stream, load_or_build, load_or_build_stream_held_out
 from llmtune.data.collate import collate, pad_token_id
+from llmtune.data.preference import PairLimits
 from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
+from llmtune.tasks.registry import PAIRS, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +54,9 @@ class Validation:
     validation data it is never due (a run without validation has this do-nothing one)."""
 
     def __init__(self, dataset: datasets.Dataset | None, batch_size: int, pad_id: int, data_cfg, dp_size: int,
-                 dp_rank: int, train_cfg, cuda: bool = False):
+                 dp_rank: int, train_cfg, cuda: bool = False, pairs: bool = False):
         self.dataset = dataset
-        self.collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask)
+        self.collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask, pairs=pairs)
         self.eval_steps, self.eval_epochs = train_cfg.eval_steps, train_cfg.eval_epochs
         if dataset is not None:
             # Made once, so that persistent workers serve every evaluation.
@@ -148,13 +150,14 @@ def loader(dataset, data_cfg, cuda: bool, **kwargs) -> DataLoader:
 
 class DataManager:
     def __init__(self, dataset: datasets.Dataset, data_cfg, train_cfg, pad_id: int, dp_size: int, dp_rank: int,
-                 cuda: bool = False):
+                 cuda: bool = False, pairs: bool = False):
         micro_batch = train_cfg.per_device_train_batch_size
         self.accumulation = train_cfg.gradient_accumulation_steps
         self.sampler = StepSampler(len(dataset), micro_batch, self.accumulation, dp_size, dp_rank, data_cfg.shuffle,
                                    train_cfg.seed)
         self.loader = loader(dataset, data_cfg, cuda, batch_size=micro_batch, sampler=self.sampler,
-                             collate_fn=partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask))
+                             collate_fn=partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
+                                                pairs=pairs))
         self.steps_per_epoch = self.sampler.steps_per_epoch
         self.global_batch = self.sampler.global_batch
         self.epoch = 0
@@ -288,6 +291,8 @@ def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataMan
     data_cfg, train_cfg = config.data, config.train
     pad_id = pad_token_id(tokenizer)
     cuda = state.device.type == "cuda"
+    # A stream is never of pairs (config.py refuses data.streaming for them).
+    pairs = TASKS[config.task].rows == PAIRS
     if data_cfg.streaming:
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)
@@ -298,14 +303,14 @@ def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataMan
                 log.info("data: %d samples from data.%s_files / data.%s_datasets", len(split), name, name)
     else:
         train, val, test, stats = load_or_build(config.task, data_cfg, tokenizer, train_cfg.seed,
-                                                train_cfg.per_device_train_batch_size, state)
+                                                train_cfg.per_device_train_batch_size, state, PairLimits.of(config))
         if state.is_main:
             log.info("data: %s", stats.summary())
-        data = DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank, cuda)
+        data = DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank, cuda, pairs)
 
     def held_out(split, cfg) -> Validation:
         return Validation(split, train_cfg.per_device_eval_batch_size, pad_id, data_cfg, state.dp_size, state.dp_rank,
-                          cfg, cuda)
+                          cfg, cuda, pairs)
 
     # The test split is read whole, once: max_eval_steps bounds the evaluations during training.
     return data, held_out(val, train_cfg), held_out(test, replace(train_cfg, max_eval_steps=0))

@@ -1,8 +1,9 @@
-"""Padding-free packing: several samples (sft) or documents (pt) per row, position_ids restarting at each.
+"""Padding-free packing: several samples (sft), documents (pt) or preference pairs (dpo) per row, position_ids
+restarting at each sequence.
 
-The first token of each sample carries no label, so no label (after the shift) asks one sample to
-predict the next. sft rows are filled first-fit-decreasing within windows of samples, deterministic
-and independent of the number of ranks.
+The first token of each sequence carries no label, so no label (after the shift) asks one sequence to
+predict the next. sft and dpo rows are filled first-fit-decreasing within windows of units (a sample, or a pair of
+two sequences, never split), deterministic and independent of the number of ranks.
 """
 
 import datasets
@@ -15,13 +16,14 @@ from llmtune.model.loss import IGNORE_INDEX
 PACK_WINDOW = 2000
 
 
-def concatenate(samples) -> dict[str, list[int]]:
-    """(input_ids, labels) pairs -> one packed sequence: input_ids, labels and position_ids."""
+def concatenate(units) -> dict[str, list[int]]:
+    """(input_ids, labels) of a sequence, or (input_ids, labels, position_ids) of a unit that already holds several
+    (a preference pair, whose positions are kept) -> one packed row: input_ids, labels and position_ids."""
     packed: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
-    for input_ids, labels in samples:
+    for input_ids, labels, *positions in units:
         packed["input_ids"] += input_ids
         packed["labels"] += [IGNORE_INDEX] + labels[1:]
-        packed["position_ids"] += range(len(input_ids))
+        packed["position_ids"] += positions[0] if positions else range(len(input_ids))
     return packed
 
 
@@ -42,13 +44,15 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def pack_samples(samples: datasets.Dataset, max_seq_len: int, map_kw: dict) -> datasets.Dataset:
+    """Units (samples, or pairs with their position_ids) -> rows of at most max_seq_len tokens."""
+    columns = [column for column in ("input_ids", "labels", "position_ids") if column in samples.column_names]
+
     def pack(batch):
         rows = {"input_ids": [], "labels": [], "position_ids": []}
         for members in first_fit_decreasing([len(ids) for ids in batch["input_ids"]], max_seq_len):
-            packed = concatenate((batch["input_ids"][i], batch["labels"][i]) for i in members)
+            packed = concatenate([batch[column][i] for column in columns] for i in members)
             for column, values in packed.items():
                 rows[column].append(values)
         return rows
 
-    return samples.map(pack, batched=True, batch_size=PACK_WINDOW, remove_columns=["input_ids", "labels"],
-                       **map_kw)
+    return samples.map(pack, batched=True, batch_size=PACK_WINDOW, remove_columns=columns, **map_kw)

@@ -1,8 +1,9 @@
 """`llmtune data`: a recipe's training samples as the trainer sees them, before any training.
 
 It builds (or reads) the same tokenization cache entry as the run, on one process and with no process group, then
-prints the first samples with their trained tokens marked, the statistics the run logs and a histogram of the
-sample lengths.
+prints the first samples with their trained tokens marked (a task of preference pairs: the first pairs, the prompt
+once, then the chosen and the rejected response), the statistics the run logs and a histogram of the sample (pair)
+lengths.
 """
 
 import math
@@ -13,9 +14,11 @@ import numpy as np
 import pyarrow.compute as pc
 
 from llmtune.data.build import OneProcess, load_or_build
+from llmtune.data.preference import RESPONSES, PairLimits
 from llmtune.data.templates import recipe_tokenizer
 from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
+from llmtune.tasks.registry import PAIRS, TASKS
 
 GREEN, RESET = "\033[32m", "\033[0m"
 OPEN, CLOSE = "[[", "]]"
@@ -31,23 +34,59 @@ def check_previewable(config) -> None:
 
 
 def preview(task: str, local, count: int) -> None:
-    """Print `count` training samples with their trained tokens marked, then the data statistics. `local`: the recipe
-    with its Hub ids fetched and its inputs checked (run/inputs.py)."""
+    """Print `count` training samples (pairs) with their trained tokens marked, then the data statistics. `local`: the
+    recipe with its Hub ids fetched and its inputs checked (run/inputs.py)."""
     tokenizer = recipe_tokenizer(task, local.model, local.data.chat_template)
     # The arguments of build_data (manager.py): the same cache key, so the run and this command share one entry.
     train, _, _, stats = load_or_build(task, local.data, tokenizer, local.train.seed,
-                                       local.train.per_device_train_batch_size, OneProcess())
-    color = sys.stdout.isatty()
+                                       local.train.per_device_train_batch_size, OneProcess(), PairLimits.of(local))
+    pairs = TASKS[task].rows == PAIRS
+    (show_pairs if pairs else show_samples)(tokenizer, train, count, sys.stdout.isatty())
+    # The line the run logs; it counts the validation samples too.
+    print(f"data: {stats.summary()}")
+    lengths = sample_lengths(train)
+    if pairs:
+        lengths = lengths.reshape(-1, 2).sum(axis=1)
+    print(f"lengths of the {len(lengths)} training {'pairs' if pairs else 'samples'}:")
+    print("\n".join(histogram(lengths)))
+
+
+def show_samples(tokenizer, train, count: int, color: bool) -> None:
     for number, (ids, trained, continued) in enumerate(first_samples(train, count), 1):
         note = " (continues a document of the previous row)" if continued else ""
         print(f"sample {number}: {len(ids)} tokens, {sum(trained)} trained{note}")
         print(render(tokenizer, ids, trained, color))
         print()
-    # The line the run logs; it counts the validation samples too.
-    print(f"data: {stats.summary()}")
-    lengths = sample_lengths(train)
-    print(f"lengths of the {len(lengths)} training samples:")
-    print("\n".join(histogram(lengths)))
+
+
+def show_pairs(tokenizer, train, count: int, color: bool) -> None:
+    """Each pair's prompt once (the untrained tokens both sequences begin with), then each response: the text its
+    sequence adds to the prompt, trained tokens marked."""
+    for number, sequences in enumerate(first_pairs(train, count), 1):
+        prompt = min(trained.index(True) if True in trained else len(ids) for ids, trained in sequences)
+        counts = ", ".join(f"{name} {len(ids) - prompt} tokens ({sum(trained)} trained)"
+                           for name, (ids, trained) in zip(RESPONSES, sequences))
+        print(f"pair {number}: prompt {prompt} tokens, {counts}")
+        ids, trained = sequences[0]
+        print(f"prompt:\n{render(tokenizer, ids[:prompt], trained[:prompt], color) if prompt else ''}")
+        for name, (ids, trained) in zip(RESPONSES, sequences):
+            print(f"{name}:\n{render(tokenizer, ids, trained, color, start=prompt)}")
+        print()
+
+
+def first_pairs(train, count: int):
+    """((input_ids, trained flags) of the chosen sequence, of the rejected one) of the first `count` pairs in stored
+    order: a row holds whole pairs, chosen first, its sequences split where position_ids restart."""
+    found = 0
+    for row in train:
+        starts = piece_starts(row["position_ids"])
+        spans = list(zip(starts, starts[1:] + [len(row["input_ids"])]))
+        for pair in zip(spans[::2], spans[1::2]):
+            yield [(row["input_ids"][start:end], [label != IGNORE_INDEX for label in row["labels"][start:end]])
+                   for start, end in pair]
+            found += 1
+            if found == count:
+                return
 
 
 def first_samples(train, count: int):
@@ -76,8 +115,9 @@ def piece_starts(position_ids: list[int]) -> list[int]:
     return [0] + [i for i, position in enumerate(position_ids) if position == 0 and i > 0]
 
 
-def render(tokenizer, ids: list[int], trained: list[bool], color: bool) -> str:
-    """The sample's text with its trained runs marked.
+def render(tokenizer, ids: list[int], trained: list[bool], color: bool, start: int = 0) -> str:
+    """The sample's text with its trained runs marked, from token `start` on (a pair's response without the prompt,
+    which is shown once).
 
     Each run is a slice of the whole sample's decoded text, cut where the decoded prefix before the run stops
     agreeing with it; a run is not decoded on its own: a sentencepiece tokenizer drops a leading space when
@@ -85,7 +125,7 @@ def render(tokenizer, ids: list[int], trained: list[bool], color: bool) -> str:
     into U+FFFD (here that character goes whole to the later run). So the unmarked text is exactly the sample's;
     special tokens stay in and tokenization spaces are not cleaned up: what is shown is what the model reads.
     """
-    bounds = [0] + [i for i in range(1, len(ids)) if trained[i] != trained[i - 1]] + [len(ids)]
+    bounds = [start] + [i for i in range(start + 1, len(ids)) if trained[i] != trained[i - 1]] + [len(ids)]
     prefixes = [tokenizer.decode(ids[:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
                 for end in bounds]
     whole = prefixes[-1]

@@ -4,9 +4,10 @@ read as LLaMA-Factory reads them: file_name beside the registry, formatting alpa
 mappings. Standard library only: the CLI checks every source with it before torch or datasets is imported.
 
 Where LLaMA-Factory is silent or lenient this is strict, so that nothing is trained other than what was meant:
-an entry llmtune cannot train as sft or pt (preference, KTO, multimodal, Hub-hosted) is refused with the reason,
-not skipped. Tags an entry leaves out keep LLaMA-Factory's default names (a "system" role stays a system turn);
-columns it leaves out are not read, as in LLaMA-Factory, except the ones the form needs.
+an entry that is not the task's kind of rows (a ranking: true entry is preference pairs, for dpo alone; KTO) or that
+llmtune cannot read (multimodal, Hub-hosted) is refused with the reason, not skipped. Tags an entry leaves out keep
+LLaMA-Factory's default names (a "system" role stays a system turn); columns it leaves out are not read, as in
+LLaMA-Factory, except the ones the form needs.
 """
 
 import difflib
@@ -14,15 +15,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmtune.data.formats import FORMS, NOT_SFT_COLUMNS, SHAREGPT_TAGS, RowFormat, not_sft_error
+from llmtune.data.formats import FORMS, RANKING_FORMS, SHAREGPT_TAGS, RowFormat, other_rows_error
 from llmtune.errors import UserError
+from llmtune.tasks.registry import DOCUMENTS, PAIRS, TASKS
 
 REGISTRY_FILE = "dataset_info.json"
 FORMATTINGS = ("alpaca", "sharegpt")
 ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "file_sha1")
-NOT_SFT = {"ranking": "preference data (ranking: true) is for reward or DPO training, not sft", **NOT_SFT_COLUMNS,
-           "images": "multimodal data (images) is not supported", "videos": "multimodal data (videos) is not supported",
-           "audios": "multimodal data (audios) is not supported"}
+MULTIMODAL = ("images", "videos", "audios")
 ELSEWHERE = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 
 
@@ -80,9 +80,12 @@ def registry_source(entries: dict, name: str, path: Path, key: str, task: str) -
     for field_name, mapping in (("columns", columns), ("tags", tags)):
         if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
             raise UserError(f"{where}: {field_name} must map names to strings")
-    for reason_key, reason in NOT_SFT.items():
-        if entry.get(reason_key) or columns.get(reason_key):
-            raise not_sft_error(where, reason, key)
+    # The entry's flags and column roles that say what its rows are.
+    marks = [flag for flag in (*entry, *columns) if entry.get(flag) or columns.get(flag)]
+    if error := other_rows_error(where, marks, False, task, key):
+        raise error
+    if modal := [name for name in MULTIMODAL if name in marks]:
+        raise UserError(f"{where}: multimodal data ({modal[0]}) is not supported; leave it out of {key}")
     hosted = [k for k in ELSEWHERE if k in entry]
     if hosted and "file_name" not in entry:
         raise UserError(f"{where}: {hosted[0]} is not read from dataset_info.json; download the files and set "
@@ -103,11 +106,17 @@ def _row_format(entry: dict, columns: dict, tags: dict, task: str, where: str) -
     formatting = entry.get("formatting", "alpaca")
     if formatting not in FORMATTINGS:
         raise UserError(f"{where}: formatting {formatting!r} is not supported; use alpaca or sharegpt")
-    if task == "pt":
+    rows = TASKS[task].rows
+    if rows == DOCUMENTS:
         # LLaMA-Factory's pre-training entries name the text column as the prompt column.
         return RowFormat.of("text", columns={"text": columns.get("prompt", "text")})
-    # LLaMA-Factory's two formattings are llmtune's forms of the same names.
-    defaults, required = FORMS[formatting]
+    if rows == PAIRS:
+        if not entry.get("ranking"):
+            raise UserError(f"{where}: not preference data; llmtune {task} trains pairs of a chosen and a rejected "
+                            "response, which an entry marks with ranking: true (and its chosen and rejected columns)")
+    # LLaMA-Factory's formattings are llmtune's forms of the same names (ranking entries: the *_ranking forms).
+    form = RANKING_FORMS[formatting] if rows == PAIRS else formatting
+    defaults, required = FORMS[form]
     wrong = [c for c in columns if c not in defaults]
     if wrong:
         raise UserError(f"{where}: columns {', '.join(wrong)} not known for formatting {formatting}; use "
@@ -116,4 +125,4 @@ def _row_format(entry: dict, columns: dict, tags: dict, task: str, where: str) -
     wrong_tags = [t for t in tags if t not in SHAREGPT_TAGS]
     if wrong_tags:
         raise UserError(f"{where}: tags {', '.join(wrong_tags)} not known; use {', '.join(SHAREGPT_TAGS)}")
-    return RowFormat.of(formatting, columns=chosen, tags=tags)
+    return RowFormat.of(form, columns=chosen, tags=tags)

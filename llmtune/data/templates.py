@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
+from llmtune.tasks.registry import DOCUMENTS, TASKS
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -49,11 +50,11 @@ def apply_recipe_template(tokenizer, template: str | None) -> None:
 
 
 def recipe_tokenizer(task: str, model_cfg, chat_template: str | None):
-    """The run's tokenizer: sft needs a chat template; a pt recipe may name one too, for the exported model to
-    carry."""
+    """The run's tokenizer: every task but one of documents (pt) renders conversations and needs a chat template; a
+    pt recipe may name one too, for the exported model to carry."""
     tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_cfg.name_or_path,
                                               trust_remote_code=model_cfg.trust_remote_code)
-    if task == "sft" or chat_template:
+    if TASKS[task].rows != DOCUMENTS or chat_template:
         apply_recipe_template(tokenizer, chat_template)
     return tokenizer
 
@@ -65,7 +66,7 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """Token ids of a one-turn prompt, ending where the model's answer begins."""
-    return _ids(tokenizer, render(tokenizer, [{"role": "user", "content": prompt}], True))
+    return text_ids(tokenizer, render(tokenizer, [{"role": "user", "content": prompt}], True))
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def encode_sample(tokenizer, sample: dict, rules: LabelRules, where: str) -> tup
     """(input_ids, labels) of a canonical sft sample (formats.py): a conversation or a text pair."""
     if "messages" not in sample:
         return encode_text_pair(tokenizer, sample["prompt"], sample["completion"], rules)
-    messages = [_for_template(m) for m in sample["messages"]]
+    messages = [for_template(m) for m in sample["messages"]]
     tools = sample.get("tools")
     # A template that marks what the assistant generates says itself which tokens are trained, for every sample
     # alike; otherwise each assistant turn is found by rendering the conversation up to it.
@@ -103,14 +104,23 @@ def encode_sample(tokenizer, sample: dict, rules: LabelRules, where: str) -> tup
 
 
 def encode_text_pair(tokenizer, prompt: str, completion: str, rules: LabelRules) -> tuple[list[int], list[int]]:
-    """TRL's prompt-completion form with strings: the prompt's ids as a pt document begins (the tokenizer's own
-    special tokens), then the completion's and EOS, which alone are trained; no chat template."""
-    prompt_ids = tokenizer(prompt)["input_ids"] if prompt else []
-    completion_ids = _ids(tokenizer, completion) + [tokenizer.eos_token_id]
+    """TRL's prompt-completion form with strings: the prompt's ids, then the completion's, which alone are trained;
+    no chat template."""
+    prompt_ids, completion_ids = text_prompt_ids(tokenizer, prompt), text_completion_ids(tokenizer, completion)
     return prompt_ids + completion_ids, _masked(prompt_ids, rules.train_on_prompt) + completion_ids
 
 
-def _for_template(message: dict) -> dict:
+def text_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt string without a chat template, as a pt document begins: with the tokenizer's own special tokens."""
+    return tokenizer(prompt)["input_ids"] if prompt else []
+
+
+def text_completion_ids(tokenizer, completion: str) -> list[int]:
+    """A completion string without a chat template: its ids and EOS, so that the model learns to stop."""
+    return text_ids(tokenizer, completion) + [tokenizer.eos_token_id]
+
+
+def for_template(message: dict) -> dict:
     # Templates read an assistant's reasoning under one of two names (Qwen3 and others reasoning_content,
     # gpt-oss thinking); the message carries both, and a template reads the one it knows.
     if "reasoning_content" in message:
@@ -135,7 +145,7 @@ def _encode_by_prefixes(tokenizer, messages, tools, prompt_turns: int, rules: La
                             f"(seen at message {end}), so the assistant's turns cannot be found by rendering the "
                             f"conversation turn by turn; set data.chat_template to a template that marks each "
                             f"assistant output with {{% generation %}}...{{% endgeneration %}}")
-        ids = _ids(tokenizer, prompt[len(done):])
+        ids = text_ids(tokenizer, prompt[len(done):])
         input_ids += ids
         labels += _masked(ids, rules.train_on_prompt)
         output = full[len(prompt):]
@@ -144,7 +154,7 @@ def _encode_by_prefixes(tokenizer, messages, tools, prompt_turns: int, rules: La
         input_ids += ids
         labels += trained if end >= prompt_turns else _masked(ids, rules.train_on_prompt)
         done = full
-    _check_rendered(done, messages, tools, where, rules)
+    check_rendered(done, messages, tools, where, rules)
     return input_ids, labels
 
 
@@ -157,7 +167,7 @@ def _encode_marked(tokenizer, messages, tools, prompt_turns: int, rules: LabelRu
     labels = [t if trained or rules.train_on_prompt else IGNORE_INDEX
               for t, trained in zip(input_ids, encoded["assistant_masks"])]
     text = render(tokenizer, messages, False, tools)
-    _check_rendered(text, messages, tools, where, rules)
+    check_rendered(text, messages, tools, where, rules)
     if any("reasoning_content" in m for m in messages):
         # A template may leave out the reasoning of earlier turns by design; the last one must be there.
         spans = _reasoning_spans(text, [m for m in messages if "reasoning_content" in m], where, rules, last=True)
@@ -165,7 +175,7 @@ def _encode_marked(tokenizer, messages, tools, prompt_turns: int, rules: LabelRu
             labels = [IGNORE_INDEX if _inside(offset, spans) else label
                       for offset, label in zip(encoded["offset_mapping"], labels)]
     if prompt_turns:
-        prompt_ids = _ids(tokenizer, render(tokenizer, messages[:prompt_turns], True, tools))
+        prompt_ids = text_ids(tokenizer, render(tokenizer, messages[:prompt_turns], True, tools))
         if input_ids[:len(prompt_ids)] != prompt_ids:
             raise UserError(f"{where}: {rules.template} renders the prompt's turns differently once the completion is "
                             "added, so the completion cannot be told from the prompt")
@@ -173,7 +183,7 @@ def _encode_marked(tokenizer, messages, tools, prompt_turns: int, rules: LabelRu
     return input_ids, labels
 
 
-def _check_rendered(text: str, messages: list[dict], tools: list | None, where: str, rules: LabelRules) -> None:
+def check_rendered(text: str, messages: list[dict], tools: list | None, where: str, rules: LabelRules) -> None:
     """Refuse what a template leaves out rather than train without it: the tools, the tool calls and the tool
     results up to the last assistant turn (after it nothing is rendered) must show in the rendering."""
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
@@ -213,7 +223,7 @@ def _reasoning_spans(text: str, messages: list[dict], where: str, rules: LabelRu
 def _trained_ids(tokenizer, text: str, untrained: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
     """(ids, labels) of an assistant output; tokens that overlap an untrained character span are not trained."""
     if not untrained:
-        ids = _ids(tokenizer, text)
+        ids = text_ids(tokenizer, text)
         return ids, list(ids)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"]
@@ -228,6 +238,6 @@ def _masked(ids: list[int], trained: bool) -> list[int]:
     return list(ids) if trained else [IGNORE_INDEX] * len(ids)
 
 
-def _ids(tokenizer, text: str) -> list[int]:
+def text_ids(tokenizer, text: str) -> list[int]:
     # Special tokens appear as text in the rendering (e.g. {{ bos_token }}): add none twice.
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []

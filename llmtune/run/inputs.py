@@ -13,6 +13,7 @@ from llmtune.data.files import check_has_rows, is_saved_dataset, resolve_data_fi
 from llmtune.data.registry import Source, split_sources
 from llmtune.errors import UserError
 from llmtune.hub import HubRepo, dataset_source, fetch, model_repo
+from llmtune.tasks.registry import DOCUMENTS, TASKS
 
 
 def hub_inputs(config) -> dict[HubRepo, str]:
@@ -170,8 +171,8 @@ def check_output_dir(train_cfg, resume: str | None) -> None:
 
 
 def check_inputs(config) -> None:
-    """Every path the recipe names exists (the checkpoint to resume from too); sft has a chat template; optional
-    sinks are installed."""
+    """Every path the recipe names exists (the checkpoint to resume from too); a task that renders conversations (all
+    but pt's documents) has a chat template; optional sinks are installed."""
     check_optional_packages(config)
     check_model_paths(config.model)
     reference = config.dpo.ref_model
@@ -179,7 +180,7 @@ def check_inputs(config) -> None:
         raise UserError(f"dpo.ref_model: {reference} is not a HF model folder (no config.json there); point it at a "
                         "folder written by save_pretrained, or at a Hub id (org/name)")
     tokenizer_dir = Path(config.model.tokenizer or config.model.name_or_path)
-    if config.task == "sft" and not config.data.chat_template and not has_chat_template(tokenizer_dir):
+    if TASKS[config.task].rows != DOCUMENTS and not config.data.chat_template and not has_chat_template(tokenizer_dir):
         raise UserError(f"data.chat_template: the tokenizer in {tokenizer_dir} has no chat template; set "
                         "data.chat_template to a built-in one (basic) or to a .jinja file")
     for split in ("train", "val", "test"):

@@ -173,5 +173,20 @@ def test_preference_rows_are_refused_in_one_line(assets, tmp_path, capsys):
     # The lines before it are datasets' progress bars.
     assert code == 2 and "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == (
-        f"llmtune: error: {pairs}: preference data (chosen/rejected columns) is for DPO or reward training, not sft "
-        "or pt; llmtune trains sft and pt, leave it out of data.train_files")
+        f"llmtune: error: {pairs}: preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo, not "
+        "sft; train it with llmtune dpo, or leave it out of data.train_files")
+
+
+def test_a_dpo_recipe_shows_its_pairs_and_their_statistics(assets, tmp_path, capsys):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": [{"role": "user", "content": "What is 2 plus 3?"}], '
+                     '"chosen": [{"role": "assistant", "content": "It is 5."}], '
+                     '"rejected": [{"role": "assistant", "content": "It is 6."}]}\n' * 2)
+    assert cli_main(["data", write_recipe(tmp_path, assets, pairs), "--task", "dpo", "--n", "1",
+                     "data.max_seq_len=128"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^pair 1: prompt \d+ tokens, chosen \d+ tokens \(\d+ trained\), rejected \d+ tokens", out, re.M)
+    assert "\nchosen:\n[[It is 5.</s>]]\nrejected:\n[[It is 6.</s>]]\n" in out and "pair 2:" not in out
+    assert re.search(r"^data: 2 pairs packed into 1 rows of up to 128 tokens, .* 0 truncated \(0\.0%\), 0 dropped",
+                     out, re.M)
+    assert "lengths of the 2 training pairs:" in out

@@ -193,8 +193,9 @@ def test_dataset_info_registry_with_column_and_tag_mappings(tmp_path, chat_token
         ("<|im_start|>user\nAdd them.\n2 and 3<|im_end|>\n<|im_start|>assistant\n", False), ("5<|im_end|>\n", True)])
     assert (train[1]["input_ids"], train[1]["labels"]) == expected(chat_tokenizer, [(tools_block([ADD]), False),
                                                                                     *TOOL_TURNS])
-    with pytest.raises(UserError, match=r"data.datasets: 'pairs' in .*dataset_info.json: preference data \(ranking: "
-                                        r"true\) is for reward or DPO training, not sft"):
+    with pytest.raises(UserError, match=r"data.datasets: 'pairs' in .*dataset_info.json: preference data "
+                                        r"\(chosen/rejected columns, or ranking: true\) is for llmtune dpo, not sft; "
+                                        r"train it with llmtune dpo, or leave it out of data.datasets"):
         build_datasets("sft", DataConfig(dataset_info=str(tmp_path), datasets=["pairs"]), chat_tokenizer, 0)
     with pytest.raises(UserError, match=r"no dataset 'cals' in .*dataset_info.json; did you mean calls"):
         build_datasets("sft", DataConfig(dataset_info=str(tmp_path), datasets=["cals"]), chat_tokenizer, 0)
@@ -216,8 +217,11 @@ RIGHT, WRONG = {"role": "assistant", "content": "It is 5."}, {"role": "assistant
 PAIR = {"prompt": "What is 2 plus 3?", "chosen": "It is 5.", "rejected": "It is 6."}
 KTO_ROWS = [{"prompt": "What is 2 plus 3?", "completion": "It is 5.", "label": True},
             {"prompt": "What is 2 plus 3?", "completion": "It is 6.", "label": False}]
-PREFERENCE = "preference data (chosen/rejected columns) is for DPO or reward training, not sft or pt"
-KTO = "KTO data (kto_tag, or a true/false label column) is for KTO training, not sft or pt"
+# The refusals of a task's rows given to another task: {task}, and {key} naming the sources.
+PREFERENCE = ("preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo, not {task}; train it "
+              "with llmtune dpo, or leave it out of {key}")
+KTO = ("KTO data (kto_tag, or a true/false label column) is for a training llmtune does not have yet, not {task}; "
+       "leave it out of {key}")
 
 
 @pytest.mark.parametrize("task, name, rows, data_format, reason", [
@@ -234,6 +238,8 @@ KTO = "KTO data (kto_tag, or a true/false label column) is for KTO training, not
     ("sft", "kto_en_demo.json", [{"messages": [USER, RIGHT], "label": True},
                                  {"messages": [USER, WRONG], "label": False}], "messages", KTO),
     ("pt", "trl_kto.jsonl", KTO_ROWS, "auto", KTO),
+    ("pt", "pairs.jsonl", [PAIR], "auto", PREFERENCE),
+    ("dpo", "trl_kto.jsonl", KTO_ROWS, "auto", KTO),
 ])
 def test_preference_and_kto_rows_given_by_path_are_refused_with_the_reason(tmp_path, chat_tokenizer, task, name,
                                                                           rows, data_format, reason):
@@ -241,20 +247,19 @@ def test_preference_and_kto_rows_given_by_path_are_refused_with_the_reason(tmp_p
     config = DataConfig(train_files=[path], format=data_format, cache_dir=str(tmp_path / "c"))
     with pytest.raises(UserError) as err:
         build_datasets(task, config, chat_tokenizer, 0)
-    assert str(err.value) == f"{path}: {reason}; llmtune trains sft and pt, leave it out of data.train_files"
+    assert str(err.value) == f"{path}: {reason.format(task=task, key='data.train_files')}"
 
 
 def test_a_validation_source_and_a_dataset_info_entry_of_kto_rows_give_the_same_reason(tmp_path, chat_tokenizer):
     train = write_rows(tmp_path / "qa.jsonl", [{"messages": [USER, RIGHT]}] * 4)
     kto = write_rows(tmp_path / "kto.json", [{"messages": [USER, RIGHT], "label": True}])
-    with pytest.raises(UserError, match=re.escape(f"{kto}: {KTO}; llmtune trains sft and pt, leave it out of "
-                                                  "data.val_files")):
+    with pytest.raises(UserError, match=re.escape(f"{kto}: {KTO.format(task='sft', key='data.val_files')}")):
         build_datasets("sft", DataConfig(train_files=[train], val_files=[kto], cache_dir=str(tmp_path / "c")),
                        chat_tokenizer, 0)
     (tmp_path / "dataset_info.json").write_text(json.dumps({"kto": {
         "file_name": "kto.json", "formatting": "sharegpt", "columns": {"messages": "messages", "kto_tag": "label"}}}))
-    with pytest.raises(UserError, match=re.escape(f"'kto' in {tmp_path / 'dataset_info.json'}: {KTO}; llmtune trains "
-                                                  "sft and pt, leave it out of data.datasets")):
+    with pytest.raises(UserError, match=re.escape(f"'kto' in {tmp_path / 'dataset_info.json'}: "
+                                                  f"{KTO.format(task='sft', key='data.datasets')}")):
         build_datasets("sft", DataConfig(dataset_info=str(tmp_path), datasets=["kto"]), chat_tokenizer, 0)
 
 

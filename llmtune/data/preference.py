@@ -1,0 +1,126 @@
+"""dpo: canonical pairs (formats.py) -> a prompt and two responses in token ids -> one row of two sequences, the
+pair limits applied.
+
+A row holds prompt + chosen, then prompt + rejected (chosen always first), position_ids restarting at 0 for each
+sequence and labels on the responses alone (and, as packing.concatenate's convention, never on a sequence's first
+token), so that the collator can number the sequences and the objective tell chosen (even) from rejected (odd).
+Preference training never trains the prompt: data.train_on_prompt and data.train_on_reasoning are sft's, not read
+here.
+"""
+
+from dataclasses import dataclass
+
+import datasets
+from jinja2 import TemplateError
+
+from llmtune.config import pair_length
+from llmtune.data.packing import concatenate
+from llmtune.data.sft import KEPT, NO_LABELS, TRUNCATED
+from llmtune.data.templates import (LabelRules, check_rendered, for_template, render, text_completion_ids, text_ids,
+                                    text_prompt_ids)
+from llmtune.errors import UserError
+from llmtune.model.loss import IGNORE_INDEX
+from llmtune.tasks.registry import PAIRS, TASKS
+
+RESPONSES = ("chosen", "rejected")
+# The columns of a pair's row, before packing puts several pairs in one.
+PAIR_COLUMNS = ["input_ids", "labels", "position_ids"]
+
+
+@dataclass(frozen=True)
+class PairLimits:
+    """What bounds a pair's sequences (the dpo section; DPOConfig's help says the policy). They change the rows, so
+    they are part of the cache key of a task whose rows are pairs."""
+    max_length: int  # tokens of prompt + response, for each response
+    max_prompt_length: int | None
+    truncation: bool
+
+    @classmethod
+    def of(cls, config) -> "PairLimits | None":
+        """The recipe's limits when its task's rows are pairs, else None."""
+        if TASKS[config.task].rows != PAIRS:
+            return None
+        return cls(pair_length(config), config.dpo.max_prompt_length, config.dpo.truncation)
+
+
+def encode_pair(tokenizer, pair: dict, rules: LabelRules, where: str) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen ids, rejected ids) of a canonical pair. Strings are tokenized as sft's text pairs are
+    (templates.encode_text_pair), without a chat template."""
+    if isinstance(pair["prompt"], str):
+        return (text_prompt_ids(tokenizer, pair["prompt"]),
+                *(text_completion_ids(tokenizer, pair[name]) for name in RESPONSES))
+    prompt, tools = [for_template(m) for m in pair["prompt"]], pair.get("tools")
+    try:
+        prompt_ids = text_ids(tokenizer, render(tokenizer, prompt, True, tools))
+        return (prompt_ids, *(_response_ids(tokenizer, prompt, prompt_ids, pair[name], name, tools, rules, where)
+                              for name in RESPONSES))
+    except TemplateError as err:  # the template's own raise_exception, or a field it needs and the row lacks
+        raise UserError(f"{where}: {rules.template} cannot render this pair ({err}); fix the row, or set "
+                        "data.chat_template to a template that takes it") from None
+
+
+def _response_ids(tokenizer, prompt: list[dict], prompt_ids: list[int], response: list[dict], name: str, tools,
+                  rules: LabelRules, where: str) -> list[int]:
+    """The ids the response adds to the prompt's: the whole conversation rendered and tokenized, less the prompt's
+    ids, which must begin it token for token, or the response would be scored on tokens that are not its own."""
+    messages = prompt + [for_template(m) for m in response]
+    text = render(tokenizer, messages, False, tools)
+    check_rendered(text, messages, tools, where, rules)
+    full = text_ids(tokenizer, text)
+    differ = next((i for i, (a, b) in enumerate(zip(prompt_ids, full)) if a != b), min(len(prompt_ids), len(full)))
+    if differ < len(prompt_ids):
+        found = repr(tokenizer.decode([full[differ]])) if differ < len(full) else "the end of the rendering"
+        raise UserError(f"{where}: {rules.template} renders the prompt differently once the {name} response follows "
+                        f"it: token {differ} of the prompt (rendered with add_generation_prompt) is "
+                        f"{tokenizer.decode([prompt_ids[differ]])!r}, of the prompt + {name} {found}, so the response "
+                        f"cannot be told from the prompt; set data.chat_template to a template whose prompt rendering "
+                        f"begins the whole conversation's")
+    if len(full) == len(prompt_ids):
+        raise UserError(f"{where}: {rules.template} renders nothing of the {name} response; set data.chat_template "
+                        "to a template that renders the assistant's turns")
+    return full[len(prompt_ids):]
+
+
+def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], limits: PairLimits,
+             where: str) -> tuple[int, list[int], list[int], list[int]]:
+    """(status, prompt, chosen, rejected) within the limits: the prompt keeps its last max_prompt_length tokens; then,
+    when prompt + the longer response exceeds max_length, with truncation the prompt keeps its last max(max_length -
+    longer response, max_length // 2) tokens and each response its first max_length - prompt tokens, without it the
+    pair is refused."""
+    status, length = KEPT, limits.max_length
+    if limits.max_prompt_length is not None and len(prompt) > limits.max_prompt_length:
+        prompt, status = prompt[-limits.max_prompt_length:], TRUNCATED
+    longer = max(len(chosen), len(rejected))
+    if len(prompt) + longer > length:
+        if not limits.truncation:
+            raise UserError(f"{where}: the prompt ({len(prompt)} tokens) and the longer response ({longer} tokens; "
+                            f"chosen {len(chosen)}, rejected {len(rejected)}) make a sequence of "
+                            f"{len(prompt) + longer} tokens, over the {length} of dpo.max_length (default "
+                            "data.max_seq_len / 2); raise dpo.max_length (and data.max_seq_len, which holds two), set "
+                            "dpo.max_prompt_length, or set dpo.truncation: true to cut it")
+        prompt = prompt[-max(length - longer, length // 2):]
+        room = length - len(prompt)
+        chosen, rejected, status = chosen[:room], rejected[:room], TRUNCATED
+    return status, prompt, chosen, rejected
+
+
+def pair_row(prompt: list[int], chosen: list[int], rejected: list[int]) -> dict[str, list[int]]:
+    """input_ids, labels and position_ids of one pair: prompt + chosen, then prompt + rejected."""
+    untrained = [IGNORE_INDEX] * len(prompt)
+    return concatenate([(prompt + chosen, untrained + chosen), (prompt + rejected, untrained + rejected)])
+
+
+def tokenize_pairs(rows: datasets.Dataset, tokenizer, data_cfg, limits: PairLimits, map_kw: dict,
+                   source: str) -> datasets.Dataset:
+    """Canonical rows ({"pair"}) of `source` -> one row per pair (pair_row) and its status: KEPT, TRUNCATED, or
+    NO_LABELS when a sequence would train no token (a one-token response after an empty prompt)."""
+    rules = LabelRules.of(data_cfg, tokenizer)
+
+    def encode(row, index):
+        where = f"{source}: row {index + 1}"
+        status, prompt, chosen, rejected = fit_pair(*encode_pair(tokenizer, row["pair"], rules, where), limits, where)
+        if not all(len(prompt) + len(response) > 1 for response in (chosen, rejected)):
+            status = NO_LABELS
+        return {**pair_row(prompt, chosen, rejected), "status": status}
+
+    return rows.map(encode, with_indices=True, **map_kw).select_columns([*PAIR_COLUMNS, "status"])
