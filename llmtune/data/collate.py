@@ -20,6 +20,14 @@ class MicroBatch:
         return MicroBatch({k: v.pin_memory() for k, v in self.inputs.items()}, self.num_tokens,
                           {k: v.pin_memory() for k, v in self.sequences.items()})
 
+    def emptied(self) -> "MicroBatch":
+        """The same tensors counting nothing: no labelled token, no input token, no sequence (a filler that keeps a
+        rank's forwards in step with the others' when its share of a split has run out)."""
+        inputs = {**self.inputs, "shift_labels": torch.full_like(self.inputs["shift_labels"], IGNORE_INDEX)}
+        if "sequence_ids" in inputs:
+            inputs["sequence_ids"] = torch.full_like(inputs["sequence_ids"], -1)
+        return MicroBatch(inputs, 0, {k: v[:0] for k, v in self.sequences.items()})
+
     def to(self, device: torch.device) -> "MicroBatch":
         # From pinned memory the copy to a GPU is queued on its stream and the host goes on; from pageable memory,
         # and to the CPU, non_blocking changes nothing.

@@ -32,7 +32,6 @@ from llmtune.data.build import build_stream, load_or_build, load_or_build_stream
 from llmtune.data.collate import collate, pad_token_id
 from llmtune.data.preference import PairLimits
 from llmtune.errors import UserError
-from llmtune.model.loss import IGNORE_INDEX
 from llmtune.tasks.registry import PAIRS, TASKS
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ class Validation:
         them when that is set.
 
         Every rank yields the same number of batches, so FSDP's collectives stay in step: a rank
-        whose share has run out yields a batch whose labels are all -100, which adds nothing.
+        whose share has run out yields a batch that counts nothing (MicroBatch.emptied).
         """
         given = 0
         for batch in self.loader:
@@ -91,10 +90,7 @@ class Validation:
             given += 1
             yield batch
         for _ in range(self.count - given):
-            batch = self.collate([self.dataset[0]])
-            batch.inputs["shift_labels"].fill_(IGNORE_INDEX)
-            batch.num_tokens = 0
-            yield batch
+            yield self.collate([self.dataset[0]]).emptied()
 
 
 class StepSampler(Sampler[int]):
@@ -286,8 +282,12 @@ class StreamingDataManager:
         self._batches = None
 
 
-def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataManager, Validation, Validation]:
-    """This rank's training data, validation and test split, from the recipe's data section."""
+def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | StreamingDataManager, Validation,
+                                                                  Validation]:
+    """This rank's training data, validation and test split, from the recipe's data section. annotate(splits,
+    collate) -> splits: columns added to the built splits ({"train", "val", "test"} -> dataset or None) before they
+    are handed out, given the collate that makes their micro-batches (the task's objective: a precomputed reference's
+    log-probabilities)."""
     data_cfg, train_cfg = config.data, config.train
     pad_id = pad_token_id(tokenizer)
     cuda = state.device.type == "cuda"
@@ -306,6 +306,10 @@ def build_data(config, tokenizer, state) -> tuple[DataManager | StreamingDataMan
                                                 train_cfg.per_device_train_batch_size, state, PairLimits.of(config))
         if state.is_main:
             log.info("data: %s", stats.summary())
+        if annotate is not None:
+            splits = annotate({"train": train, "val": val, "test": test},
+                              partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask, pairs=pairs))
+            train, val, test = splits["train"], splits["val"], splits["test"]
         data = DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank, cuda, pairs)
 
     def held_out(split, cfg) -> Validation:

@@ -75,13 +75,14 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     # The same seed on every rank: identical initial weights and data order.
     set_seed(config.train.seed)
     tokenizer = recipe_tokenizer(config.task, local.model, config.data.chat_template)
-    data, validation, test = build_data(local, tokenizer, state)
     model_config = load_model_config(local.model)
     check_vocab(model_config, tokenizer)
     features = enabled_features(config)
     model = build_model(model_config, local.model, config.train, state, features)
+    # The task's loss and metrics, and any extra model it needs (a reference); its hook may add to the data.
     objective = build_objective(config, local=local, model_config=model_config, model=model, features=features,
                                 state=state)
+    data, validation, test = build_data(local, tokenizer, state, objective.annotate)
     check_ranks_agree(state, config, data, validation, test, model.hf_model)
     # From here on ranks draw different random numbers (dropout), each from its own stream.
     torch.manual_seed(config.train.seed + state.rank)

@@ -52,6 +52,11 @@ class Objective:
     def terms(self, model, inputs: dict, batch) -> Terms:
         raise NotImplementedError
 
+    def annotate(self, splits: dict, collate) -> dict:
+        """The built splits (data/manager.build_data's hook), with any column the objective reads from its
+        micro-batches added; `collate` makes micro-batches of their rows."""
+        return splits
+
     def sizes(self) -> list[int]:
         """The lengths of Terms.loss and Terms.metrics."""
         return [len(self.divisors), len(self.metrics)]

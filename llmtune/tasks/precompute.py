@@ -21,6 +21,8 @@ import pyarrow.compute as pc
 import torch
 
 from llmtune.data.build import cache_root
+from llmtune.model.build import base_fingerprint
+from llmtune.tasks.reference import reference_model, reference_source
 
 log = logging.getLogger(__name__)
 
@@ -43,33 +45,47 @@ def sequences_per_row(dataset) -> np.ndarray:
                        minlength=len(dataset)).astype(np.int64)
 
 
-def with_reference_logps(splits: dict, reference, reference_id: str, features, collate, state, batch_size: int,
-                         data_cfg) -> dict:
-    """`splits` (name -> dataset or None) with a ref_logps column (one value per sequence of each row), read from the
-    cache or computed by `reference` (a ModelReference) and written there."""
-    done = {}
-    for name, dataset in splits.items():
-        if dataset is None:
-            done[name] = None
-            continue
-        path = cache_root(data_cfg) / "reference" / f"{reference_id}-{tokens_fingerprint(dataset)}.npy"
-        counts = sequences_per_row(dataset)
-        # Every rank or none computes (FSDP's forwards are collective), e.g. nodes with caches of their own.
-        if state.all_agree(path.is_file()):
-            values = np.load(path)
-            if state.is_main:
-                log.info("dpo.reference precomputed: %s read from %s", name, path)
-        else:
-            values = computed(dataset, counts, reference, features, collate, state, batch_size)
-            if state.local_rank == 0:
-                save(path, values)
-            if state.is_main:
-                log.info("dpo.reference precomputed: %s computed (%d sequences), kept in %s", name, len(values),
-                         path)
-        offsets = np.concatenate([[0], np.cumsum(counts)])
-        done[name] = dataset.add_column("ref_logps", [values[offsets[i]:offsets[i + 1]].tolist()
-                                                      for i in range(len(dataset))])
-    return done
+class Precompute:
+    """The objective's annotate hook for dpo.reference: precomputed (data/manager.build_data calls it with the built
+    splits). The reference model is built only if a split's values are not in the cache, and freed once they are
+    computed."""
+
+    def __init__(self, config, local, model_config, features, state):
+        self.config, self.local, self.model_config, self.features, self.state = config, local, model_config, features, \
+            state
+        model_cfg, ref_config = reference_source(config, local, model_config)
+        # The weights' fingerprint and the dtype they compute in.
+        self.reference_id = f"{base_fingerprint(model_cfg, ref_config, config.train.seed)}-" \
+                            f"{config.train.half_precision() or 'fp32'}"
+
+    def __call__(self, splits: dict, collate) -> dict:
+        reference = None
+        done = {}
+        for name, dataset in splits.items():
+            if dataset is None:
+                done[name] = None
+                continue
+            path = cache_root(self.config.data) / "reference" / f"{self.reference_id}-{tokens_fingerprint(dataset)}.npy"
+            counts = sequences_per_row(dataset)
+            # Every rank or none computes (FSDP's forwards are collective), e.g. nodes with caches of their own.
+            if self.state.all_agree(path.is_file()):
+                values = np.load(path)
+                if self.state.is_main:
+                    log.info("dpo.reference precomputed: the %s split's log-probabilities read from %s", name, path)
+            else:
+                reference = reference or reference_model(self.config, self.local, self.model_config, self.features,
+                                                         self.state)
+                values = computed(dataset, counts, reference, self.features, collate, self.state,
+                                  self.config.train.per_device_eval_batch_size)
+                if self.state.local_rank == 0:
+                    save(path, values)
+                if self.state.is_main:
+                    log.info("dpo.reference precomputed: the %s split's log-probabilities computed (%d sequences), "
+                             "kept in %s", name, len(values), path)
+            offsets = np.concatenate([[0], np.cumsum(counts)])
+            done[name] = dataset.add_column("ref_logps", [values[offsets[i]:offsets[i + 1]].tolist()
+                                                          for i in range(len(dataset))])
+        return done
 
 
 def computed(dataset, counts: np.ndarray, reference, features, collate, state, batch_size: int) -> np.ndarray:

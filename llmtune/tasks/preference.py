@@ -18,6 +18,7 @@ import torch
 
 from llmtune.model.loss import IGNORE_INDEX
 from llmtune.tasks.objective import Objective, Terms
+from llmtune.tasks.precompute import Precompute
 from llmtune.tasks.preference_losses import PairLogps, metric_sums, pair_losses
 from llmtune.tasks.reference import build_reference, sequence_count
 
@@ -55,8 +56,8 @@ class DPO(Objective):
     metrics = tuple((name, "pairs") for name in METRICS)
     samples = unit = "pairs"
 
-    def __init__(self, dpo_cfg, reference, state):
-        self.cfg, self.reference, self.state = dpo_cfg, reference, state
+    def __init__(self, dpo_cfg, reference, state, precompute=None):
+        self.cfg, self.reference, self.state, self.precompute = dpo_cfg, reference, state, precompute
         weights = dpo_cfg.loss_weights or [1.0] * len(dpo_cfg.loss_type)
         # ORPO's loss is its odds-ratio term plus the chosen responses' NLL, both at its weight.
         self.nll_weight = dpo_cfg.sft_weight + sum(w for loss, w in zip(dpo_cfg.loss_type, weights) if loss == "orpo")
@@ -65,9 +66,18 @@ class DPO(Objective):
     def build(cls, config, local, model_config, model, features, state, **parts) -> "DPO":
         if config.dpo.disable_dropout:
             disable_dropout(model.hf_model)
-        reference = build_reference(config, local, model_config, model, features, state) \
-            if config.dpo.needs_reference() else None
-        return cls(config.dpo, reference, state)
+        if not config.dpo.needs_reference():
+            return cls(config.dpo, None, state)
+        precompute = Precompute(config, local, model_config, features, state) \
+            if config.dpo.reference == "precomputed" else None
+        return cls(config.dpo, build_reference(config, local, model_config, model, features, state), state, precompute)
+
+    def annotate(self, splits: dict, collate) -> dict:
+        """dpo.reference: precomputed: the reference's log-probabilities added to every row, once."""
+        if self.precompute is None:
+            return splits
+        splits, self.precompute = self.precompute(splits, collate), None
+        return splits
 
     def count(self, inputs: dict, batch, cp_rank: int) -> list[float]:
         ids, labels = inputs["sequence_ids"], inputs["shift_labels"]

@@ -67,18 +67,30 @@ class PrecomputedReference:
         return batch.sequences["ref_logps"]
 
 
+def reference_source(config, local, model_config):
+    """(model section, transformers config) of the reference's weights: dpo.ref_model, else the policy's own.
+    `local`: the recipe with its Hub ids fetched (dpo.ref_model's too)."""
+    if not local.dpo.ref_model:
+        return local.model, model_config
+    model_cfg = replace(local.model, name_or_path=local.dpo.ref_model, config=None, init_from=None)
+    return model_cfg, load_model_config(model_cfg)
+
+
+def reference_model(config, local, model_config, features, state) -> ModelReference:
+    """A frozen copy of the reference's weights, built and sharded as the policy is."""
+    model_cfg, model_config = reference_source(config, local, model_config)
+    # No backward: nothing to recompute.
+    train_cfg = replace(config.train, gradient_checkpointing=False)
+    module = build_model(model_config, model_cfg, train_cfg, state, features.for_reference(FrozenReference(config)))
+    return ModelReference(module, state)
+
+
 def build_reference(config, local, model_config, model, features, state):
-    """The reference dpo.reference names. `local`: the recipe with its Hub ids fetched (dpo.ref_model's too)."""
+    """The reference dpo.reference names for training (precomputed: what reads the values tasks/precompute.py
+    added to the rows)."""
     kind = config.dpo.reference
     if kind == "adapter_off":
         return AdapterOffReference(model, state)
     if kind == "precomputed":
         return PrecomputedReference()
-    model_cfg = local.model
-    if local.dpo.ref_model:
-        model_cfg = replace(model_cfg, name_or_path=local.dpo.ref_model, config=None, init_from=None)
-        model_config = load_model_config(model_cfg)
-    # No backward: nothing to recompute.
-    train_cfg = replace(config.train, gradient_checkpointing=False)
-    module = build_model(model_config, model_cfg, train_cfg, state, features.for_reference(FrozenReference(config)))
-    return ModelReference(module, state)
+    return reference_model(config, local, model_config, features, state)

@@ -1,0 +1,67 @@
+"""llmtune dpo on one process: at step 0, where the policy is its reference, every reference mode gives rewards of
+exactly 0 and the sigmoid loss ln 2; the per-step losses do not depend on how many rows (holding 1, 2 or 3 pairs
+each) a micro-batch takes; the run exports, resumes bitwise and evaluates on preference data with TRL's metric
+names. (Two processes and context parallelism: tests/dist/test_dpo_ranks.py.)"""
+
+import json
+import math
+
+import pytest
+
+import llmtune
+from tests.helpers import read_metrics
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+@pytest.fixture(scope="session")
+def pairs_file(assets, tmp_path_factory):
+    """48 of the demo's preference pairs, some answers lengthened so that packed rows hold 1, 2 or 3 pairs."""
+    rows = [json.loads(line) for line in (assets / "data" / "dpo_train.jsonl").read_text().splitlines()[:48]]
+    for i, row in enumerate(rows):
+        if i % 3 == 0:  # a third of the pairs three times as long
+            for key in ("chosen", "rejected"):
+                row[key][0]["content"] = " and ".join([row[key][0]["content"]] * 3)
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def recipe(model, pairs, out, train=None, **sections) -> dict:
+    return {
+        "model": {"name_or_path": model},
+        "data": {"train_files": [pairs], "chat_template": "basic", "max_seq_len": 128, "shuffle": False},
+        "train": {"output_dir": out, "max_steps": 3, "per_device_train_batch_size": 1, "global_batch_size": 4,
+                  "logging_steps": 1, "learning_rate": 2e-3, "per_device_eval_batch_size": 1, **(train or {})},
+        "checkpoint": {"export_hf": False},
+        "monitor": {"plots": False},
+        **sections,
+    }
+
+
+@pytest.mark.parametrize("reference, peft", [("model", {}), ("adapter_off", {"method": "lora", "r": 4}),
+                                             ("precomputed", {})])
+def test_every_reference_gives_no_reward_and_ln2_at_step_zero(tiny_model, pairs_file, tmp_path, reference, peft):
+    out = tmp_path / reference
+    llmtune.train("dpo", recipe(tiny_model, pairs_file, out, train={"max_steps": 1}, dpo={"reference": reference},
+                                peft=peft or {"method": "none"}))
+    first = read_metrics(out)[0]
+    assert abs(first["loss"] - math.log(2)) < 1e-6
+    assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0.0
+    assert first["rewards/accuracies"] == 0.5
+    assert first["pairs_per_s"] > 0 and first["logps/chosen"] < 0
+
+
+def test_the_losses_do_not_depend_on_how_many_rows_a_micro_batch_takes(tiny_model, pairs_file, tmp_path):
+    runs = {}
+    for micro in (1, 2, 4):
+        out = tmp_path / f"micro{micro}"
+        llmtune.train("dpo", recipe(tiny_model, pairs_file, out, train={"per_device_train_batch_size": micro}))
+        runs[micro] = [r["loss"] for r in read_metrics(out) if "loss" in r]
+    assert len(runs[1]) == 3
+    # The rows hold different numbers of pairs (48 pairs in neither 48, 24 nor 16 rows), so the micro-batches of one
+    # step do too: averaging each micro-batch's pairs would weigh them differently in each layout.
+    assert "48 pairs packed into 32 rows" in (tmp_path / "micro1" / "train.log").read_text()
+    for micro in (2, 4):
+        assert runs[micro] == pytest.approx(runs[1], rel=1e-5)
