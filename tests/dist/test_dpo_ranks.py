@@ -4,6 +4,7 @@ processes, and of 2 cp peers, equal those of 1 process accumulating the same mic
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -40,7 +41,7 @@ def on_two_processes(tmp_path, recipe_dict: dict, values: dict) -> list[dict]:
     path.write_text(yaml.safe_dump(recipe_dict))
     result = run_cli("dpo", str(path), *[f"{k}={v}" for k, v in values.items()], "--nproc", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    return [r for r in read_metrics(values["train.output_dir"]) if "loss" in r]
+    return [r for r in read_metrics(Path(values["train.output_dir"])) if "loss" in r]
 
 
 @pytest.mark.parametrize("reference, peft", [("model", "none"), ("adapter_off", "lora"), ("precomputed", "none")])
