@@ -1,8 +1,10 @@
-"""`llmtune demo`: generate the assets, pre-train from scratch, measure, fine-tune, measure again.
+"""`llmtune demo`: generate the assets, pre-train from scratch, measure, fine-tune, measure again, then align the
+fine-tuned model on preference pairs (dpo) and read how often it prefers the right sum on held-out pairs.
 
 Runs the real CLI on the recipes in recipes/demo/, from the repository root where they live.
 """
 
+import json
 import subprocess
 import sys
 import time
@@ -25,14 +27,24 @@ def main(args: list[str]) -> int:
     write_demo_assets(REPO / WORKDIR / "assets")
     eval_file = str(REPO / WORKDIR / "assets" / "data" / "sft_eval.jsonl")
     accuracy = {}
-    for task, stage in (("pt", "pt"), ("sft", "sft")):
+    for task, stage in (("pt", "pt"), ("sft", "sft"), ("dpo", "dpo")):
         print(f"[demo] llmtune {task} recipes/demo/{stage}.yaml {' '.join(launch)}", flush=True)
         code = subprocess.call([sys.executable, "-m", "llmtune", task, f"recipes/demo/{stage}.yaml", *launch],
                                cwd=REPO)
         if code:
             return code
+        if stage == "dpo":
+            continue
         accuracy[stage] = exact_match(str(REPO / WORKDIR / stage / "hf"), eval_file)
         print(f"[demo] exact-match accuracy on held-out prompts after {stage}: {accuracy[stage]:.1%}", flush=True)
-    print(f"[demo] held-out exact match: before sft {accuracy['pt']:.1%}, after sft {accuracy['sft']:.1%} "
+    preferred = preference_accuracy(REPO / WORKDIR / "dpo" / "metrics.jsonl")
+    print(f"[demo] held-out exact match: before sft {accuracy['pt']:.1%}, after sft {accuracy['sft']:.1%}; held-out "
+          f"pairs ranked right: before dpo {preferred[0]:.1%}, after dpo {preferred[-1]:.1%} "
           f"({time.perf_counter() - started:.0f} s in all)")
     return 0
+
+
+def preference_accuracy(metrics: Path) -> list[float]:
+    """eval_rewards/accuracies of every evaluation of a dpo run, in order (the first at step 0, before training)."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r["eval_rewards/accuracies"] for r in records if "eval_rewards/accuracies" in r]

@@ -6,7 +6,7 @@ import pytest
 
 from llmtune.demo.assets import write_demo_assets
 
-DATA_FILES = ("pt.jsonl", "sft_train.jsonl", "sft_eval.jsonl")
+DATA_FILES = ("pt.jsonl", "sft_train.jsonl", "sft_eval.jsonl", "dpo_train.jsonl", "dpo_eval.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,20 @@ def test_eval_prompts_held_out(roots):
         lhs, rhs = r["response"].split(" = ")
         x, y = (int(v) for v in lhs.split(" + "))
         assert int(rhs) == x + y and f"{x}" in r["prompt"] and f"{y}" in r["prompt"]
+
+
+def test_preference_pairs_prefer_the_right_sum_and_hold_out_the_eval_questions(roots):
+    root = roots[0]
+    train, evals = _rows(root / "data" / "dpo_train.jsonl"), _rows(root / "data" / "dpo_eval.jsonl")
+    assert [r["prompt"][0]["content"] for r in evals] == [r["prompt"] for r in _rows(root / "data" / "sft_eval.jsonl")]
+    assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in evals}
+    for r in train + evals:
+        (chosen,), (rejected,) = r["chosen"], r["rejected"]
+        assert chosen["role"] == rejected["role"] == "assistant"
+        lhs, right = chosen["content"].split(" = ")
+        wrong_lhs, wrong = rejected["content"].split(" = ")
+        x, y = (int(v) for v in lhs.split(" + "))
+        assert int(right) == x + y and wrong_lhs == lhs and abs(int(wrong) - int(right)) in (1, 2, 10, 20)
 
 
 def test_model_config_matches_tokenizer(roots):
