@@ -9,6 +9,7 @@ import math
 import pytest
 
 import llmtune
+from llmtune.training.callbacks import Callback
 from tests.helpers import read_metrics
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -26,6 +27,14 @@ def pairs_file(assets, tmp_path_factory):
     path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+class StopAt(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.step == self.step
 
 
 def recipe(model, pairs, out, train=None, **sections) -> dict:
@@ -65,3 +74,26 @@ def test_the_losses_do_not_depend_on_how_many_rows_a_micro_batch_takes(tiny_mode
     assert "48 pairs packed into 32 rows" in (tmp_path / "micro1" / "train.log").read_text()
     for micro in (2, 4):
         assert runs[micro] == pytest.approx(runs[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("reference, peft", [("model", {}), ("precomputed", {}),
+                                             ("adapter_off", {"method": "lora", "r": 4})])
+def test_a_resumed_run_repeats_the_uninterrupted_one_bitwise_and_exports(tiny_model, pairs_file, tmp_path, reference,
+                                                                         peft):
+    """Also: the precomputed values are read back from the cache by the resume, and an adapter run exports its
+    adapter."""
+    sections = {"dpo": {"reference": reference}, "peft": peft or {"method": "none"},
+                "checkpoint": {"save_steps": 2, "export_dtype": "fp32"}}
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    llmtune.train("dpo", recipe(tiny_model, pairs_file, whole, train={"max_steps": 4}, **sections))
+    llmtune.train("dpo", recipe(tiny_model, pairs_file, part, train={"max_steps": 4}, **sections),
+                  callbacks=[StopAt(2)])
+    llmtune.train("dpo", recipe(tiny_model, pairs_file, part, train={"max_steps": 4}, **sections),
+                  resume_from_checkpoint="auto")
+    expected, got = ([(r["step"], r["loss"], r["rewards/margins"]) for r in read_metrics(out) if "loss" in r]
+                     for out in (whole, part))
+    assert len(expected) == 4 and got == expected
+    if reference == "precomputed":
+        assert "log-probabilities read from" in (part / "train.log").read_text()
+    exported = "adapter" if peft else "hf"
+    assert (whole / exported / ("adapter_model.safetensors" if peft else "model.safetensors")).is_file()
