@@ -3,8 +3,9 @@ exit code 2, and nothing trained.
 
 A recipe's problems are the launcher's, found before any process starts: checked with --nproc 2 through the CLI's
 main in this process, where a refusal made by a launched worker would not be read (tests/e2e/test_cli_errors.py).
-A row's problems are found where the rows are tokenized, in the worker: checked on one process, through bin/llmtune
-(nothing else on stderr, no traceback) for each kind of row refusal."""
+A row's problems (and rows of another task's kind, told by their columns) are found where the data is read and
+tokenized, in the worker: checked on one process, through bin/llmtune, where stderr holds nothing besides the line
+and datasets' progress bars of the rows read before the bad one (no traceback, no warning)."""
 
 import json
 import re
