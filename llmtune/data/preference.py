@@ -69,16 +69,22 @@ def _response_ids(tokenizer, prompt: list[dict], prompt_ids: list[int], response
     full = text_ids(tokenizer, text)
     differ = next((i for i, (a, b) in enumerate(zip(prompt_ids, full)) if a != b), min(len(prompt_ids), len(full)))
     if differ < len(prompt_ids):
-        found = repr(tokenizer.decode([full[differ]])) if differ < len(full) else "the end of the rendering"
+        found = _quoted_token(tokenizer, full[differ]) if differ < len(full) else "the end of the rendering"
         raise UserError(f"{where}: {rules.template} renders the prompt differently once the {name} response follows "
                         f"it: token {differ} of the prompt (rendered with add_generation_prompt) is "
-                        f"{tokenizer.decode([prompt_ids[differ]])!r}, of the prompt + {name} {found}, so the response "
-                        f"cannot be told from the prompt; set data.chat_template to a template whose prompt rendering "
-                        f"begins the whole conversation's")
+                        f"{_quoted_token(tokenizer, prompt_ids[differ])}, of the prompt + {name} {found}, so the "
+                        f"response cannot be told from the prompt; set data.chat_template to a template whose prompt "
+                        f"rendering begins the whole conversation's")
     if len(full) == len(prompt_ids):
         raise UserError(f"{where}: {rules.template} renders nothing of the {name} response; set data.chat_template "
                         "to a template that renders the assistant's turns")
     return full[len(prompt_ids):]
+
+
+def _quoted_token(tokenizer, token_id: int) -> str:
+    """A token as a message quotes it: its text, or its name in the vocabulary where the text is empty (a
+    sentencepiece tokenizer decodes a lone '▁', the space a template adds before the answer, to nothing)."""
+    return repr(tokenizer.decode([token_id]) or tokenizer.convert_ids_to_tokens(token_id))
 
 
 def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], limits: PairLimits,

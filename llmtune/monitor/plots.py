@@ -1,7 +1,8 @@
 """A run's curves as PNG files: metrics.jsonl -> output_dir/plots/ (loss and eval loss against steps and against
-tokens, learning rate, grad norm, tokens/s), drawn by rank 0 when a run ends and by `llmtune plot` for a finished
-or running run. matplotlib is an optional extra (llmtune[plots]), imported only to draw, and used through its
-object-oriented API on the Agg canvas: no GUI, and no pyplot state or backend switch in the process that calls."""
+tokens, a preference run's reward margins and accuracies, learning rate, grad norm, tokens/s), drawn by rank 0 when a
+run ends and by `llmtune plot` for a finished or running run. matplotlib is an optional extra (llmtune[plots]),
+imported only to draw, and used through its object-oriented API on the Agg canvas: no GUI, and no pyplot state or
+backend switch in the process that calls."""
 
 import itertools
 import json
@@ -85,6 +86,10 @@ def write_plots(output_dir: Path) -> list[Path]:
     for name, title, xs, x_label, keys in [
         ("loss", "loss", steps, "step", ("loss", "eval_loss")),
         ("loss_tokens", "loss", tokens, "input tokens trained", ("loss", "eval_loss")),
+        # A preference task's metrics (TRL's names, tasks/preference.py), which other tasks' records lack.
+        ("reward_margins", "reward margins (chosen - rejected)", steps, "step",
+         ("rewards/margins", "eval_rewards/margins")),
+        ("reward_accuracies", "reward accuracies", steps, "step", ("rewards/accuracies", "eval_rewards/accuracies")),
         ("lr", "learning rate", steps, "step", ("lr",)),
         ("grad_norm", "grad norm", steps, "step", ("grad_norm",)),
         ("tokens_per_s", "tokens/s (input)", steps, "step", ("tokens_per_s",)),
@@ -103,7 +108,7 @@ def write_plots(output_dir: Path) -> list[Path]:
                     axes.plot(x, y, color="tab:blue", alpha=0.4, marker=marker, markersize=3, label="loss")
                     axes.plot(x, smoothed(y), color="tab:blue", label="loss, smoothed")
                 else:
-                    axes.plot(x, y, color="tab:orange" if key == "eval_loss" else "tab:blue", marker=marker,
+                    axes.plot(x, y, color="tab:orange" if key.startswith("eval_") else "tab:blue", marker=marker,
                               markersize=3, label=key.replace("_", " "))
             axes.set(title=f"{title}: {output_dir.resolve().name}", xlabel=x_label)
             if xs is tokens:

@@ -1,7 +1,8 @@
 """The start banner: what a run is about to do, a block of lines that rank 0 logs once the run is built, before its
-first step (through logging, so that output_dir/train.log holds it too): the data and the optimizer steps, the
-global batch and the layout, the parameters and their weight-decay groups, the precision, the attention backend the
-model resolved, and the peak memory per rank that `llmtune plan` computes for this layout."""
+first step (through logging, so that output_dir/train.log holds it too): the data (its rows, named in the task's
+unit) and the optimizer steps, the global batch and the layout, the parameters and their weight-decay groups, the
+precision, the attention backend the model resolved, and the peak memory per rank that `llmtune plan` computes for
+this layout."""
 
 import logging
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ log = logging.getLogger("llmtune")
 
 @dataclass(frozen=True)
 class Banner:
-    samples: int | None  # the samples (rows) of an epoch; None for a stream
+    rows: int | None  # the rows of an epoch (after packing); None for a stream
+    unit: str  # what the rows are called: rows_called
     steps_per_epoch: int | None  # None for a stream
     total_steps: int
     first_step: int  # the step a resumed run goes on from; 0 for a fresh one
@@ -33,17 +35,17 @@ class Banner:
     peak: str  # the plan's peak per rank, or why there is none
 
     def lines(self) -> list[str]:
-        if self.samples is None:
+        if self.rows is None:
             data = f"a stream, {self.total_steps} optimizer steps (train.max_steps)"
         else:
             epochs = self.total_steps / self.steps_per_epoch
-            data = (f"{self.samples:,} samples, {epochs:.3g} epochs of {self.steps_per_epoch} steps = "
+            data = (f"{self.rows:,} {self.unit}, {epochs:.3g} epochs of {self.steps_per_epoch} steps = "
                     f"{self.total_steps} optimizer steps")
         if self.first_step:
             data += f", resuming after step {self.first_step}"
         return [
             data,
-            f"global batch {self.global_batch} samples = micro-batch {self.micro_batch} x accumulation "
+            f"global batch {self.global_batch} {self.unit} = micro-batch {self.micro_batch} x accumulation "
             f"{self.accumulation} x {self.dp} data-parallel",
             f"layout {self.dp * self.cp} rank(s) = {self.dp} data-parallel x {self.cp} context-parallel",
             f"parameters {self.params:,}, trainable {self.trainable:,} (weight decay: {self.decay[1]:,} in "
@@ -51,6 +53,14 @@ class Banner:
             f"precision {self.precision}, attention {self.attention}",
             f"planned peak memory {self.peak}",
         ]
+
+
+def rows_called(objective) -> str:
+    """The banner's name for the rows a step is cut from, in the objective's unit (metrics.jsonl's samples_per_s or
+    pairs_per_s): the unit itself where the objective counts rows as its samples (pt, sft), else rows of it (dpo's
+    pairs, one or more to a row, which the data statistics line counts: counting them here would read every row
+    again)."""
+    return objective.unit if objective.samples == "rows" else f"rows of {objective.unit}"
 
 
 def precision(train_cfg) -> str:
@@ -83,7 +93,8 @@ def start_banner(trainer, config, model_config, world_size: int) -> Banner:
     if wrapper != model.attention:
         attention += f" (through {wrapper})"
     return Banner(
-        samples=None if stream else data.sampler.size, steps_per_epoch=None if stream else data.steps_per_epoch,
+        rows=None if stream else data.sampler.size, unit=rows_called(trainer.objective),
+        steps_per_epoch=None if stream else data.steps_per_epoch,
         total_steps=trainer.total_steps, first_step=trainer.step, global_batch=data.global_batch,
         micro_batch=config.train.per_device_train_batch_size, accumulation=config.train.gradient_accumulation_steps,
         dp=world_size // config.parallel.cp_size, cp=config.parallel.cp_size,

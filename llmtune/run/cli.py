@@ -168,8 +168,9 @@ def plan_command(args: list[str]) -> int:
 
 def plot_command(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="llmtune plot", description="a run's metrics.jsonl -> PNG curves in "
-                                     "OUTPUT_DIR/plots (loss and eval loss against steps and tokens, learning rate, "
-                                     "grad norm, tokens/s), for a finished or a running run")
+                                     "OUTPUT_DIR/plots (loss and eval loss against steps and tokens, a preference "
+                                     "run's reward margins and accuracies, learning rate, grad norm, tokens/s), for a "
+                                     "finished or a running run")
     parser.add_argument("output_dir", help="the run's train.output_dir")
     parsed = parser.parse_args(args)
     from pathlib import Path

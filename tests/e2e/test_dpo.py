@@ -71,7 +71,11 @@ def test_the_losses_do_not_depend_on_how_many_rows_a_micro_batch_takes(tiny_mode
     assert len(runs[1]) == 3
     # The rows hold different numbers of pairs (48 pairs in neither 48, 24 nor 16 rows), so the micro-batches of one
     # step do too: averaging each micro-batch's pairs would weigh them differently in each layout.
-    assert "48 pairs packed into 32 rows" in (tmp_path / "micro1" / "train.log").read_text()
+    log = (tmp_path / "micro1" / "train.log").read_text()
+    assert "48 pairs packed into 32 rows" in log
+    # The banner counts the rows a step is cut from, in the objective's unit.
+    assert "start: 32 rows of pairs, 0.375 epochs of 8 steps = 3 optimizer steps" in log
+    assert "start: global batch 4 rows of pairs = micro-batch 1 x accumulation 4 x 1 data-parallel" in log
     for micro in (2, 4):
         assert runs[micro] == pytest.approx(runs[1], rel=1e-5)
 

@@ -1,14 +1,17 @@
-"""The start banner's lines from a run's numbers, its precision, and a plan that cannot be made said in its line.
-Its numbers on real runs: tests/e2e/test_console.py (one process) and tests/dist/test_resume.py (two)."""
+"""The start banner's lines from a run's numbers, its rows named in the task's unit, its precision, and a plan that
+cannot be made said in its line. Its numbers on real runs: tests/e2e/test_console.py (one process),
+tests/dist/test_resume.py (two) and, for a task of pairs, tests/e2e/test_dpo.py."""
 
 import dataclasses
 
 from llmtune.config import TrainConfig
 from llmtune.run import banner
-from llmtune.run.banner import Banner
+from llmtune.run.banner import Banner, rows_called
+from llmtune.tasks.language_model import LanguageModel
+from llmtune.tasks.preference import DPO
 
-FRESH = Banner(samples=1000, steps_per_epoch=62, total_steps=186, first_step=0, global_batch=16, micro_batch=4,
-               accumulation=2, dp=2, cp=1, params=1234567, trainable=1234000, decay=(14, 1230000),
+FRESH = Banner(rows=1000, unit="samples", steps_per_epoch=62, total_steps=186, first_step=0, global_batch=16,
+               micro_batch=4, accumulation=2, dp=2, cp=1, params=1234567, trainable=1234000, decay=(14, 1230000),
                no_decay=(29, 4000), precision="fp32", attention="sdpa (through llmtune_documents)",
                peak="12.3 MiB per rank (llmtune plan's estimate for this layout)")
 
@@ -28,8 +31,18 @@ def test_a_resumed_run_and_a_stream_say_so():
     resumed = dataclasses.replace(FRESH, total_steps=100, first_step=40, cp=2, dp=1)
     assert resumed.lines()[0] == "1,000 samples, 1.61 epochs of 62 steps = 100 optimizer steps, resuming after step 40"
     assert resumed.lines()[2] == "layout 2 rank(s) = 1 data-parallel x 2 context-parallel"
-    stream = dataclasses.replace(FRESH, samples=None, steps_per_epoch=None, total_steps=50)
+    stream = dataclasses.replace(FRESH, rows=None, steps_per_epoch=None, total_steps=50)
     assert stream.lines()[0] == "a stream, 50 optimizer steps (train.max_steps)"
+
+
+def test_the_rows_are_named_in_the_objectives_unit():
+    """pt's and sft's objective counts its rows as samples (samples_per_s); dpo's counts pairs, one or more to a
+    row."""
+    assert rows_called(LanguageModel) == "samples"
+    assert rows_called(DPO) == "rows of pairs"
+    pairs = dataclasses.replace(FRESH, unit="rows of pairs")
+    assert pairs.lines()[:2] == ["1,000 rows of pairs, 3 epochs of 62 steps = 186 optimizer steps",
+                                 "global batch 16 rows of pairs = micro-batch 4 x accumulation 2 x 2 data-parallel"]
 
 
 def test_precision_is_read_from_the_recipe():

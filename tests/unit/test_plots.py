@@ -1,5 +1,5 @@
 """The plots of a run (plots.py): metrics.jsonl -> PNG curves in output_dir/plots, read back here as pictures of the
-figure's size with the curves' colours in them; the tokens axis; a running run's torn last line; `llmtune plot`;
+figure's size with the curves' colours in them; the tokens axis; a preference run's reward curves; a running run's torn last line; `llmtune plot`;
 and without matplotlib, one line that says how to get it (an error for the command, a log line at a run's end)."""
 
 import json
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image
@@ -20,6 +21,7 @@ from llmtune.monitor.plots import DPI, FIGSIZE, cumulative_tokens, plot_run, rea
 from llmtune.run.cli import main
 
 NAMES = ["loss.png", "loss_tokens.png", "lr.png", "grad_norm.png", "tokens_per_s.png"]
+REWARD_NAMES = ["reward_margins.png", "reward_accuracies.png"]  # a preference run's, after the loss figures
 TRAIN, EVAL = (31, 119, 180), (255, 127, 14)  # matplotlib's tab:blue and tab:orange
 
 
@@ -33,6 +35,19 @@ def records(count: int = 20) -> list[dict]:
         if step % 5 == 0:
             record["eval_loss"] = record["loss"] + 0.2
         logged.append(record)
+    return logged
+
+
+def preference_records(count: int = 20) -> list[dict]:
+    """records() of a preference run: reward margins growing, accuracies from 0.5 up, and their evaluation every 5
+    steps."""
+    logged = records(count)
+    for record in logged:
+        step = record["step"]
+        record.update({"rewards/margins": 0.05 * step, "rewards/accuracies": min(0.5 + 0.03 * step, 1.0),
+                       "rewards/chosen": 0.02 * step, "rewards/rejected": -0.03 * step})
+        if "eval_loss" in record:
+            record.update({"eval_rewards/margins": 0.04 * step, "eval_rewards/accuracies": 0.5 + 0.02 * step})
     return logged
 
 
@@ -72,6 +87,40 @@ def test_each_curve_is_a_png_of_the_figure_size_with_its_curves_drawn(tmp_path):
     FigureCanvasAgg(blank).print_png(tmp_path / "blank.png")
     assert Image.open(tmp_path / "blank.png").size == Image.open(run / "plots" / "loss.png").size
     assert not drawn(tmp_path / "blank.png"), "the check tells a blank picture"
+
+
+def test_a_preference_run_gets_its_reward_margins_and_accuracies_against_steps(tmp_path, monkeypatch):
+    """Each reward figure holds the training curve and the evaluation's, at the steps whose records have them; the
+    records of a run without them (test_each_curve_is_a_png...) get neither figure."""
+    calls, plot = [], Axes.plot
+
+    def spy(axes, x, y, **kwargs):
+        calls.append((axes, kwargs["label"], list(x), list(y)))
+        return plot(axes, x, y, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", spy)
+    logged = preference_records()
+    run = write_metrics(tmp_path / "out", logged)
+    assert write_plots(run) == [run / "plots" / name for name in (*NAMES[:2], *REWARD_NAMES, *NAMES[2:])]
+    # The title, set once the curves are drawn, names the figure: "reward margins (chosen - rejected): out".
+    drawn_series = {(axes.get_title().partition(":")[0], label): (x, y) for axes, label, x, y in calls}
+    steps, evaluated = [r["step"] for r in logged], [r["step"] for r in logged if "eval_loss" in r]
+    for title, key in (("reward margins (chosen - rejected)", "rewards/margins"),
+                       ("reward accuracies", "rewards/accuracies")):
+        assert drawn_series[(title, key)] == (steps, [r[key] for r in logged])
+        assert drawn_series[(title, f"eval {key}")] == (evaluated, [r[f"eval_{key}"] for r in logged
+                                                                    if "eval_loss" in r])
+    for name in REWARD_NAMES:
+        path = run / "plots" / name
+        assert drawn(path) and colour(path, TRAIN) > 300 and colour(path, EVAL) > 300, name
+
+
+def test_reward_curves_without_an_evaluation_are_the_training_ones_alone(tmp_path):
+    logged = [{k: v for k, v in record.items() if not k.startswith("eval_")} for record in preference_records()]
+    run = write_metrics(tmp_path / "out", logged)
+    assert [path.name for path in write_plots(run)] == [*NAMES[:2], *REWARD_NAMES, *NAMES[2:]]
+    for name in REWARD_NAMES:
+        assert colour(run / "plots" / name, TRAIN) > 300 and colour(run / "plots" / name, EVAL) == 0, name
 
 
 def test_the_tokens_axis_is_the_input_tokens_trained_up_to_each_record():

@@ -208,6 +208,28 @@ def test_a_template_that_renders_the_prompt_differently_once_the_answer_follows_
     assert shifting.decode([prompt[first]]) != shifting.decode([full[first]])
 
 
+# Ends the prompt with " ?" where the answer is still to come, not once it follows: the first token that differs is
+# a lone space, which sentencepiece decodes to nothing.
+SPACED = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}### Instruction: {{ m['content'] }}"
+          "{% if loop.last and add_generation_prompt %} ?{% endif %} ### Response:"
+          "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def test_a_differing_token_that_decodes_to_nothing_is_quoted_as_the_vocabulary_names_it(tmp_path, tokenizer):
+    template = tmp_path / "spaced.jinja"
+    template.write_text(SPACED)
+    spaced = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    spaced.chat_template = SPACED
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": [USER], "chosen": [RIGHT], "rejected": [WRONG]}])
+    data = DataConfig(train_files=[path], chat_template=str(template), cache_dir=str(tmp_path / "c"))
+    prompt = spaced("<s>### Instruction: What is 2 plus 3? ? ### Response:", add_special_tokens=False)["input_ids"]
+    first = len(spaced("<s>### Instruction: What is 2 plus 3?", add_special_tokens=False)["input_ids"])
+    assert spaced.decode([prompt[first]]) == "" and spaced.convert_ids_to_tokens(prompt[first]) == "\u2581"
+    with pytest.raises(UserError, match=re.escape(f"token {first} of the prompt (rendered with add_generation_prompt) "
+                                                  "is '\u2581', of the prompt + chosen '###', so the response")):
+        build_datasets("dpo", data, spaced, 0, LIMITS)
+
+
 def tokens(start: int, count: int) -> list[int]:
     return list(range(start, start + count))
 
