@@ -7,6 +7,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+from llmtune.tasks.registry import TASKS
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -18,7 +20,7 @@ def without_plots(args) -> list[str]:
 
 def cli_words(args) -> list[str]:
     """A command line as the tests give bin/llmtune: a training command without plots (without_plots)."""
-    return without_plots(args) if tuple(args[:1]) in (("pt",), ("sft",)) else list(args)
+    return without_plots(args) if args and args[0] in TASKS else list(args)
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
