@@ -595,10 +595,55 @@ class MonitorConfig:
 
 
 @dataclass
-class DPOConfig:
-    beta: float = _field(0.1, "The strength of the preference: the reward of a response is beta x (its log-probability "
-                              "under the policy - under the reference); for orpo the weight of the odds-ratio "
-                              "term (TRL's, LLaMA-Factory's pref_beta).")
+class PreferenceConfig:
+    """The keys the preference tasks share (dpo's section, kto's), each task's section its subclass."""
+
+    section: typing.ClassVar[str] = ""
+    beta: float = _field(0.1, "The strength of the preference: a response's reward is beta x (its log-probability "
+                              "under the policy - under the reference) (TRL's beta, LLaMA-Factory's pref_beta); "
+                              "dpo's orpo: the weight of the odds-ratio term.")
+    reference: str = _field("model", "The reference model: model (a frozen copy of the starting weights, sharded "
+                                     "like the policy; ref_model names another), adapter_off (with peft adapters: "
+                                     "the policy with its adapters off, no copy) or precomputed (its log-probabilities "
+                                     "computed once before training and cached beside the tokenized data). dpo's "
+                                     "losses without a reference (simpo, orpo) build none.")
+    ref_model: str | None = _field(None, "reference model: a HF folder or Hub id to use instead of the starting "
+                                         "weights.")
+    max_length: int | None = _field(None, "The most tokens of prompt + response, for each of a row's two sequences "
+                                          "(TRL's max_length); the two take up to twice this in a row of "
+                                          "data.max_seq_len; default data.max_seq_len / 2.")
+    max_prompt_length: int | None = _field(None, "The most tokens of a prompt: a longer one keeps its end; default: "
+                                                 "no limit of its own.")
+    truncation: bool = _field(True, "A prompt + response longer than max_length: the prompt keeps its end (at least "
+                                    "half of max_length, or what the longer response leaves) and the responses are "
+                                    "cut at their end; false refuses the row, naming it.")
+    disable_dropout: bool = _field(True, "Dropout off in the policy (as in the reference), so that every reward is 0 "
+                                         "while the policy equals the reference (TRL's default).")
+
+    def needs_reference(self) -> bool:
+        return True
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.reference not in REFERENCES:
+            out.append(_choice_problem(f"{self.section}.reference", self.reference, REFERENCES))
+        if self.beta <= 0:
+            out.append(f"{self.section}.beta: {self.beta} must be above 0")
+        if self.max_length is not None and self.max_length < 2:
+            out.append(f"{self.section}.max_length: {self.max_length} must be at least 2")
+        if self.max_prompt_length is not None and (self.max_prompt_length < 1 or (
+                self.max_length is not None and self.max_prompt_length >= self.max_length)):
+            out.append(f"{self.section}.max_prompt_length: {self.max_prompt_length} must be at least 1 and below "
+                       f"{self.section}.max_length, to leave room for the responses")
+        if self.ref_model is not None and self.reference == "adapter_off":
+            out.append(f"{self.section}.ref_model: the adapter_off reference is the policy itself; set "
+                       f"{self.section}.reference: model to use ref_model")
+        return out
+
+
+@dataclass
+class DPOConfig(PreferenceConfig):
+    section: typing.ClassVar[str] = "dpo"
     loss_type: list[str] = _field(["sigmoid"], "The pair loss: sigmoid (DPO; cDPO with label_smoothing), robust, "
                                                "hinge, ipo (on per-token log-probabilities), simpo (no reference, "
                                                "length-normalised, margin simpo_gamma), orpo (no reference: odds "
@@ -610,52 +655,23 @@ class DPOConfig:
     simpo_gamma: float = _field(0.5, "simpo: the target reward margin.")
     sft_weight: float = _field(0.0, "Weight of an added NLL term on the chosen responses (RPO; TRL's rpo_alpha, "
                                     "LLaMA-Factory's pref_ftx), averaged over the chosen tokens of the whole step.")
-    reference: str = _field("model", "The reference model: model (a frozen copy of the starting weights, sharded "
-                                     "like the policy; ref_model names another), adapter_off (with peft adapters: "
-                                     "the policy with its adapters off, no copy) or precomputed (its log-probabilities "
-                                     "computed once before training and cached beside the tokenized data). Losses "
-                                     "without a reference (simpo, orpo) build none.")
-    ref_model: str | None = _field(None, "reference model: a HF folder or Hub id to use instead of the starting "
-                                         "weights.")
-    max_length: int | None = _field(None, "The most tokens of prompt + response, for each of chosen and rejected "
-                                          "(TRL's max_length); a pair takes up to twice this in a row of "
-                                          "data.max_seq_len; default data.max_seq_len / 2.")
-    max_prompt_length: int | None = _field(None, "The most tokens of a prompt: a longer one keeps its end; default: "
-                                                 "no limit of its own.")
-    truncation: bool = _field(True, "A pair longer than max_length: the prompt keeps its end (at least half of "
-                                    "max_length, or what the longer response leaves) and the responses are cut at "
-                                    "their end; false refuses the pair, naming its row.")
-    disable_dropout: bool = _field(True, "Dropout off in the policy (as in the reference), so that a pair's reward is "
-                                         "0 while the policy equals the reference (TRL's default).")
 
     def needs_reference(self) -> bool:
         return any(loss not in REFERENCE_FREE for loss in self.loss_type)
 
     def problems(self) -> list[str]:
-        out = [_choice_problem("dpo.loss_type", loss, PREFERENCE_LOSSES) for loss in self.loss_type
-               if loss not in PREFERENCE_LOSSES]
+        out = super().problems()
+        out += [_choice_problem("dpo.loss_type", loss, PREFERENCE_LOSSES) for loss in self.loss_type
+                if loss not in PREFERENCE_LOSSES]
         if not self.loss_type:
             out.append(f"dpo.loss_type: name at least one loss ({', '.join(PREFERENCE_LOSSES)})")
         if self.loss_weights and len(self.loss_weights) != len(self.loss_type):
             out.append(f"dpo.loss_weights: give one weight per dpo.loss_type entry ({len(self.loss_type)}), not "
                        f"{self.loss_weights}")
-        if self.reference not in REFERENCES:
-            out.append(_choice_problem("dpo.reference", self.reference, REFERENCES))
-        if self.beta <= 0:
-            out.append(f"dpo.beta: {self.beta} must be above 0")
         if not 0.0 <= self.label_smoothing < 0.5:
             out.append(f"dpo.label_smoothing: {self.label_smoothing} must be in [0, 0.5)")
         if self.sft_weight < 0:
             out.append(f"dpo.sft_weight: {self.sft_weight} must not be negative")
-        if self.max_length is not None and self.max_length < 2:
-            out.append(f"dpo.max_length: {self.max_length} must be at least 2")
-        if self.max_prompt_length is not None and (self.max_prompt_length < 1 or (
-                self.max_length is not None and self.max_prompt_length >= self.max_length)):
-            out.append(f"dpo.max_prompt_length: {self.max_prompt_length} must be at least 1 and below dpo.max_length, "
-                       "to leave room for the responses")
-        if self.ref_model is not None and self.reference == "adapter_off":
-            out.append("dpo.ref_model: the adapter_off reference is the policy itself; set dpo.reference: model to "
-                       "use ref_model")
         return out
 
 
@@ -686,9 +702,16 @@ class Config:
     def dp_size(self, world_size: int) -> int:
         return world_size // self.parallel.cp_size
 
+    def preference(self) -> PreferenceConfig | None:
+        """The section of a preference task (dpo's, kto's), None for another task."""
+        section = TASKS[self.task].section
+        found = getattr(self, section) if section else None
+        return found if isinstance(found, PreferenceConfig) else None
+
     def holds_reference_copy(self) -> bool:
-        """Whether the run holds a second, frozen copy of the model while it trains (dpo.reference: model)."""
-        return TASKS[self.task].section == "dpo" and self.dpo.needs_reference() and self.dpo.reference == "model"
+        """Whether the run holds a second, frozen copy of the model while it trains (reference: model)."""
+        preference = self.preference()
+        return preference is not None and preference.needs_reference() and preference.reference == "model"
 
     def use_micro_batch(self, micro_batch: int, world_size: int) -> None:
         """per_device_train_batch_size: auto, resolved: this micro-batch, and the accumulation that keeps
@@ -1022,8 +1045,9 @@ def _auto_batch_problems(config: Config, world_size: int, provided: set[str]) ->
 
 
 def pair_length(config: Config) -> int:
-    """The most tokens of one sequence of a pair (prompt + response): dpo.max_length, else half a row."""
-    return config.dpo.max_length or config.data.max_seq_len // 2
+    """The most tokens of one of a row's two sequences (prompt + response) for a preference task: its max_length,
+    else half a row."""
+    return config.preference().max_length or config.data.max_seq_len // 2
 
 
 def _task_problems(config: Config, provided: set[str]) -> list[str]:
@@ -1032,29 +1056,31 @@ def _task_problems(config: Config, provided: set[str]) -> list[str]:
     out = [f"{name}: this section is for llmtune {name}, not {config.task}; leave it out of a {config.task} recipe"
            for name in sorted({key.partition(".")[0] for key in provided} & {t.section for t in TASKS.values()})
            if name != section]
-    if section != "dpo":
+    preference = config.preference()
+    if preference is None:
         return out
-    dpo, data, train = config.dpo, config.data, config.train
+    name, data, train = preference.section, config.data, config.train
     if 2 * pair_length(config) > data.max_seq_len:
-        out.append(f"dpo.max_length: a pair of two sequences of {dpo.max_length} tokens does not fit a row of "
-                   f"data.max_seq_len={data.max_seq_len}; raise data.max_seq_len to {2 * dpo.max_length} or lower "
-                   "dpo.max_length")
-    if dpo.reference == "adapter_off" and dpo.needs_reference() and config.peft.method == "none":
-        out.append("dpo.reference: adapter_off is the policy with its adapters off, and this run trains no adapters; "
-                   "set peft.method (lora or dora) or dpo.reference: model")
-    if config.model.init_from and dpo.needs_reference() and dpo.reference != "adapter_off" and not dpo.ref_model:
-        out.append(f"dpo.reference: {dpo.reference} is built from model.name_or_path, but model.init_from starts the "
-                   "policy from other weights; set dpo.ref_model to the weights the reference should have (e.g. the "
-                   "folder init_from's run exported)")
+        out.append(f"{name}.max_length: two sequences of {preference.max_length} tokens do not fit a row of "
+                   f"data.max_seq_len={data.max_seq_len}; raise data.max_seq_len to {2 * preference.max_length} or "
+                   f"lower {name}.max_length")
+    if preference.reference == "adapter_off" and preference.needs_reference() and config.peft.method == "none":
+        out.append(f"{name}.reference: adapter_off is the policy with its adapters off, and this run trains no "
+                   f"adapters; set peft.method (lora or dora) or {name}.reference: model")
+    if config.model.init_from and preference.needs_reference() and preference.reference != "adapter_off" \
+            and not preference.ref_model:
+        out.append(f"{name}.reference: {preference.reference} is built from model.name_or_path, but model.init_from "
+                   f"starts the policy from other weights; set {name}.ref_model to the weights the reference should "
+                   "have (e.g. the folder init_from's run exported)")
     for key, value in (("z_loss", train.z_loss), ("label_smoothing", train.label_smoothing)):
         if value:
             out.append(f"train.{key}: applies to the token loss of pt and sft; preference losses use the "
                        f"log-probabilities as the model gives them (dpo.label_smoothing is cDPO's)")
     if data.streaming:
-        out.append("data.streaming: preference pairs are built whole before training; set data.streaming: false")
+        out.append(f"data.streaming: {name}'s rows are built whole before training; set data.streaming: false")
     if not data.document_mask:
-        out.append("data.document_mask: false would let a pair's rejected response attend to its chosen one (a row "
-                   "holds both); leave data.document_mask true for dpo")
+        out.append(f"data.document_mask: false would let a row's second sequence attend to its first (a row holds "
+                   f"both); leave data.document_mask true for {name}")
     return out
 
 

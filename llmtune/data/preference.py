@@ -40,7 +40,8 @@ class PairLimits:
         """The recipe's limits when its task's rows are pairs, else None."""
         if TASKS[config.task].rows != PAIRS:
             return None
-        return cls(pair_length(config), config.dpo.max_prompt_length, config.dpo.truncation)
+        preference = config.preference()
+        return cls(pair_length(config), preference.max_prompt_length, preference.truncation)
 
 
 def encode_pair(tokenizer, pair: dict, rules: LabelRules, where: str) -> tuple[list[int], list[int], list[int]]:

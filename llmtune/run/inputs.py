@@ -22,7 +22,7 @@ def hub_inputs(config) -> dict[HubRepo, str]:
     found = {}
     for key, repo in (("model.name_or_path", _model_repo(model, model.name_or_path, tokenizer_only=False)),
                       ("model.tokenizer", _model_repo(model, model.tokenizer, tokenizer_only=True)),
-                      ("dpo.ref_model", _reference_repo(config))):
+                      (_reference_key(config), _reference_repo(config))):
         if repo:
             found.setdefault(repo, key)
     if model.revision and not found:
@@ -40,9 +40,16 @@ def _model_repo(model, text: str | None, tokenizer_only: bool) -> HubRepo | None
     return model_repo(text, model.revision, model.trust_remote_code, tokenizer_only=tokenizer_only)
 
 
+def _reference_key(config) -> str:
+    preference = config.preference()
+    return f"{preference.section}.ref_model" if preference else ""
+
+
 def _reference_repo(config) -> HubRepo | None:
-    """dpo.ref_model, a model of its own: model.revision names the policy's revision, not its."""
-    return model_repo(config.dpo.ref_model, None, config.model.trust_remote_code, tokenizer_only=False)
+    """A preference task's ref_model, a model of its own: model.revision names the policy's revision, not its."""
+    preference = config.preference()
+    return model_repo(preference.ref_model, None, config.model.trust_remote_code, tokenizer_only=False) \
+        if preference else None
 
 
 def pin_hub_inputs(config) -> dict[HubRepo, str]:
@@ -73,11 +80,13 @@ def local_inputs(config, folders: dict[HubRepo, Path]):
     local_model = replace(model, name_or_path=folder(model.name_or_path, tokenizer_only=False),
                           tokenizer=folder(model.tokenizer, tokenizer_only=True), revision=None)
     reference = _reference_repo(config)
-    local_dpo = replace(config.dpo, ref_model=str(folders[reference]) if reference else config.dpo.ref_model)
+    # A preference task's reference model: its folder too.
+    task_section = {config.preference().section: replace(config.preference(), ref_model=str(folders[reference]))} \
+        if reference else {}
     local_data = replace(data, train_files=sources(data.train_files, "data.train_files"),
                          val_files=sources(data.val_files, "data.val_files"),
                          test_files=sources(data.test_files, "data.test_files"))
-    return replace(config, model=local_model, data=local_data, dpo=local_dpo)
+    return replace(config, model=local_model, data=local_data, **task_section)
 
 
 def check_data_sources(sources: list[Source]) -> None:
@@ -175,9 +184,9 @@ def check_inputs(config) -> None:
     but pt's documents) has a chat template; optional sinks are installed."""
     check_optional_packages(config)
     check_model_paths(config.model)
-    reference = config.dpo.ref_model
+    reference = config.preference() and config.preference().ref_model
     if reference and not (Path(reference) / "config.json").is_file():
-        raise UserError(f"dpo.ref_model: {reference} is not a HF model folder (no config.json there); point it at a "
+        raise UserError(f"{_reference_key(config)}: {reference} is not a HF model folder (no config.json there); point it at a "
                         "folder written by save_pretrained, or at a Hub id (org/name)")
     tokenizer_dir = Path(config.model.tokenizer or config.model.name_or_path)
     if TASKS[config.task].rows != DOCUMENTS and not config.data.chat_template and not has_chat_template(tokenizer_dir):

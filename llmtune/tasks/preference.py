@@ -45,6 +45,19 @@ def whole_sums(local: torch.Tensor, state) -> torch.Tensor:
     return scaled - (scaled - state.cp_sum(local)).detach()
 
 
+def preference_parts(config, local, model_config, model, features, state):
+    """(the reference, the precompute hook or None) of a preference task's run, after the policy's dropout is turned
+    off where the recipe says so."""
+    preference = config.preference()
+    if preference.disable_dropout:
+        disable_dropout(model.hf_model)
+    if not preference.needs_reference():
+        return None, None
+    precompute = Precompute(config, local, model_config, features, state) \
+        if preference.reference == "precomputed" else None
+    return build_reference(config, local, model_config, model, features, state), precompute
+
+
 def pairs(logps: torch.Tensor, tokens: torch.Tensor) -> PairLogps:
     """Per-sequence sums and labelled tokens -> chosen and rejected of each pair (even and odd sequences)."""
     return PairLogps(logps[0::2], logps[1::2], tokens[0::2], tokens[1::2])
@@ -64,13 +77,8 @@ class DPO(Objective):
 
     @classmethod
     def build(cls, config, local, model_config, model, features, state, **parts) -> "DPO":
-        if config.dpo.disable_dropout:
-            disable_dropout(model.hf_model)
-        if not config.dpo.needs_reference():
-            return cls(config.dpo, None, state)
-        precompute = Precompute(config, local, model_config, features, state) \
-            if config.dpo.reference == "precomputed" else None
-        return cls(config.dpo, build_reference(config, local, model_config, model, features, state), state, precompute)
+        reference, precompute = preference_parts(config, local, model_config, model, features, state)
+        return cls(config.dpo, reference, state, precompute)
 
     def annotate(self, splits: dict, collate) -> dict:
         """dpo.reference: precomputed: the reference's log-probabilities added to every row, once."""

@@ -70,9 +70,10 @@ class PrecomputedReference:
 def reference_source(config, local, model_config):
     """(model section, transformers config) of the reference's weights: dpo.ref_model, else the policy's own.
     `local`: the recipe with its Hub ids fetched (dpo.ref_model's too)."""
-    if not local.dpo.ref_model:
+    ref_model = local.preference().ref_model
+    if not ref_model:
         return local.model, model_config
-    model_cfg = replace(local.model, name_or_path=local.dpo.ref_model, config=None, init_from=None)
+    model_cfg = replace(local.model, name_or_path=ref_model, config=None, init_from=None)
     return model_cfg, load_model_config(model_cfg)
 
 
@@ -88,7 +89,7 @@ def reference_model(config, local, model_config, features, state) -> ModelRefere
 def build_reference(config, local, model_config, model, features, state):
     """The reference dpo.reference names for training (precomputed: what reads the values tasks/precompute.py
     added to the rows)."""
-    kind = config.dpo.reference
+    kind = config.preference().reference
     if kind == "adapter_off":
         return AdapterOffReference(model, state)
     if kind == "precomputed":

@@ -101,3 +101,13 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_bitwise_and_exports(tiny_mo
         assert "log-probabilities read from" in (part / "train.log").read_text()
     exported = "adapter" if peft else "hf"
     assert (whole / exported / ("adapter_model.safetensors" if peft else "model.safetensors")).is_file()
+
+
+def test_a_reference_of_other_weights_gives_rewards_from_the_first_step(tiny_model, tiny_qwen2, pairs_file, tmp_path):
+    """dpo.ref_model names the reference's weights: another model's log-probabilities, so the first step's rewards
+    are not 0."""
+    out = tmp_path / "other"
+    llmtune.train("dpo", recipe(tiny_model, pairs_file, out, train={"max_steps": 1},
+                                dpo={"ref_model": str(tiny_qwen2)}))
+    first = read_metrics(out)[0]
+    assert first["rewards/chosen"] != 0.0 and abs(first["loss"] - math.log(2)) > 1e-3

@@ -17,7 +17,7 @@ from llmtune.model.build import decoder_layers, load_model_config
 from llmtune.run import cli
 from llmtune.run.micro_batch import decide_micro_batch
 from llmtune.run.plan import (GIB, USABLE_FRACTION, auto_micro_batch, device_memory_gib, gib, loss_bytes, plan_memory,
-                              saved_activations, shard_bytes)
+                              render, saved_activations, shard_bytes)
 
 LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -225,3 +225,20 @@ def test_plan_resolves_auto_for_the_device(plan_recipe, capsys):
     assert out.startswith("train.per_device_train_batch_size: auto -> 2, the largest micro-batch that fits\n")
     assert "batch: micro-batch 2 x 512 tokens (512 per rank), accumulation 4; 8,192 tokens per optimizer step" in out
     assert "fit: fits" in out
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_dpo_reference_copy_adds_the_model_in_the_compute_dtype_unless_precomputed(plan_recipe, bf16):
+    """dpo.reference: model holds every parameter once more, frozen (so in the compute dtype), sharded; precomputed
+    and adapter_off hold none; sft none."""
+    sft = load_config(plan_recipe(bf16=bf16), [], "sft", 2)
+    model_config = load_model_config(sft.model)
+    plain = plan_memory(sft, model_config, 2)
+    fp32_params = plan_memory(load_config(plan_recipe(), [], "sft", 2), model_config, 2).params
+    with_copy = plan_memory(load_config(plan_recipe(bf16=bf16), [], "dpo", 2), model_config, 2)
+    precomputed = plan_memory(load_config(plan_recipe(bf16=bf16), ["dpo.reference=precomputed"], "dpo", 2),
+                              model_config, 2)
+    assert plain.reference == precomputed.reference == 0
+    assert with_copy.reference == fp32_params // (2 if bf16 else 1)
+    assert with_copy.peak - plain.peak == with_copy.reference
+    assert "reference model (dpo.reference: model" in render(with_copy, sft, model_config, None, None)

@@ -383,7 +383,7 @@ def test_a_dpo_recipe_that_would_let_a_rejected_response_attend_to_its_chosen_on
     recipe = {"model": {"config": str(tmp_path), "tokenizer": str(tmp_path)},
               "data": {"train_files": ["pairs.jsonl"], "document_mask": False},
               "train": {"output_dir": str(tmp_path / "out")}}
-    with pytest.raises(UserError, match=r"data.document_mask: false would let a pair's rejected response attend to its "
-                                        r"chosen one"):
+    with pytest.raises(UserError, match=r"data.document_mask: false would let a row's second sequence attend to its "
+                                        r"first"):
         load_config(recipe, [], "dpo", world_size=1)
     assert not load_config(recipe, [], "sft", world_size=1).data.document_mask
