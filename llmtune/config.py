@@ -675,6 +675,21 @@ class DPOConfig(PreferenceConfig):
         return out
 
 
+@dataclass
+class KTOConfig(PreferenceConfig):
+    section: typing.ClassVar[str] = "kto"
+    desirable_weight: float = _field(1.0, "Weight of the desirable examples' losses (TRL's desirable_weight): raise "
+                                          "it, or lower undesirable_weight, when desirable examples are fewer.")
+    undesirable_weight: float = _field(1.0, "Weight of the undesirable examples' losses (TRL's undesirable_weight).")
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        out += [f"kto.{key}: {value} must not be negative" for key, value in
+                (("desirable_weight", self.desirable_weight), ("undesirable_weight", self.undesirable_weight))
+                if value < 0]
+        return out
+
+
 SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -684,6 +699,7 @@ SECTIONS = {
     "checkpoint": CheckpointConfig,
     "monitor": MonitorConfig,
     "dpo": DPOConfig,
+    "kto": KTOConfig,
 }
 
 
@@ -697,7 +713,9 @@ class Config:
     peft: PeftConfig
     checkpoint: CheckpointConfig
     monitor: MonitorConfig
-    dpo: DPOConfig = field(default_factory=DPOConfig)  # the sections of tasks: only their own recipes give them
+    # The sections of tasks: only their own recipes give them.
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    kto: KTOConfig = field(default_factory=KTOConfig)
 
     def dp_size(self, world_size: int) -> int:
         return world_size // self.parallel.cp_size

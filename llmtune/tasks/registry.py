@@ -36,4 +36,7 @@ TASKS = {
     "dpo": Task("llmtune.tasks.preference:DPO", PAIRS, "dpo",
                 "Preference training (DPO and its kin): a chosen and a rejected response to each prompt, the policy "
                 "moved towards the chosen one against a reference model."),
+    "kto": Task("llmtune.tasks.kto:KTO", UNPAIRED, "kto",
+                "KTO: prompts with one response each, labelled desirable or undesirable, the policy moved towards the "
+                "desirable ones against a reference model."),
 }

@@ -25,7 +25,7 @@ def test_version_is_the_installed_packages():
 
 
 @pytest.mark.parametrize("task, words", [("sft", "Supervised fine-tuning"), ("pt", "Pre-training"),
-                                         ("dpo", "Preference training")])
+                                         ("dpo", "Preference training"), ("kto", "KTO: prompts")])
 def test_help_lists_every_recipe_key_with_its_default_and_help(task, words, capsys):
     assert cli.main([task, "--help"]) == 0
     text = capsys.readouterr().out
@@ -36,7 +36,8 @@ def test_help_lists_every_recipe_key_with_its_default_and_help(task, words, caps
         option = key if len(names[key]) == 1 else f"{section}.{key}"
         assert f"--{option} (default: {default})" in text, key
         assert " ".join(help.split()) in flat, key
-    assert ("dpo:" in text.splitlines()) == (task == "dpo"), "a task's help lists its own section alone"
+    for section in ("dpo", "kto"):
+        assert (f"{section}:" in text.splitlines()) == (task == section), "a task's help lists its own section alone"
     for alias, target in KEY_ALIASES.items():
         listed = f"{alias} (--{alias.partition('.')[2]}) = {target}" in text
         assert listed == (target.partition(".")[0] in task_sections(task)), alias
