@@ -86,7 +86,7 @@ def write_plots(output_dir: Path) -> list[Path]:
     for name, title, xs, x_label, keys in [
         ("loss", "loss", steps, "step", ("loss", "eval_loss")),
         ("loss_tokens", "loss", tokens, "input tokens trained", ("loss", "eval_loss")),
-        # A preference task's metrics (TRL's names, tasks/preference.py), which other tasks' records lack.
+        # A preference task's metrics (TRL's names, tasks/dpo.py and tasks/kto.py), which other tasks' records lack.
         ("reward_margins", "reward margins (chosen - rejected)", steps, "step",
          ("rewards/margins", "eval_rewards/margins")),
         ("reward_accuracies", "reward accuracies", steps, "step", ("rewards/accuracies", "eval_rewards/accuracies")),

@@ -49,6 +49,11 @@ class Objective:
         """This micro-batch's values of `counts` (inputs: as the model gets them, after the features' transform)."""
         return []
 
+    def begin(self, model, micro_batches) -> None:
+        """Before the first loss of a step, or of a held-out split: `micro_batches`, an iterable of (inputs, batch),
+        for an objective whose loss needs a value of all of them (KTO's reference point). The default reads
+        nothing (an evaluation's iterable is then never run)."""
+
     def terms(self, model, inputs: dict, batch) -> Terms:
         raise NotImplementedError
 

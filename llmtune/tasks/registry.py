@@ -33,7 +33,7 @@ TASKS = {
     "sft": Task("llmtune.tasks.language_model:LanguageModel", CONVERSATIONS, None,
                 "Supervised fine-tuning: conversations rendered by the chat template, the assistant's tokens "
                 "trained."),
-    "dpo": Task("llmtune.tasks.preference:DPO", PAIRS, "dpo",
+    "dpo": Task("llmtune.tasks.dpo:DPO", PAIRS, "dpo",
                 "Preference training (DPO and its kin): a chosen and a rejected response to each prompt, the policy "
                 "moved towards the chosen one against a reference model."),
     "kto": Task("llmtune.tasks.kto:KTO", UNPAIRED, "kto",

@@ -221,6 +221,7 @@ class Trainer:
         inputs = [self.features.transform(b.inputs) for b in micro_batches]
         totals = self._step_totals(inputs, micro_batches)
         weights = (objective.weights(totals) * (self.state.fsdp_group_size * self.loss_scale.scale)).float()
+        objective.begin(self.model, zip(inputs, micro_batches))
         sums = torch.zeros(sum(objective.sizes()), device=device, dtype=torch.float64)
         for i, (batch_inputs, batch) in enumerate(zip(inputs, micro_batches)):
             self.model.set_requires_gradient_sync(i == len(inputs) - 1)
@@ -261,6 +262,12 @@ class Trainer:
         return torch.tensor(self.objective.local_counts(inputs, batch, self.state.cp_rank), device=self.state.device,
                             dtype=torch.float64)
 
+    def _held_out_batches(self, held_out):
+        """(inputs, batch) of each micro-batch of a held-out split, on the device, as the model gets them."""
+        for batch in held_out.batches():
+            batch = batch.to(self.state.device)
+            yield self.features.transform(batch.inputs), batch
+
     def evaluate(self, held_out) -> dict[str, float]:
         """The loss and metrics of a held-out split (the validation or the test one), as the objective defines them
         for a training step, over all its batches on all ranks."""
@@ -269,9 +276,8 @@ class Trainer:
         counts = torch.zeros(len(objective.names()), device=device, dtype=torch.float64)
         sums = torch.zeros(sum(objective.sizes()), device=device, dtype=torch.float64)
         with torch.no_grad():
-            for batch in held_out.batches():
-                batch = batch.to(device)
-                inputs = self.features.transform(batch.inputs)
+            objective.begin(self.model, self._held_out_batches(held_out))
+            for inputs, batch in self._held_out_batches(held_out):
                 counts += self._counts(inputs, batch)
                 terms = objective.terms(self.model, inputs, batch)
                 sums += torch.cat([terms.loss, terms.metrics]).double()

@@ -8,7 +8,7 @@ from llmtune.config import TrainConfig
 from llmtune.run import banner
 from llmtune.run.banner import Banner, rows_called
 from llmtune.tasks.language_model import LanguageModel
-from llmtune.tasks.preference import DPO
+from llmtune.tasks.dpo import DPO
 
 FRESH = Banner(rows=1000, unit="samples", steps_per_epoch=62, total_steps=186, first_step=0, global_batch=16,
                micro_batch=4, accumulation=2, dp=2, cp=1, params=1234567, trainable=1234000, decay=(14, 1230000),
