@@ -59,6 +59,9 @@ KEY_ALIASES = {
     "dpo.pref_loss": "dpo.loss_type",
     "dpo.pref_ftx": "dpo.sft_weight",
     "dpo.dpo_label_smoothing": "dpo.label_smoothing",
+    "kto.pref_beta": "kto.beta",
+    "kto.kto_chosen_weight": "kto.desirable_weight",
+    "kto.kto_rejected_weight": "kto.undesirable_weight",
     # TRL's name.
     "dpo.rpo_alpha": "dpo.sft_weight",
 }
