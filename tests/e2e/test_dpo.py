@@ -111,3 +111,22 @@ def test_a_reference_of_other_weights_gives_rewards_from_the_first_step(tiny_mod
                                 dpo={"ref_model": str(tiny_qwen2)}))
     first = read_metrics(out)[0]
     assert first["rewards/chosen"] != 0.0 and abs(first["loss"] - math.log(2)) > 1e-3
+
+
+def test_a_mixture_of_experts_adds_its_router_loss_over_the_labelled_tokens(assets, pairs_file, tmp_path):
+    """A tiny Qwen3-MoE from its config: at step 0 the loss is ln 2 plus the router's coefficient times its
+    token-weighted aux loss, which the record reports with the expert load."""
+    from transformers import Qwen3MoeConfig
+
+    tokenizer = assets / "tokenizer"
+    Qwen3MoeConfig(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, max_position_embeddings=256, router_aux_loss_coef=0.3).save_pretrained(tmp_path / "moe")
+    out = tmp_path / "out"
+    run = recipe(None, pairs_file, out, train={"max_steps": 1})
+    run["model"] = {"config": str(tmp_path / "moe"), "tokenizer": str(tokenizer)}
+    llmtune.train("dpo", run)
+    first = read_metrics(out)[0]
+    assert first["aux_loss"] > 0 and first["expert_load"] >= 1.0
+    assert first["loss"] == pytest.approx(math.log(2) + 0.3 * first["aux_loss"], rel=1e-5)
+    assert first["rewards/margins"] == 0.0
