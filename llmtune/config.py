@@ -23,7 +23,8 @@ from llmtune.errors import UserError
 from llmtune.tasks.registry import TASKS
 
 DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response", "tokenized",
-                "prompt_chosen_rejected", "chosen_rejected", "alpaca_ranking", "sharegpt_ranking")
+                "prompt_chosen_rejected", "chosen_rejected", "alpaca_ranking", "sharegpt_ranking",
+                "prompt_completion_label", "alpaca_kto", "sharegpt_kto", "messages_kto")
 TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "wsd")

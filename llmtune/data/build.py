@@ -1,14 +1,16 @@
 """Sources -> canonical rows -> tokens -> (packing) -> the train and validation datasets.
 
 Each task's rows (tasks/registry.py's `rows`) take their own path: documents are packed into blocks (pretrain.py),
-conversations become samples (sft.py), preference pairs rows of two sequences (preference.py); the path is read
-from the rows, never from the task's name.
+conversations become samples (sft.py), preference pairs rows of two sequences (preference.py), KTO's examples too,
+each with its KL completion, once the split's sources are mixed (unpaired.py); the path is read from the rows, never
+from the task's name.
 
 Preprocessing is paid once: the result is saved under a key of (source fingerprints: each
 file's size and mtime, a Hub dataset's repository, config, split and commit; tokenizer,
-transform settings, and a pair task's PairLimits); on N ranks, local rank 0 of each node builds
-it while the others wait, then every rank memory-maps the same files. A streaming run tokenizes its training sources
-as it reads them; only its validation and test splits (data.val_files, data.test_files) are built here.
+transform settings, and the PairLimits of a task whose rows are built as pairs); on N ranks, local rank 0 of each
+node builds it while the others wait, then every rank memory-maps the same files. A streaming run tokenizes its
+training sources as it reads them; only its validation and test splits (data.val_files, data.test_files) are built
+here.
 """
 
 import hashlib
@@ -25,17 +27,17 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from llmtune.data import packing, preference, pretrain, sft
+from llmtune.data import packing, preference, pretrain, sft, unpaired
 from llmtune.data.files import is_saved_dataset, resolve_data_files
 from llmtune.data.formats import (KTO_LABEL, ROWS_FORMS, canonical_columns, check_columns, detect_format,
                                   other_rows_error, to_canonical)
-from llmtune.data.preference import PairLimits
+from llmtune.data.preference import PairLimits, two_sequence_rows
 from llmtune.data.registry import Source, split_sources
 from llmtune.data.sources import load_source, undecodable_error
 from llmtune.errors import UserError
 from llmtune.hub import dataset_source, fetch
 from llmtune.model.loss import IGNORE_INDEX
-from llmtune.tasks.registry import CONVERSATIONS, DOCUMENTS, PAIRS, TASKS
+from llmtune.tasks.registry import CONVERSATIONS, DOCUMENTS, PAIRS, TASKS, UNPAIRED
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +48,21 @@ CACHE_VERSION = 2
 NOT_IN_KEY = ("shuffle", "shuffle_buffer", "num_proc", "cache_dir", "document_mask")
 # The folders of a cache entry, each a split the recipe may have.
 SPLITS = ("train", "val", "test")
+# The canonical columns that are not inferred: a sample, a pair or an example is one JSON value (formats.py says why).
+CANONICAL_FEATURES = {"sample": datasets.Json(), "pair": datasets.Json(), "example": datasets.Json(),
+                      **unpaired.EXAMPLE_VALUES}
+
+
+def unit_name(task: str) -> str:
+    """What a task's statistics count: pairs (dpo), examples (kto, each a row of two sequences with its KL
+    sequence), else samples."""
+    return {PAIRS: "pairs", UNPAIRED: "examples"}.get(TASKS[task].rows, "samples")
 
 
 @dataclass
 class DataStats:
     task: str
-    samples: int  # sft: the samples kept, however many a row holds; dpo: the pairs kept
+    samples: int  # sft: the samples kept, however many a row holds; dpo: the pairs kept; kto: the examples kept
     rows: int  # the rows the model is given: packed rows, one sample (pair) each, or pt's blocks
     max_seq_len: int
     tokens: int
@@ -63,17 +74,20 @@ class DataStats:
     efficiency: float  # non-pad tokens / all tokens of the batches the model will see
     val_samples: int
     test_samples: int
+    desirable: int = 0  # kto: the examples kept that are labelled desirable (the others are undesirable)
 
     def summary(self) -> str:
-        rows = TASKS[self.task].rows
-        unit = "pairs" if rows == PAIRS else "samples"
+        rows, unit = TASKS[self.task].rows, unit_name(self.task)
+        counted = f"{self.samples} {unit}"
+        if rows == UNPAIRED:
+            counted += f" ({self.desirable} desirable, {self.samples - self.desirable} undesirable)"
         if rows == DOCUMENTS:
             kept = f"{self.rows} rows of up to {self.max_seq_len} tokens"
         elif self.rows != self.samples:
-            kept = f"{self.samples} {unit} packed into {self.rows} rows of up to {self.max_seq_len} tokens"
+            kept = f"{counted} packed into {self.rows} rows of up to {self.max_seq_len} tokens"
         else:
-            kept = f"{self.samples} {unit}, one per row"
-        if rows == PAIRS:
+            kept = f"{counted}, one per row"
+        if two_sequence_rows(self.task):
             dropped = self.dropped_too_long + self.dropped_no_labels
             counts = (f"{self.truncated} truncated ({self._share(self.truncated)}), {dropped} dropped "
                       f"({self._share(dropped)})")
@@ -86,18 +100,27 @@ class DataStats:
                 f"efficiency {self.efficiency:.1%} (non-pad tokens), {self.val_samples} validation {unit}{test}")
 
     def _share(self, count: int) -> str:
-        """`count` as a share of every sample (pair) read (the kept ones and the dropped ones)."""
+        """`count` as a share of every sample (pair, example) read (the kept ones and the dropped ones)."""
         read = self.samples + self.dropped_too_long + self.dropped_no_labels
         return f"{count / max(read, 1):.1%}"
 
 
 def sample_count(split: datasets.Dataset, task: str) -> int:
-    """The samples (pairs) of a split: in packed rows, the positions that restart at 0 (a packed sample is never cut
-    between rows; pt's blocks, which do cut documents, count as rows), two to a pair."""
+    """The samples (pairs, examples) of a split: in packed rows, the positions that restart at 0 (a packed sample is
+    never cut between rows; pt's blocks, which do cut documents, count as rows), two to a pair or an example."""
     if "position_ids" not in split.column_names:
         return len(split)
     starts = pc.equal(pc.list_flatten(split.data.column("position_ids")), 0)
-    return int(pc.sum(starts).as_py() or 0) // (2 if TASKS[task].rows == PAIRS else 1)
+    return int(pc.sum(starts).as_py() or 0) // (2 if two_sequence_rows(task) else 1)
+
+
+def desirable_count(split: datasets.Dataset) -> int:
+    """The examples labelled desirable in a split of KTO's rows (its `desirable` values, two to an example), 0 in
+    another's; read through the split's indices (a filtered split's table still holds the rows it dropped)."""
+    if unpaired.DESIRABLE not in split.column_names:
+        return 0
+    values = split.select_columns([unpaired.DESIRABLE]).with_format("arrow")[:][unpaired.DESIRABLE]
+    return int(pc.sum(pc.list_flatten(values)).as_py() or 0) // 2
 
 
 def map_options(dataset, num_proc: int, desc: str) -> dict:
@@ -134,9 +157,9 @@ def canonical_rows(source: Source, task: str, data_cfg, streaming: bool):
     def convert(row, index):
         return to_canonical(row, row_format, f"{source.pattern}: row {index + 1}")
 
-    # A sample or a pair is one JSON value (formats.py says why); the other forms' columns are inferred.
     canonical = canonical_columns(row_format.form)
-    features = datasets.Features({canonical[0]: datasets.Json()}) if canonical in (("sample",), ("pair",)) else None
+    features = datasets.Features({column: CANONICAL_FEATURES[column] for column in canonical}) \
+        if canonical[0] in CANONICAL_FEATURES else None
     try:
         converted = rows.map(convert, with_indices=True, remove_columns=columns, features=features,
                              **map_options(rows, data_cfg.num_proc, f"read {Path(source.pattern).name}"))
@@ -231,6 +254,11 @@ def tokenized_sources(sources: list[Source], task: str, tokenizer, data_cfg, str
 
 def build_split(sources: list[Source], weights: list[float], task: str, tokenizer, data_cfg, seed: int,
                 pair_limits: PairLimits | None):
+    if TASKS[task].rows == UNPAIRED:
+        # An example's KL completion is another example's of the split, whichever source it came from.
+        examples = mix([canonical_rows(source, task, data_cfg, False)[0] for source in sources], weights, seed)
+        return count_statuses(unpaired.tokenize_examples(examples, tokenizer, data_cfg, pair_limits,
+                                                         map_options(examples, data_cfg.num_proc, "tokenize")))
     parts, _ = tokenized_sources(sources, task, tokenizer, data_cfg, False, pair_limits)
     return count_statuses(mix(parts, weights, seed))
 
@@ -251,8 +279,8 @@ def build_stream(task: str, data_cfg, tokenizer, seed: int) -> datasets.Iterable
 
 
 def packed_split(split: datasets.Dataset | None, task: str, data_cfg) -> datasets.Dataset | None:
-    """Samples (sft, pre-tokenized) and pairs packed into rows when data.packing is on; pt text arrives as packed
-    blocks."""
+    """Samples (sft, pre-tokenized), pairs and KTO's examples packed into rows when data.packing is on; pt text
+    arrives as packed blocks."""
     blocks = split is not None and TASKS[task].rows == DOCUMENTS and "position_ids" in split.column_names
     if split is None or not data_cfg.packing or blocks:
         return split
@@ -271,8 +299,8 @@ def build_held_out(split: str, task: str, data_cfg, tokenizer, seed: int,
 
 
 def build_datasets(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairLimits | None = None):
-    """(train, validation or None, counts of truncated and dropped samples), built from scratch. `pair_limits`: a
-    task of pairs' (PairLimits.of)."""
+    """(train, validation or None, counts of truncated and dropped samples), built from scratch. `pair_limits`: those
+    of a task whose rows are built as pairs (PairLimits.of)."""
     train, statuses = build_split(split_sources(data_cfg, task, "train"), data_cfg.mix_weights, task, tokenizer,
                                   data_cfg, seed, pair_limits)
     too_long, no_labels = statuses.get(sft.TOO_LONG, 0), statuses.get(sft.NO_LABELS, 0)
@@ -301,14 +329,15 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairL
 def describe(task: str, train: datasets.Dataset, val, test, counts: dict, data_cfg, batch_size: int,
              seed: int) -> DataStats:
     lengths, label_tokens = length_stats(train)
-    # A pair's row has position_ids (two sequences) whether pairs are packed or not.
-    packed = data_cfg.packing if TASKS[task].rows == PAIRS else "position_ids" in train.column_names
+    # A pair's row has position_ids (two sequences) whether pairs are packed or not; so has an example's.
+    packed = data_cfg.packing if two_sequence_rows(task) else "position_ids" in train.column_names
     efficiency = float(lengths.sum()) / (len(lengths) * data_cfg.max_seq_len) if packed \
         else padded_efficiency(lengths, batch_size, seed)
     return DataStats(task=task, samples=sample_count(train, task), rows=len(train), max_seq_len=data_cfg.max_seq_len,
                      tokens=int(lengths.sum()), label_tokens=label_tokens, efficiency=efficiency,
                      val_samples=sample_count(val, task) if val is not None else 0,
-                     test_samples=sample_count(test, task) if test is not None else 0, **counts)
+                     test_samples=sample_count(test, task) if test is not None else 0,
+                     desirable=desirable_count(train), **counts)
 
 
 def cache_key(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairLimits | None = None) -> str:
@@ -320,7 +349,8 @@ def cache_key(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairLimits
         json.dumps(sorted(tokenizer.get_vocab().items()))
     parts = [CACHE_VERSION, task, settings, seed, sources, type(tokenizer).__name__,
              hashlib.sha256(tok.encode()).hexdigest(), tokenizer.chat_template, tokenizer.eos_token_id]
-    # Only a task of pairs has limits: the other tasks' keys stay those their cache entries were saved under.
+    # Only a task whose rows are built as pairs has limits: the other tasks' keys stay those their cache entries were
+    # saved under.
     if pair_limits is not None:
         parts.append(asdict(pair_limits))
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -346,7 +376,7 @@ def cache_root(data_cfg) -> Path:
 def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, state,
                   pair_limits: PairLimits | None = None):
     """(train, validation or None, test or None, stats), from the cache entry of this recipe (built if missing).
-    `pair_limits`: a task of pairs' (PairLimits.of)."""
+    `pair_limits`: those of a task whose rows are built as pairs (PairLimits.of)."""
 
     def build():
         train, val, counts = build_datasets(task, data_cfg, tokenizer, seed, pair_limits)

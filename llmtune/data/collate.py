@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmtune.data.packing import TOKEN_COLUMNS
 from llmtune.model.loss import IGNORE_INDEX, shift_labels
 
 
@@ -11,8 +12,8 @@ from llmtune.model.loss import IGNORE_INDEX, shift_labels
 class MicroBatch:
     inputs: dict[str, torch.Tensor]  # keyword arguments of the training model's forward, shift_labels included
     num_tokens: int  # input tokens that are not padding
-    # Rows of preference pairs: one value per sequence of the micro-batch, numbered as inputs["sequence_ids"] numbers
-    # them (number_sequences); empty for other rows.
+    # Rows of two sequences (dpo's pairs, kto's examples): one value per sequence of the micro-batch, numbered as
+    # inputs["sequence_ids"] numbers them (number_sequences); empty for other rows.
     sequences: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def pin_memory(self) -> "MicroBatch":
@@ -41,7 +42,7 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def collate(rows: list[dict], pad_id: int, document_mask: bool = True, pairs: bool = False) -> MicroBatch:
+def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_sequences: bool = False) -> MicroBatch:
     """Right-pad to the longest row; pads carry label -100.
 
     Rows with position_ids are packed (several documents or samples per row): the model gets
@@ -49,8 +50,8 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, pairs: bo
     attention inside each document; pads get positions of their own so they form a separate
     "document". With document_mask off, an all-ones mask keeps attention across documents.
     Rows without position_ids get an attention mask that hides the pads. Rows without labels
-    are labelled with their own ids. Rows of preference pairs (`pairs`) also number their sequences
-    (sequence_ids).
+    are labelled with their own ids. Rows of two sequences (`two_sequences`: a preference pair, a KTO example and its
+    KL sequence) also number their sequences (sequence_ids).
     """
     length = max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
@@ -74,15 +75,15 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, pairs: bo
     else:
         inputs["attention_mask"] = real
     batch = MicroBatch(inputs, int(real.sum()))
-    return number_sequences(batch, rows) if pairs else batch
+    return number_sequences(batch, rows) if two_sequences else batch
 
 
 def number_sequences(batch: MicroBatch, rows: list[dict]) -> MicroBatch:
     """Adds inputs["sequence_ids"] [b, S]: for every real token the index of its sequence in the micro-batch (numbered
     row by row, in order; a sequence begins where position_ids is 0), -1 on padding; and per sequence its "length"
-    (real tokens) and, where the rows have a ref_logps column (one float per sequence of the row: the reference
-    model's log-probabilities, precomputed), "ref_logps" as float64. A row holds whole pairs, chosen first, so
-    sequence 2k is pair k's chosen response and 2k + 1 its rejected one."""
+    (real tokens) and every column the rows hold besides their tokens, one value per sequence of the row, as float64
+    (a precomputed reference's "ref_logps", kto's "desirable"). A row holds whole pairs, chosen first, so sequence 2k
+    is pair k's chosen response (kto: example k's completion) and 2k + 1 its rejected one (its KL completion)."""
     ids = torch.full(batch.inputs["input_ids"].shape, -1, dtype=torch.long)
     first = 0
     for i, row in enumerate(rows):
@@ -91,7 +92,6 @@ def number_sequences(batch: MicroBatch, rows: list[dict]) -> MicroBatch:
         first += int(starts.sum())
     batch.inputs["sequence_ids"] = ids
     batch.sequences["length"] = torch.bincount(ids[ids >= 0], minlength=first)
-    if "ref_logps" in rows[0]:
-        batch.sequences["ref_logps"] = torch.tensor([value for row in rows for value in row["ref_logps"]],
-                                                    dtype=torch.float64)
+    for column in (column for column in rows[0] if column not in TOKEN_COLUMNS):
+        batch.sequences[column] = torch.tensor([value for row in rows for value in row[column]], dtype=torch.float64)
     return batch

@@ -4,9 +4,12 @@ Documents (pt) become {"text"}; pre-tokenized rows {"input_ids", "labels"}; conv
 value that is either a conversation {"messages", "tools", "prompt_turns"} or a text pair {"prompt", "completion"}
 (TRL's prompt-completion form with strings, trained without a chat template, as TRL trains it); preference pairs
 (dpo) {"pair"}, one JSON value {"prompt", "chosen", "rejected", "tools"}: the prompt a list of messages and each
-response a list of the messages that answer it, or all three strings (TRL's standard form, no chat template). The
-JSON value keeps tool-call arguments and tool schemas exactly as written: Arrow columns of nested objects would give
-every row the union of all rows' keys, with nulls, which a template would render.
+response a list of the messages that answer it, or all three strings (TRL's standard form, no chat template); KTO's
+examples (kto) {"example", "desirable", "where"}: one JSON value {"prompt", "completion", "tools"} as a pair's, its
+label as 1.0 (desirable) or 0.0, and the source and row it was read from (its tokenization follows the mix of the
+sources, unpaired.py, and its errors name the row). The JSON value keeps tool-call arguments and tool schemas exactly
+as written: Arrow columns of nested objects would give every row the union of all rows' keys, with nulls, which a
+template would render.
 
 A canonical message has a role (system, developer, user, assistant, tool), a string content, and where given
 tool_calls (assistant; content may then be null or empty), reasoning_content (assistant; read from
@@ -25,6 +28,7 @@ REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 # Keys of a message kept besides role and content.
 MESSAGE_KEYS = ("tool_call_id", "name")
 FUNCTION_CALL = "function_call"  # LLaMA-Factory's turn holding an assistant's tool call(s) as JSON text
+KTO_LABEL = "label"  # the label column of TRL's KTO form and of LLaMA-Factory's KTO files (their kto_tag)
 
 # Each form's columns (role in the form -> column name), as auto-detection and LLaMA-Factory's defaults name them;
 # the required ones identify the form.
@@ -47,18 +51,30 @@ FORMS = {
                         "system": "system", "history": "history", "tools": "tools"}, ("prompt", "chosen", "rejected")),
     "sharegpt_ranking": ({"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "system": "system",
                           "tools": "tools"}, ("messages", "chosen", "rejected")),
+    # TRL's unpaired (KTO) form, with llmtune's optional system; LLaMA-Factory's KTO entries of its two formattings
+    # (kto_tag names the label column), and its kto_en_demo file (role/content messages) given by path.
+    "prompt_completion_label": ({"prompt": "prompt", "completion": "completion", "kto_tag": KTO_LABEL,
+                                 "system": "system", "tools": "tools"}, ("prompt", "completion", "kto_tag")),
+    "alpaca_kto": ({"prompt": "instruction", "query": "input", "response": "output", "kto_tag": KTO_LABEL,
+                    "system": "system", "history": "history", "tools": "tools"}, ("prompt", "response", "kto_tag")),
+    "sharegpt_kto": ({"messages": "conversations", "kto_tag": KTO_LABEL, "system": "system", "tools": "tools"},
+                     ("messages", "kto_tag")),
+    "messages_kto": ({"messages": "messages", "kto_tag": KTO_LABEL, "system": "system", "tools": "tools"},
+                     ("messages", "kto_tag")),
 }
 # The forms of each kind of rows, in the order auto-detection tries them (a form whose columns are a subset of
-# another's comes after it). UNPAIRED (kto) has none yet: TRL's prompt/completion/label rows and LLaMA-Factory's
-# kto_tag entries would be its forms.
+# another's comes after it).
 ROWS_FORMS = {
     DOCUMENTS: ("text", "tokenized"),
     CONVERSATIONS: ("messages", "sharegpt", "alpaca", "prompt_completion", "prompt_response", "tokenized"),
     PAIRS: ("prompt_chosen_rejected", "alpaca_ranking", "sharegpt_ranking", "chosen_rejected"),
+    UNPAIRED: ("prompt_completion_label", "alpaca_kto", "sharegpt_kto", "messages_kto"),
 }
-# LLaMA-Factory's formattings of a ranking: true entry -> the form that reads it.
-RANKING_FORMS = {"alpaca": "alpaca_ranking", "sharegpt": "sharegpt_ranking"}
-SHAREGPT_FORMS = ("sharegpt", "sharegpt_ranking")
+# LLaMA-Factory's formattings of a ranking: true entry (dpo's) and of a kto_tag entry (kto's) -> the form that reads
+# it; the other kinds of rows read a formatting as the form of its name.
+ENTRY_FORMS = {PAIRS: {"alpaca": "alpaca_ranking", "sharegpt": "sharegpt_ranking"},
+               UNPAIRED: {"alpaca": "alpaca_kto", "sharegpt": "sharegpt_kto"}}
+SHAREGPT_FORMS = ("sharegpt", "sharegpt_ranking", "sharegpt_kto")
 # How a message names its role and content, and which role names mean what (LLaMA-Factory's sharegpt tags).
 MESSAGE_TAGS = {"role_tag": "role", "content_tag": "content"}
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
@@ -74,7 +90,8 @@ KIND_COLUMNS = {"chosen": PAIRS, "rejected": PAIRS, "chosen_messages": PAIRS, "r
                 "ranking": PAIRS, "kto_tag": UNPAIRED}
 KIND_DATA = {PAIRS: "preference data (chosen/rejected columns, or ranking: true)",
              UNPAIRED: "KTO data (kto_tag, or a true/false label column)"}
-KTO_LABEL = "label"
+# What a KTO label may be besides a JSON boolean: the text a CSV column holds (sources.py reads every one as text).
+LABEL_TEXTS = {"true": 1.0, "false": 0.0}
 
 
 @dataclass(frozen=True)
@@ -129,9 +146,6 @@ def other_rows_error(where: str, marks: list[str], boolean_label: bool, task: st
     if other is None:
         return None
     tasks = " or ".join(f"llmtune {name}" for name, entry in TASKS.items() if entry.rows == other)
-    if not tasks:
-        return UserError(f"{where}: {KIND_DATA[other]} is for a training llmtune does not have yet, not {task}; leave "
-                         f"it out of {key}")
     return UserError(f"{where}: {KIND_DATA[other]} is for {tasks}, not {task}; train it with {tasks}, or leave it out "
                      f"of {key}")
 
@@ -148,6 +162,8 @@ def canonical_columns(form: str) -> tuple[str, ...]:
         return ("text",)
     if form == "tokenized":
         return ("input_ids", "labels")
+    if form in ROWS_FORMS[UNPAIRED]:
+        return ("example", "desirable", "where")
     return ("pair",) if form in ROWS_FORMS[PAIRS] else ("sample",)
 
 
@@ -165,6 +181,8 @@ def to_canonical(row: dict, row_format: RowFormat, where: str) -> dict:
         return {"input_ids": input_ids, "labels": labels}
     if row_format.form in ROWS_FORMS[PAIRS]:
         return {"pair": reader.pair()}
+    if row_format.form in ROWS_FORMS[UNPAIRED]:
+        return {"example": reader.example(), "desirable": reader.desirable(), "where": where}
     return {"sample": reader.sample()}
 
 
@@ -228,7 +246,8 @@ class _Row:
     def pair(self) -> dict:
         """The canonical pair: {"prompt", "chosen", "rejected"} (and "tools"), all messages or all strings."""
         form = self.format.form
-        chosen, rejected = self.response("chosen"), self.response("rejected")
+        chosen, rejected = (self.response(role, "every pair needs a chosen and a rejected response")
+                            for role in ("chosen", "rejected"))
         if form == "alpaca_ranking":
             prompt = self.system() + self.history() + [_message("user", self.instruction())]
             chosen, rejected = ([_message("assistant", self.text(role))] for role in ("chosen", "rejected"))
@@ -257,15 +276,58 @@ class _Row:
             else:
                 prompt = given[2]
         if isinstance(prompt, str):
-            return self.text_pair(prompt, chosen, rejected)
-        return self.conversation_pair(prompt, chosen, rejected)
+            return self.strings({"prompt": prompt, "chosen": chosen, "rejected": rejected}, "pairs")
+        if not prompt:
+            raise UserError(f"{self.where}: the pair has no prompt: chosen and rejected share no leading turn; give "
+                            f"the turns before the answer as the prompt ({self.named})")
+        return self.conversation(prompt, {"chosen": chosen, "rejected": rejected})
 
-    def response(self, role: str):
-        """A pair's chosen or rejected value, which every row must give."""
+    def example(self) -> dict:
+        """The canonical KTO example: {"prompt", "completion"} (and "tools"), messages or both strings. LLaMA-Factory's
+        conversations end with the completion, the assistant's last turn; the turns before it are the prompt."""
+        form = self.format.form
+        if form == "prompt_completion_label":
+            prompt, completion = self.get("prompt"), self.response("completion", "every example needs a completion")
+            if isinstance(prompt, str) and isinstance(completion, str):
+                return self.strings({"prompt": prompt, "completion": completion}, "examples")
+            if not (isinstance(prompt, list) and isinstance(completion, list)):
+                raise UserError(f"{self.where}: fields '{self.column('prompt')}' and '{self.column('completion')}' "
+                                f"must both be strings or both lists of messages ({self.named})")
+            prompt = self.system() + self.messages(prompt, self.column("prompt"))
+            completion = self.messages(completion, self.column("completion"))
+        elif form == "alpaca_kto":
+            prompt = self.system() + self.history() + [_message("user", self.instruction())]
+            completion = [_message("assistant", self.text("response"))]
+        else:
+            turns = self.get("messages")
+            if not isinstance(turns, list) or not turns:
+                raise UserError(f"{self.where}: field '{self.column('messages')}' needs a non-empty list of "
+                                f"messages, the conversation and its answer ({self.named})")
+            messages = self.system() + self.messages(turns, self.column("messages"))
+            if messages[-1]["role"] != "assistant":
+                raise UserError(f"{self.where}: field '{self.column('messages')}' must end with the assistant's "
+                                f"answer, the completion, not a {messages[-1]['role']} turn ({self.named})")
+            prompt, completion = messages[:-1], messages[-1:]
+        if not prompt:
+            raise UserError(f"{self.where}: the example has no prompt; give the turns before the answer ({self.named})")
+        return self.conversation(prompt, {"completion": completion})
+
+    def desirable(self) -> float:
+        """A KTO label as the loss weighs it: 1.0 desirable, 0.0 undesirable. A JSON boolean, or its text (CSV)."""
+        value = self.get("kto_tag")
+        if isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and value.strip().lower() in LABEL_TEXTS:
+            return LABEL_TEXTS[value.strip().lower()]
+        raise UserError(f"{self.where}: field '{self.column('kto_tag')}' is {value!r}, not a boolean; label every "
+                        f"example true (desirable) or false (undesirable) ({self.named})")
+
+    def response(self, role: str, needed: str):
+        """A value every row must give (a pair's chosen and rejected, an example's completion); `needed` says so."""
         value = self.get(role)
         if value is None or (isinstance(value, (str, list, dict)) and not value):
             raise UserError(f"{self.where}: field '{self.column(role)}' is {'missing' if value is None else 'empty'}; "
-                            f"every pair needs a chosen and a rejected response ({self.named})")
+                            f"{needed} ({self.named})")
         return value
 
     def answer(self, role: str) -> dict:
@@ -292,29 +354,29 @@ class _Row:
                                 f"must differ after it ({self.named})")
         return chosen[:shared], chosen[shared:], rejected[shared:]
 
-    def text_pair(self, prompt: str, chosen: str, rejected: str) -> dict:
-        """TRL's standard form, trained without a chat template: nothing could render a system text or tools."""
+    def strings(self, values: dict[str, str], unit: str) -> dict[str, str]:
+        """TRL's string forms (a pair's, an example's: `unit`), trained without a chat template: nothing could render
+        a system text or tools."""
         for role in ("system", "tools"):
             if self.get(role):
-                raise UserError(f"{self.where}: field '{self.column(role)}' needs a chat template, and string pairs "
-                                f"are trained without one; give prompt, chosen and rejected as lists of messages "
-                                f"({self.named})")
-        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+                fields = ", ".join(list(values)[:-1]) + f" and {list(values)[-1]}"
+                raise UserError(f"{self.where}: field '{self.column(role)}' needs a chat template, and string {unit} "
+                                f"are trained without one; give {fields} as lists of messages ({self.named})")
+        return values
 
-    def conversation_pair(self, prompt: list[dict], chosen: list[dict], rejected: list[dict]) -> dict:
-        if not prompt:
-            raise UserError(f"{self.where}: the pair has no prompt: chosen and rejected share no leading turn; give "
-                            f"the turns before the answer as the prompt ({self.named})")
-        for role, response in (("chosen", chosen), ("rejected", rejected)):
+    def conversation(self, prompt: list[dict], responses: dict[str, list[dict]]) -> dict:
+        """A prompt and its responses (a pair's chosen and rejected, an example's completion), each beginning with the
+        assistant's answer, and the row's tools."""
+        for role, response in responses.items():
             if response[0]["role"] != "assistant":
                 raise UserError(f"{self.where}: field '{self.column(role)}' must begin with the assistant's answer to "
                                 f"the prompt, not a {response[0]['role']} turn ({self.named})")
             _check_tool_turns(prompt + response, self.where, self.named)
-        pair = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+        conversation = {"prompt": prompt, **responses}
         tools = self.tools()
         if tools:
-            pair["tools"] = tools
-        return pair
+            conversation["tools"] = tools
+        return conversation
 
     def system(self) -> list[dict]:
         system = self.get("system")

@@ -30,9 +30,8 @@ from torch.utils.data import DataLoader, Sampler
 
 from llmtune.data.build import build_stream, load_or_build, load_or_build_stream_held_out
 from llmtune.data.collate import collate, pad_token_id
-from llmtune.data.preference import PairLimits
+from llmtune.data.preference import PairLimits, two_sequence_rows
 from llmtune.errors import UserError
-from llmtune.tasks.registry import PAIRS, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +52,10 @@ class Validation:
     validation data it is never due (a run without validation has this do-nothing one)."""
 
     def __init__(self, dataset: datasets.Dataset | None, batch_size: int, pad_id: int, data_cfg, dp_size: int,
-                 dp_rank: int, train_cfg, cuda: bool = False, pairs: bool = False):
+                 dp_rank: int, train_cfg, cuda: bool = False, two_sequences: bool = False):
         self.dataset = dataset
-        self.collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask, pairs=pairs)
+        self.collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
+                               two_sequences=two_sequences)
         self.eval_steps, self.eval_epochs = train_cfg.eval_steps, train_cfg.eval_epochs
         if dataset is not None:
             # Made once, so that persistent workers serve every evaluation.
@@ -146,14 +146,14 @@ def loader(dataset, data_cfg, cuda: bool, **kwargs) -> DataLoader:
 
 class DataManager:
     def __init__(self, dataset: datasets.Dataset, data_cfg, train_cfg, pad_id: int, dp_size: int, dp_rank: int,
-                 cuda: bool = False, pairs: bool = False):
+                 cuda: bool = False, two_sequences: bool = False):
         micro_batch = train_cfg.per_device_train_batch_size
         self.accumulation = train_cfg.gradient_accumulation_steps
         self.sampler = StepSampler(len(dataset), micro_batch, self.accumulation, dp_size, dp_rank, data_cfg.shuffle,
                                    train_cfg.seed)
         self.loader = loader(dataset, data_cfg, cuda, batch_size=micro_batch, sampler=self.sampler,
                              collate_fn=partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
-                                                pairs=pairs))
+                                                two_sequences=two_sequences))
         self.steps_per_epoch = self.sampler.steps_per_epoch
         self.global_batch = self.sampler.global_batch
         self.epoch = 0
@@ -291,8 +291,8 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
     data_cfg, train_cfg = config.data, config.train
     pad_id = pad_token_id(tokenizer)
     cuda = state.device.type == "cuda"
-    # A stream is never of pairs (config.py refuses data.streaming for them).
-    pairs = TASKS[config.task].rows == PAIRS
+    # A stream never holds rows of two sequences (config.py refuses data.streaming for the preference tasks).
+    two_sequences = two_sequence_rows(config.task)
     if data_cfg.streaming:
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)
@@ -308,13 +308,14 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
             log.info("data: %s", stats.summary())
         if annotate is not None:
             splits = annotate({"train": train, "val": val, "test": test},
-                              partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask, pairs=pairs))
+                              partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
+                                      two_sequences=two_sequences))
             train, val, test = splits["train"], splits["val"], splits["test"]
-        data = DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank, cuda, pairs)
+        data = DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank, cuda, two_sequences)
 
     def held_out(split, cfg) -> Validation:
         return Validation(split, train_cfg.per_device_eval_batch_size, pad_id, data_cfg, state.dp_size, state.dp_rank,
-                          cfg, cuda, pairs)
+                          cfg, cuda, two_sequences)
 
     # The test split is read whole, once: max_eval_steps bounds the evaluations during training.
     return data, held_out(val, train_cfg), held_out(test, replace(train_cfg, max_eval_steps=0))

@@ -1,9 +1,11 @@
-"""Padding-free packing: several samples (sft), documents (pt) or preference pairs (dpo) per row, position_ids
-restarting at each sequence.
+"""Padding-free packing: several samples (sft), documents (pt), preference pairs (dpo) or KTO's examples (kto) per
+row, position_ids restarting at each sequence.
 
 The first token of each sequence carries no label, so no label (after the shift) asks one sequence to
-predict the next. sft and dpo rows are filled first-fit-decreasing within windows of units (a sample, or a pair of
-two sequences, never split), deterministic and independent of the number of ranks.
+predict the next. sft, dpo and kto rows are filled first-fit-decreasing within windows of units (a sample, or a pair
+of two sequences, never split), deterministic and independent of the number of ranks. A unit's other columns hold one
+value per sequence (kto's `desirable`): they are concatenated in the same order, so they stay in line with the
+sequences.
 """
 
 import datasets
@@ -14,6 +16,8 @@ from llmtune.model.loss import IGNORE_INDEX
 # what is left at the end of a window is dropped or kept as a shorter block (data.pt_remainder),
 # a small fraction of the corpus.
 PACK_WINDOW = 2000
+# The columns of token values; any other column of a row of sequences holds one value per sequence.
+TOKEN_COLUMNS = ("input_ids", "labels", "position_ids")
 
 
 def concatenate(units) -> dict[str, list[int]]:
@@ -44,15 +48,18 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def pack_samples(samples: datasets.Dataset, max_seq_len: int, map_kw: dict) -> datasets.Dataset:
-    """Units (samples, or pairs with their position_ids) -> rows of at most max_seq_len tokens."""
-    columns = [column for column in ("input_ids", "labels", "position_ids") if column in samples.column_names]
+    """Units (samples, or pairs with their position_ids and any per-sequence values) -> rows of at most max_seq_len
+    tokens."""
+    columns = [column for column in TOKEN_COLUMNS if column in samples.column_names]
+    per_sequence = [column for column in samples.column_names if column not in TOKEN_COLUMNS]
 
     def pack(batch):
-        rows = {"input_ids": [], "labels": [], "position_ids": []}
+        rows = {column: [] for column in [*TOKEN_COLUMNS, *per_sequence]}
         for members in first_fit_decreasing([len(ids) for ids in batch["input_ids"]], max_seq_len):
             packed = concatenate([batch[column][i] for column in columns] for i in members)
+            packed.update({column: [value for i in members for value in batch[column][i]] for column in per_sequence})
             for column, values in packed.items():
                 rows[column].append(values)
         return rows
 
-    return samples.map(pack, batched=True, batch_size=PACK_WINDOW, remove_columns=columns, **map_kw)
+    return samples.map(pack, batched=True, batch_size=PACK_WINDOW, remove_columns=samples.column_names, **map_kw)

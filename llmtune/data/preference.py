@@ -1,5 +1,6 @@
 """dpo: canonical pairs (formats.py) -> a prompt and two responses in token ids -> one row of two sequences, the
-pair limits applied.
+pair limits applied. kto's examples become the same rows (unpaired.py): the example's completion as the chosen
+response, its KL completion as the rejected one.
 
 A row holds prompt + chosen, then prompt + rejected (chosen always first), position_ids restarting at 0 for each
 sequence and labels on the responses alone (and, as packing.concatenate's convention, never on a sequence's first
@@ -20,41 +21,55 @@ from llmtune.data.templates import (LabelRules, check_rendered, for_template, re
                                     text_prompt_ids)
 from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
-from llmtune.tasks.registry import PAIRS, TASKS
+from llmtune.tasks.registry import PAIRS, TASKS, UNPAIRED
 
 RESPONSES = ("chosen", "rejected")
+# What messages call a KTO row's two responses: the example's completion and its KL completion, another example's.
+KL_RESPONSES = ("example's", "KL")
+# The rows built as pairs, each row two sequences of one prompt: dpo's pairs, kto's examples with their KL completion.
+TWO_SEQUENCE_ROWS = {PAIRS: RESPONSES, UNPAIRED: KL_RESPONSES}
 # The columns of a pair's row, before packing puts several pairs in one.
 PAIR_COLUMNS = ["input_ids", "labels", "position_ids"]
 
 
+def two_sequence_rows(task: str) -> bool:
+    """Whether the task's rows each hold two sequences of one prompt, built as pairs."""
+    return TASKS[task].rows in TWO_SEQUENCE_ROWS
+
+
 @dataclass(frozen=True)
 class PairLimits:
-    """What bounds a pair's sequences (the dpo section; DPOConfig's help says the policy). They change the rows, so
-    they are part of the cache key of a task whose rows are pairs."""
+    """What bounds a pair's sequences (the task's section: dpo's, kto's; PreferenceConfig's help says the policy),
+    and what messages call that section and the two responses. They change the rows, so they are part of the cache
+    key of a task whose rows are built as pairs."""
     max_length: int  # tokens of prompt + response, for each response
     max_prompt_length: int | None
     truncation: bool
+    section: str = "dpo"
+    names: tuple[str, str] = RESPONSES
 
     @classmethod
     def of(cls, config) -> "PairLimits | None":
-        """The recipe's limits when its task's rows are pairs, else None."""
-        if TASKS[config.task].rows != PAIRS:
+        """The recipe's limits when its task's rows are built as pairs, else None."""
+        if not two_sequence_rows(config.task):
             return None
         preference = config.preference()
-        return cls(pair_length(config), preference.max_prompt_length, preference.truncation)
+        return cls(pair_length(config), preference.max_prompt_length, preference.truncation, preference.section,
+                   TWO_SEQUENCE_ROWS[TASKS[config.task].rows])
 
 
-def encode_pair(tokenizer, pair: dict, rules: LabelRules, where: str) -> tuple[list[int], list[int], list[int]]:
-    """(prompt ids, chosen ids, rejected ids) of a canonical pair. Strings are tokenized as sft's text pairs are
-    (templates.encode_text_pair), without a chat template."""
+def encode_pair(tokenizer, pair: dict, rules: LabelRules, where: str,
+                names: tuple[str, str]) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen ids, rejected ids) of a canonical pair; `names`: what messages call the two responses.
+    Strings are tokenized as sft's text pairs are (templates.encode_text_pair), without a chat template."""
     if isinstance(pair["prompt"], str):
         return (text_prompt_ids(tokenizer, pair["prompt"]),
-                *(text_completion_ids(tokenizer, pair[name]) for name in RESPONSES))
+                *(text_completion_ids(tokenizer, pair[key]) for key in RESPONSES))
     prompt, tools = [for_template(m) for m in pair["prompt"]], pair.get("tools")
     try:
         prompt_ids = text_ids(tokenizer, render(tokenizer, prompt, True, tools))
-        return (prompt_ids, *(_response_ids(tokenizer, prompt, prompt_ids, pair[name], name, tools, rules, where)
-                              for name in RESPONSES))
+        return (prompt_ids, *(_response_ids(tokenizer, prompt, prompt_ids, pair[key], name, tools, rules, where)
+                              for key, name in zip(RESPONSES, names)))
     except TemplateError as err:  # the template's own raise_exception, or a field it needs and the row lacks
         raise UserError(f"{where}: {rules.template} cannot render this pair ({err}); fix the row, or set "
                         "data.chat_template to a template that takes it") from None
@@ -94,17 +109,18 @@ def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], limits: 
     when prompt + the longer response exceeds max_length, with truncation the prompt keeps its last max(max_length -
     longer response, max_length // 2) tokens and each response its first max_length - prompt tokens, without it the
     pair is refused."""
-    status, length = KEPT, limits.max_length
+    status, length, section = KEPT, limits.max_length, limits.section
     if limits.max_prompt_length is not None and len(prompt) > limits.max_prompt_length:
         prompt, status = prompt[-limits.max_prompt_length:], TRUNCATED
     longer = max(len(chosen), len(rejected))
     if len(prompt) + longer > length:
         if not limits.truncation:
+            first, second = limits.names
             raise UserError(f"{where}: the prompt ({len(prompt)} tokens) and the longer response ({longer} tokens; "
-                            f"chosen {len(chosen)}, rejected {len(rejected)}) make a sequence of "
-                            f"{len(prompt) + longer} tokens, over the {length} of dpo.max_length (default "
-                            "data.max_seq_len / 2); raise dpo.max_length (and data.max_seq_len, which holds two), set "
-                            "dpo.max_prompt_length, or set dpo.truncation: true to cut it")
+                            f"{first} {len(chosen)}, {second} {len(rejected)}) make a sequence of "
+                            f"{len(prompt) + longer} tokens, over the {length} of {section}.max_length (default "
+                            f"data.max_seq_len / 2); raise {section}.max_length (and data.max_seq_len, which holds "
+                            f"two), set {section}.max_prompt_length, or set {section}.truncation: true to cut it")
         prompt = prompt[-max(length - longer, length // 2):]
         room = length - len(prompt)
         chosen, rejected, status = chosen[:room], rejected[:room], TRUNCATED
@@ -117,17 +133,22 @@ def pair_row(prompt: list[int], chosen: list[int], rejected: list[int]) -> dict[
     return concatenate([(prompt + chosen, untrained + chosen), (prompt + rejected, untrained + rejected)])
 
 
+def fitted_pair_row(tokenizer, pair: dict, rules: LabelRules, limits: PairLimits, where: str) -> dict:
+    """A canonical pair -> its row (pair_row) within the limits and its status: KEPT, TRUNCATED, or NO_LABELS when a
+    sequence would train no token (a one-token response after an empty prompt)."""
+    status, prompt, chosen, rejected = fit_pair(*encode_pair(tokenizer, pair, rules, where, limits.names), limits,
+                                                where)
+    if not all(len(prompt) + len(response) > 1 for response in (chosen, rejected)):
+        status = NO_LABELS
+    return {**pair_row(prompt, chosen, rejected), "status": status}
+
+
 def tokenize_pairs(rows: datasets.Dataset, tokenizer, data_cfg, limits: PairLimits, map_kw: dict,
                    source: str) -> datasets.Dataset:
-    """Canonical rows ({"pair"}) of `source` -> one row per pair (pair_row) and its status: KEPT, TRUNCATED, or
-    NO_LABELS when a sequence would train no token (a one-token response after an empty prompt)."""
+    """Canonical rows ({"pair"}) of `source` -> one row per pair and its status (fitted_pair_row)."""
     rules = LabelRules.of(data_cfg, tokenizer)
 
     def encode(row, index):
-        where = f"{source}: row {index + 1}"
-        status, prompt, chosen, rejected = fit_pair(*encode_pair(tokenizer, row["pair"], rules, where), limits, where)
-        if not all(len(prompt) + len(response) > 1 for response in (chosen, rejected)):
-            status = NO_LABELS
-        return {**pair_row(prompt, chosen, rejected), "status": status}
+        return fitted_pair_row(tokenizer, row["pair"], rules, limits, f"{source}: row {index + 1}")
 
     return rows.map(encode, with_indices=True, **map_kw).select_columns([*PAIR_COLUMNS, "status"])

@@ -2,8 +2,8 @@
 
 It builds (or reads) the same tokenization cache entry as the run, on one process and with no process group, then
 prints the first samples with their trained tokens marked (a task of preference pairs: the first pairs, the prompt
-once, then the chosen and the rejected response), the statistics the run logs and a histogram of the sample (pair)
-lengths.
+once, then the chosen and the rejected response; kto: the first examples, the prompt, then the completion and its
+label, not the KL sequence), the statistics the run logs and a histogram of the sample (pair, example) lengths.
 """
 
 import math
@@ -13,12 +13,14 @@ import sys
 import numpy as np
 import pyarrow.compute as pc
 
-from llmtune.data.build import OneProcess, load_or_build
-from llmtune.data.preference import RESPONSES, PairLimits
+from llmtune.data.build import OneProcess, load_or_build, unit_name
+from llmtune.data.packing import TOKEN_COLUMNS
+from llmtune.data.preference import RESPONSES, PairLimits, two_sequence_rows
 from llmtune.data.templates import recipe_tokenizer
+from llmtune.data.unpaired import DESIRABLE
 from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
-from llmtune.tasks.registry import PAIRS, TASKS
+from llmtune.tasks.registry import PAIRS, TASKS, UNPAIRED
 
 GREEN, RESET = "\033[32m", "\033[0m"
 OPEN, CLOSE = "[[", "]]"
@@ -34,20 +36,21 @@ def check_previewable(config) -> None:
 
 
 def preview(task: str, local, count: int) -> None:
-    """Print `count` training samples (pairs) with their trained tokens marked, then the data statistics. `local`: the
-    recipe with its Hub ids fetched and its inputs checked (run/inputs.py)."""
+    """Print `count` training samples (pairs, examples) with their trained tokens marked, then the data statistics.
+    `local`: the recipe with its Hub ids fetched and its inputs checked (run/inputs.py)."""
     tokenizer = recipe_tokenizer(task, local.model, local.data.chat_template)
     # The arguments of build_data (manager.py): the same cache key, so the run and this command share one entry.
     train, _, _, stats = load_or_build(task, local.data, tokenizer, local.train.seed,
                                        local.train.per_device_train_batch_size, OneProcess(), PairLimits.of(local))
-    pairs = TASKS[task].rows == PAIRS
-    (show_pairs if pairs else show_samples)(tokenizer, train, count, sys.stdout.isatty())
+    show = {PAIRS: show_pairs, UNPAIRED: show_examples}.get(TASKS[task].rows, show_samples)
+    show(tokenizer, train, count, sys.stdout.isatty())
     # The line the run logs; it counts the validation samples too.
     print(f"data: {stats.summary()}")
     lengths = sample_lengths(train)
-    if pairs:
+    if two_sequence_rows(task):
+        # What a unit takes of a row: a pair's two sequences, an example's with its KL sequence.
         lengths = lengths.reshape(-1, 2).sum(axis=1)
-    print(f"lengths of the {len(lengths)} training {'pairs' if pairs else 'samples'}:")
+    print(f"lengths of the {len(lengths)} training {unit_name(task)}:")
     print("\n".join(histogram(lengths)))
 
 
@@ -62,28 +65,56 @@ def show_samples(tokenizer, train, count: int, color: bool) -> None:
 def show_pairs(tokenizer, train, count: int, color: bool) -> None:
     """Each pair's prompt once (the untrained tokens both sequences begin with), then each response: the text its
     sequence adds to the prompt, trained tokens marked."""
-    for number, sequences in enumerate(first_pairs(train, count), 1):
-        prompt = min(trained.index(True) if True in trained else len(ids) for ids, trained in sequences)
+    for number, (sequences, _) in enumerate(first_pairs(train, count), 1):
+        prompt = prompt_length(sequences)
         counts = ", ".join(f"{name} {len(ids) - prompt} tokens ({sum(trained)} trained)"
                            for name, (ids, trained) in zip(RESPONSES, sequences))
         print(f"pair {number}: prompt {prompt} tokens, {counts}")
-        ids, trained = sequences[0]
-        print(f"prompt:\n{render(tokenizer, ids[:prompt], trained[:prompt], color) if prompt else ''}")
-        for name, (ids, trained) in zip(RESPONSES, sequences):
-            print(f"{name}:\n{render(tokenizer, ids, trained, color, start=prompt)}")
-        print()
+        show_responses(tokenizer, list(zip(RESPONSES, sequences)), prompt, color)
+
+
+def show_examples(tokenizer, train, count: int, color: bool) -> None:
+    """Each KTO example's prompt, then its completion, trained tokens marked, and its label. Its KL sequence (the
+    prompt with the previous example's completion, unpaired.py) is not shown: it only estimates KTO's reference
+    point."""
+    print("(each example's KL sequence, its prompt with the previous example's completion, is not shown)\n")
+    for number, (sequences, values) in enumerate(first_pairs(train, count), 1):
+        (ids, trained), prompt = sequences[0], prompt_length(sequences)
+        label = "desirable" if values[DESIRABLE][0] else "undesirable"
+        print(f"example {number}: {label}, prompt {prompt} tokens, completion {len(ids) - prompt} tokens "
+              f"({sum(trained)} trained)")
+        show_responses(tokenizer, [("completion", sequences[0])], prompt, color)
+
+
+def prompt_length(sequences: list[tuple[list[int], list[bool]]]) -> int:
+    """The tokens of the prompt a pair's sequences begin with: the untrained ones before either's first trained
+    token."""
+    return min(trained.index(True) if True in trained else len(ids) for ids, trained in sequences)
+
+
+def show_responses(tokenizer, named: list[tuple[str, tuple[list[int], list[bool]]]], prompt: int, color: bool) -> None:
+    """The prompt once, then each (name, sequence): the text the sequence adds to the prompt, trained tokens
+    marked."""
+    ids, trained = named[0][1]
+    print(f"prompt:\n{render(tokenizer, ids[:prompt], trained[:prompt], color) if prompt else ''}")
+    for name, (ids, trained) in named:
+        print(f"{name}:\n{render(tokenizer, ids, trained, color, start=prompt)}")
+    print()
 
 
 def first_pairs(train, count: int):
-    """((input_ids, trained flags) of the chosen sequence, of the rejected one) of the first `count` pairs in stored
-    order: a row holds whole pairs, chosen first, its sequences split where position_ids restart."""
+    """(((input_ids, trained flags) of the first sequence, of the second), {column: the two sequences' values}) of
+    the first `count` pairs (kto: examples) in stored order: a row holds whole pairs, chosen first, its sequences
+    split where position_ids restart, its other columns one value per sequence."""
     found = 0
     for row in train:
         starts = piece_starts(row["position_ids"])
         spans = list(zip(starts, starts[1:] + [len(row["input_ids"])]))
-        for pair in zip(spans[::2], spans[1::2]):
-            yield [(row["input_ids"][start:end], [label != IGNORE_INDEX for label in row["labels"][start:end]])
-                   for start, end in pair]
+        for number, pair in enumerate(zip(spans[::2], spans[1::2])):
+            yield ([(row["input_ids"][start:end], [label != IGNORE_INDEX for label in row["labels"][start:end]])
+                    for start, end in pair],
+                   {column: values[2 * number:2 * number + 2] for column, values in row.items()
+                    if column not in TOKEN_COLUMNS})
             found += 1
             if found == count:
                 return

@@ -4,10 +4,10 @@ read as LLaMA-Factory reads them: file_name beside the registry, formatting alpa
 mappings. Standard library only: the CLI checks every source with it before torch or datasets is imported.
 
 Where LLaMA-Factory is silent or lenient this is strict, so that nothing is trained other than what was meant:
-an entry that is not the task's kind of rows (a ranking: true entry is preference pairs, for dpo alone; KTO) or that
-llmtune cannot read (multimodal, Hub-hosted) is refused with the reason, not skipped. Tags an entry leaves out keep
-LLaMA-Factory's default names (a "system" role stays a system turn); columns it leaves out are not read, as in
-LLaMA-Factory, except the ones the form needs.
+an entry that is not the task's kind of rows (a ranking: true entry is preference pairs, for dpo alone; a kto_tag
+entry KTO's examples, for kto alone) or that llmtune cannot read (multimodal, Hub-hosted) is refused with the reason,
+not skipped. Tags an entry leaves out keep LLaMA-Factory's default names (a "system" role stays a system turn);
+columns it leaves out are not read, as in LLaMA-Factory, except the ones the form needs.
 """
 
 import difflib
@@ -15,9 +15,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmtune.data.formats import FORMS, RANKING_FORMS, SHAREGPT_TAGS, RowFormat, other_rows_error
+from llmtune.data.formats import ENTRY_FORMS, FORMS, SHAREGPT_TAGS, RowFormat, other_rows_error
 from llmtune.errors import UserError
-from llmtune.tasks.registry import DOCUMENTS, PAIRS, TASKS
+from llmtune.tasks.registry import DOCUMENTS, PAIRS, TASKS, UNPAIRED
 
 REGISTRY_FILE = "dataset_info.json"
 FORMATTINGS = ("alpaca", "sharegpt")
@@ -114,8 +114,10 @@ def _row_format(entry: dict, columns: dict, tags: dict, task: str, where: str) -
         if not entry.get("ranking"):
             raise UserError(f"{where}: not preference data; llmtune {task} trains pairs of a chosen and a rejected "
                             "response, which an entry marks with ranking: true (and its chosen and rejected columns)")
-    # LLaMA-Factory's formattings are llmtune's forms of the same names (ranking entries: the *_ranking forms).
-    form = RANKING_FORMS[formatting] if rows == PAIRS else formatting
+    if rows == UNPAIRED and not columns.get("kto_tag"):
+        raise UserError(f"{where}: not KTO data; llmtune {task} trains responses labelled desirable or undesirable, "
+                        "which an entry marks with its label column as columns.kto_tag (e.g. \"kto_tag\": \"label\")")
+    form = ENTRY_FORMS[rows][formatting] if rows in ENTRY_FORMS else formatting
     defaults, required = FORMS[form]
     wrong = [c for c in columns if c not in defaults]
     if wrong:

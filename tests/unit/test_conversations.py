@@ -220,8 +220,8 @@ KTO_ROWS = [{"prompt": "What is 2 plus 3?", "completion": "It is 5.", "label": T
 # The refusals of a task's rows given to another task: {task}, and {key} naming the sources.
 PREFERENCE = ("preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo, not {task}; train it "
               "with llmtune dpo, or leave it out of {key}")
-KTO = ("KTO data (kto_tag, or a true/false label column) is for a training llmtune does not have yet, not {task}; "
-       "leave it out of {key}")
+KTO = ("KTO data (kto_tag, or a true/false label column) is for llmtune kto, not {task}; train it with llmtune kto, "
+       "or leave it out of {key}")
 
 
 @pytest.mark.parametrize("task, name, rows, data_format, reason", [

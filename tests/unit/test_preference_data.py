@@ -296,7 +296,7 @@ def test_collate_numbers_the_sequences_and_gives_their_lengths_and_reference_log
              "ref_logps": [-1.5, -2.25]},
             {"input_ids": [6, 7, 8, 9, 10, 11, 12, 13, 14], "labels": [-100, 7, -100, 9, 10, -100, 12, -100, 14],
              "position_ids": [0, 1, 0, 1, 2, 0, 1, 0, 1], "ref_logps": [-0.5, -3.0, -4.125, -1.0]}]
-    batch = collate(rows, pad_id=0, pairs=True)
+    batch = collate(rows, pad_id=0, two_sequences=True)
     assert batch.inputs["sequence_ids"].tolist() == [[0, 0, 0, 1, 1, -1, -1, -1, -1], [2, 2, 3, 3, 3, 4, 4, 5, 5]]
     assert batch.sequences["length"].tolist() == [3, 2, 2, 3, 2, 2]
     assert batch.sequences["ref_logps"].dtype == torch.float64
