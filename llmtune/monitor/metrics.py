@@ -179,8 +179,11 @@ class TrainMonitor:
             "eta_s": (now - self.started) / (step - self.first_step) * (self.total_steps - step),
             "skipped_steps": self.skipped_steps,
         }
-        for key in stats.features:  # averaged over the window, as the loss
-            record[key] = sum(s.features[key] for s in steps) / len(steps)
+        # Averaged over the window, as the loss: over the steps that have the value (a step may lack a metric whose
+        # count was 0).
+        for key in dict.fromkeys(key for s in steps for key in s.features):
+            values = [s.features[key] for s in steps if key in s.features]
+            record[key] = sum(values) / len(values)
         if stats.loss_scale is not None:
             record["loss_scale"] = stats.loss_scale
         record.update(eval_metrics)

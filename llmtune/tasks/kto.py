@@ -34,6 +34,8 @@ def kto_losses(logratio: torch.Tensor, desirable: torch.Tensor, z0: float, cfg) 
 class KTO(PreferenceObjective):
     counts = ("examples", "desirable", "undesirable")
     divisors = ("examples", "label_tokens")
+    # TRL's names: rewards and log-probabilities of the desirable (chosen) and undesirable (rejected) examples, and
+    # kl, the reference point z0.
     metrics = (("rewards/chosen", "desirable"), ("rewards/rejected", "undesirable"), ("logps/chosen", "desirable"),
                ("logps/rejected", "undesirable"), ("kl", "examples"))
     samples = unit = "examples"
@@ -74,5 +76,5 @@ class KTO(PreferenceObjective):
             reward, chosen_logps = self.cfg.beta * logratio[0::2].double(), policy[0::2].double()
             sums = torch.stack([(reward * desirable).sum(), (reward * (1 - desirable)).sum(),
                                 (chosen_logps * desirable).sum(), (chosen_logps * (1 - desirable)).sum(),
-                                logratio[1::2].double().sum()])
+                                torch.tensor(self.z0 * len(desirable), dtype=torch.float64, device=reward.device)])
         return Terms(loss, sums * float(self.state.cp_rank == 0))

@@ -82,11 +82,14 @@ class Objective:
         return torch.stack([1.0 / totals[names.index(d)].clamp(min=1.0) for d in self.divisors])
 
     def summary(self, loss_sums: torch.Tensor, metric_sums: torch.Tensor, totals: torch.Tensor) -> dict[str, float]:
-        """{"loss": the step's (or a held-out split's) loss, then each metric}, from all-reduced sums and totals."""
+        """{"loss": the step's (or a held-out split's) loss, then each metric}, from all-reduced sums and totals. A
+        metric whose count is 0 (KTO's desirable examples, in a step that has none) is left out, not logged as 0."""
         names = self.names()
         values = {"loss": float((loss_sums.double() * self.weights(totals.double())).sum())}
         for (name, divisor), value in zip(self.metrics, metric_sums.tolist()):
-            values[name] = value / max(float(totals[names.index(divisor)]), 1.0)
+            count = float(totals[names.index(divisor)])
+            if count:
+                values[name] = value / count
         return values
 
 

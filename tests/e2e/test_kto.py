@@ -1,0 +1,84 @@
+"""llmtune kto on one process: at step 0, where the policy is its reference, every reference mode gives log-ratios
+of exactly 0, the reference point 0 and every example's loss 1/2; the per-step losses do not depend on how many rows
+a micro-batch takes (the reference point is the whole step's); a resumed run repeats the uninterrupted one bitwise.
+(Two processes: tests/dist/test_dpo_ranks.py.)"""
+
+import json
+
+import pytest
+
+import llmtune
+from tests.e2e.test_dpo import StopAt
+from tests.helpers import read_metrics
+
+
+@pytest.fixture(scope="session")
+def examples_file(assets, tmp_path_factory):
+    """The demo's first 24 preference pairs as 48 unpaired examples (TRL's form): the right sum desirable, and three in four of
+    the near misses too (so that training raises the likelihood of answers in general, the mismatched ones' included:
+    a reference point above 0); a third of the completions lengthened so that packed rows hold different numbers of
+    examples."""
+    examples = []
+    for i, line in enumerate((assets / "data" / "dpo_train.jsonl").read_text().splitlines()[:24]):
+        pair = json.loads(line)
+        for key, label in (("chosen", True), ("rejected", i % 4 != 0)):
+            completion = pair[key]
+            if i % 3 == 0:
+                completion = [{**completion[0], "content": " and ".join([completion[0]["content"]] * 3)}]
+            examples.append({"prompt": pair["prompt"], "completion": completion, "label": label})
+    path = tmp_path_factory.mktemp("kto") / "examples.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in examples))
+    return path
+
+
+def recipe(model, examples, out, train=None, **sections) -> dict:
+    return {
+        "model": {"name_or_path": model},
+        "data": {"train_files": [examples], "chat_template": "basic", "max_seq_len": 128, "shuffle": False},
+        "train": {"output_dir": out, "max_steps": 3, "per_device_train_batch_size": 1, "global_batch_size": 4,
+                  "logging_steps": 1, "learning_rate": 5e-3, "per_device_eval_batch_size": 2, **(train or {})},
+        "checkpoint": {"export_hf": False},
+        "monitor": {"plots": False},
+        **sections,
+    }
+
+
+@pytest.mark.parametrize("reference, peft", [("model", {}), ("adapter_off", {"method": "lora", "r": 4}),
+                                             ("precomputed", {})])
+def test_every_reference_gives_half_a_loss_per_example_at_step_zero(tiny_model, examples_file, tmp_path, reference,
+                                                                      peft):
+    out = tmp_path / reference
+    llmtune.train("kto", recipe(tiny_model, examples_file, out, train={"max_steps": 1},
+                                kto={"reference": reference}, peft=peft or {"method": "none"}))
+    first = read_metrics(out)[0]
+    assert first["loss"] == pytest.approx(0.5, abs=1e-7)
+    rewards = [first[key] for key in ("rewards/chosen", "rewards/rejected") if key in first]
+    assert rewards and rewards == [0.0] * len(rewards) and first["kl"] == 0.0
+    assert first["examples_per_s"] > 0 and min(first.get("logps/chosen", -1), first.get("logps/rejected", -1)) < 0
+
+
+def test_the_losses_do_not_depend_on_how_many_rows_a_micro_batch_takes(tiny_model, examples_file, tmp_path):
+    runs = {}
+    for micro in (1, 2, 4):
+        out = tmp_path / f"micro{micro}"
+        llmtune.train("kto", recipe(tiny_model, examples_file, out, train={"per_device_train_batch_size": micro}))
+        runs[micro] = [(r["loss"], r["kl"]) for r in read_metrics(out) if "loss" in r]
+    log = (tmp_path / "micro1" / "train.log").read_text()
+    assert "48 examples (42 desirable, 6 undesirable) packed into" in log
+    assert len(runs[1]) == 3 and runs[1][-1][1] > 0, "the reference point is above 0, estimated over the whole step"
+    for micro in (2, 4):
+        assert [loss for loss, _ in runs[micro]] == pytest.approx([loss for loss, _ in runs[1]], rel=1e-5)
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one_and_evaluates(tiny_model, examples_file, tmp_path):
+    sections = {"kto": {"reference": "precomputed"}, "checkpoint": {"save_steps": 2, "export_hf": False}}
+    data = {"train_files": [str(examples_file)], "val_files": [str(examples_file)], "chat_template": "basic",
+            "max_seq_len": 128, "shuffle": False}
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    for out, callbacks, resume in ((whole, [], None), (part, [StopAt(2)], None), (part, [], "auto")):
+        run = recipe(tiny_model, examples_file, out, train={"max_steps": 4, "eval_steps": 2}, **sections)
+        llmtune.train("kto", {**run, "data": data}, callbacks=callbacks, resume_from_checkpoint=resume)
+    expected, got = ([(r["step"], r.get("loss"), r.get("eval_loss"), r.get("eval_kl")) for r in read_metrics(out)]
+                     for out in (whole, part))
+    assert len(expected) == 4 and got == expected
+    assert all(r["eval_loss"] > 0 for r in read_metrics(whole) if "eval_loss" in r)
