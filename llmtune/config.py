@@ -180,7 +180,8 @@ class DataConfig:
                                    "used when val_files is empty.")
     format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_completion | prompt_response "
                                  "| tokenized; dpo: prompt_chosen_rejected | chosen_rejected | alpaca_ranking | "
-                                 "sharegpt_ranking; auto: detected from the columns of each source (see Data formats).")
+                                 "sharegpt_ranking; kto: prompt_completion_label | alpaca_kto | sharegpt_kto | "
+                                 "messages_kto; auto: detected from the columns of each source (see Data formats).")
     text_sample_by: str = _field("line", ".txt sources, what one document is: line (as datasets and LLaMA-Factory "
                                          "read them), paragraph (blank-line separated) or document (a whole file); "
                                          "blank lines are no documents.")
