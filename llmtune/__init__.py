@@ -6,8 +6,9 @@ __version__ = "0.1.0"
 def train(task: str, recipe, callbacks=(), **overrides):
     """Train in this process, as `llmtune TASK RECIPE` does, and return the run's result.
 
-    task: "pt" or "sft". recipe: a YAML recipe's path, or the same mapping as a dict. overrides: recipe keys, as
-    `learning_rate=1e-4` (a key one section has; the HF Trainer's names read as on the command line), as
+    task: a registered task, "pt", "sft", "dpo" or "kto" (llmtune/tasks/registry.py). recipe: a YAML recipe's path, or
+    the same mapping as a dict. overrides: recipe keys, as `learning_rate=1e-4` (a key one section has; the HF
+    Trainer's names read as on the command line), as
     `**{"train.learning_rate": 1e-4}`, or a section's dict, `train={"learning_rate": 1e-4}`. callbacks: callback
     objects (llmtune.training.callbacks), called after those train.callbacks names.
 

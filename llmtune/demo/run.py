@@ -27,9 +27,9 @@ def main(args: list[str]) -> int:
     write_demo_assets(REPO / WORKDIR / "assets")
     eval_file = str(REPO / WORKDIR / "assets" / "data" / "sft_eval.jsonl")
     accuracy = {}
-    for task, stage in (("pt", "pt"), ("sft", "sft"), ("dpo", "dpo")):
-        print(f"[demo] llmtune {task} recipes/demo/{stage}.yaml {' '.join(launch)}", flush=True)
-        code = subprocess.call([sys.executable, "-m", "llmtune", task, f"recipes/demo/{stage}.yaml", *launch],
+    for stage in ("pt", "sft", "dpo"):  # each the task of the same name
+        print(f"[demo] llmtune {stage} recipes/demo/{stage}.yaml {' '.join(launch)}", flush=True)
+        code = subprocess.call([sys.executable, "-m", "llmtune", stage, f"recipes/demo/{stage}.yaml", *launch],
                                cwd=REPO)
         if code:
             return code

@@ -10,7 +10,7 @@ import pytest
 
 import llmtune
 from llmtune.training.callbacks import Callback
-from tests.helpers import read_metrics
+from tests.helpers import add_to_hub_cache, read_metrics
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -130,3 +130,18 @@ def test_a_mixture_of_experts_adds_its_router_loss_over_the_labelled_tokens(asse
     assert first["aux_loss"] > 0 and first["expert_load"] >= 1.0
     assert first["loss"] == pytest.approx(math.log(2) + 0.3 * first["aux_loss"], rel=1e-5)
     assert first["rewards/margins"] == 0.0
+
+
+def test_pairs_of_a_hub_dataset_train_by_its_name(tiny_model, pairs_file, tmp_path, monkeypatch):
+    """An offline Hub cache the test lays out: org/pairs, read by its name as any data source."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    add_to_hub_cache(tmp_path, "org/pairs", "dataset", pairs_file.parent, "e" * 40, refs=("main",))
+    out = tmp_path / "out"
+    llmtune.train("dpo", recipe(tiny_model, "org/pairs", out, train={"max_steps": 1}))
+    first = read_metrics(out)[0]
+    assert abs(first["loss"] - math.log(2)) < 1e-6 and "48 pairs" in (out / "train.log").read_text()

@@ -186,13 +186,19 @@ SHIFTING = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}#
             "{% if add_generation_prompt %}### Answer:\n{% endif %}")
 
 
-def test_a_template_that_renders_the_prompt_differently_once_the_answer_follows_is_refused(tmp_path, tokenizer):
-    template = tmp_path / "shifting.jinja"
-    template.write_text(SHIFTING)
-    shifting = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    shifting.chat_template = SHIFTING
+def with_template(tmp_path, tokenizer, text: str):
+    """(the template's file, a copy of the tokenizer with it, a file of one pair, the data section reading both)."""
+    template = tmp_path / "template.jinja"
+    template.write_text(text)
+    copy = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    copy.chat_template = text
     path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": [USER], "chosen": [RIGHT], "rejected": [WRONG]}])
-    data = DataConfig(train_files=[path], chat_template=str(template), cache_dir=str(tmp_path / "c"))
+    return template, copy, path, DataConfig(train_files=[path], chat_template=str(template),
+                                            cache_dir=str(tmp_path / "c"))
+
+
+def test_a_template_that_renders_the_prompt_differently_once_the_answer_follows_is_refused(tmp_path, tokenizer):
+    template, shifting, path, data = with_template(tmp_path, tokenizer, SHIFTING)
     prompt = shifting("<s>### Instruction:\nWhat is 2 plus 3?\n\n### Answer:\n", add_special_tokens=False)["input_ids"]
     full = shifting("<s>### Instruction:\nWhat is 2 plus 3?\n\n### Response:\nIt is 5.</s>",
                     add_special_tokens=False)["input_ids"]
@@ -216,12 +222,7 @@ SPACED = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}###
 
 
 def test_a_differing_token_that_decodes_to_nothing_is_quoted_as_the_vocabulary_names_it(tmp_path, tokenizer):
-    template = tmp_path / "spaced.jinja"
-    template.write_text(SPACED)
-    spaced = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    spaced.chat_template = SPACED
-    path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": [USER], "chosen": [RIGHT], "rejected": [WRONG]}])
-    data = DataConfig(train_files=[path], chat_template=str(template), cache_dir=str(tmp_path / "c"))
+    _, spaced, _, data = with_template(tmp_path, tokenizer, SPACED)
     prompt = spaced("<s>### Instruction: What is 2 plus 3? ? ### Response:", add_special_tokens=False)["input_ids"]
     first = len(spaced("<s>### Instruction: What is 2 plus 3?", add_special_tokens=False)["input_ids"])
     assert spaced.decode([prompt[first]]) == "" and spaced.convert_ids_to_tokens(prompt[first]) == "\u2581"
