@@ -26,7 +26,8 @@ SEED = 42
 
 
 class StepTimer(TrainerCallback):
-    """Laps `clock` at the end of every optimizer step with the real tokens of that step's batch."""
+    """Laps `clock` at the end of every optimizer step with the size of that step's batch (counting's: by default its
+    real tokens)."""
 
     def __init__(self, clock, batch_tokens: deque):
         self.clock, self.batch_tokens = clock, batch_tokens
@@ -38,12 +39,16 @@ class StepTimer(TrainerCallback):
         self.clock.lap(self.batch_tokens.popleft())
 
 
-def counting(collate, batch_tokens: deque):
-    """`collate` that queues the real (non-pad) tokens of each batch it makes. A queue, because accelerate's loader
-    collates one batch ahead of the step that trains on it; with one micro-batch per step, the step that ends takes
-    the oldest count."""
+def real_tokens(row: dict) -> int:
+    return len(row["input_ids"])
+
+
+def counting(collate, batch_tokens: deque, size=real_tokens):
+    """`collate` that queues the size of each batch it makes: the sum of `size` over its rows (by default their real,
+    non-pad, tokens). A queue, because accelerate's loader collates one batch ahead of the step that trains on it;
+    with one micro-batch per step, the step that ends takes the oldest count."""
     def collate_and_count(rows: list[dict]) -> dict:
-        batch_tokens.append(sum(len(row["input_ids"]) for row in rows))
+        batch_tokens.append(sum(size(row) for row in rows))
         return collate(rows)
 
     return collate_and_count

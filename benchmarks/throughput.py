@@ -216,17 +216,18 @@ def llmtune_recipe(workload: Workload, settings: dict, out: Path) -> Path:
         "monitor": {"console": False},
     }
     for section, values in settings.items():
-        recipe[section].update(values)
+        recipe.setdefault(section, {}).update(values)
     path = out / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
 
 
-def llmtune_step(workload: Workload, settings: dict, state, out: Path):
-    """llmtune's loop as `llmtune pt|sft` builds it (worker.build_trainer): each call is one Trainer.advance (data,
-    token counting, forward/backward, clipping, optimizer, monitor) and returns the step's non-pad tokens on all
-    ranks and its wait for data, which the trainer has measured already: its train_step is wrapped to catch the
-    step's record, which advance completes with the wait."""
+def llmtune_step(workload: Workload, settings: dict, state, out: Path, count: str = "input_tokens"):
+    """llmtune's loop as `llmtune pt|sft|dpo` builds it (worker.build_trainer): each call is one Trainer.advance
+    (data, token counting, forward/backward, clipping, optimizer, monitor) and returns the step's `count` (a field of
+    its StepRecord: by default its non-pad tokens on all ranks; samples: its sequences, or its pairs under dpo) and
+    its wait for data, which the trainer has measured already: its train_step is wrapped to catch the step's record,
+    which advance completes with the wait."""
     from llmtune.config import load_config
     from llmtune.run.worker import build_trainer
     from llmtune.training.stop_signals import StopSignals
@@ -247,7 +248,7 @@ def llmtune_step(workload: Workload, settings: dict, state, out: Path):
     def step() -> tuple[int, float]:
         trainer.advance(steps, no_signals)
         stats = records.pop()
-        return stats.input_tokens, stats.data_wait
+        return getattr(stats, count), stats.data_wait
 
     trainer.train_step = train_step
     return step
@@ -286,11 +287,15 @@ def run_contender(name: str, workload: Workload, out: Path) -> tuple[dict, bool]
     return results, state.is_main
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far (Linux gives ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def worker(name: str, root: Path) -> None:
     results, reports = run_contender(name, Workload.read(root), Path(tempfile.mkdtemp(dir=root, prefix="run-")))
     if reports:
-        peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        print(RESULT + json.dumps({"runners": results, "peak_rss_gib": peak_rss_gib}), flush=True)
+        print(RESULT + json.dumps({"runners": results, "peak_rss_gib": peak_rss_gib()}), flush=True)
 
 
 # --- in the parent: the workload, the runs, the table
@@ -366,9 +371,10 @@ def prepare(root: Path, args) -> Workload:
                                   "max_seq_len": args.sft_seq, "cache_dir": str(root / "cache")}, **common)
 
 
-def launch(root: Path, name: str, nproc: int) -> dict:
-    """Contender `name` in fresh processes (torchrun's for more than one): its runners' results and peak RSS."""
-    script = [__file__, "--worker", name, str(root)]
+def launch(root: Path, name: str, nproc: int, script: str = __file__) -> dict:
+    """Contender `name` in fresh processes (torchrun's for more than one) of `script` (this one, or another benchmark
+    that reuses its method): its runners' results and peak RSS."""
+    script = [script, "--worker", name, str(root)]
     command = [sys.executable, *script] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -378,13 +384,14 @@ def launch(root: Path, name: str, nproc: int) -> dict:
     return json.loads(line.removeprefix(RESULT))
 
 
-def measure(root: Path, names: list[str], nproc: int, repeats: int) -> dict[str, list[dict]]:
-    """{runner: its result in each repeat}; each repeat runs every contender once, in an order rotated by one."""
+def measure(root: Path, names: list[str], nproc: int, repeats: int, script: str = __file__) -> dict[str, list[dict]]:
+    """{runner: its result in each repeat}; each repeat runs every contender once (a worker of `script`), in an order
+    rotated by one."""
     runs = defaultdict(list)
     for repeat in range(repeats):
         shift = repeat % len(names)
         for name in names[shift:] + names[:shift]:
-            out = launch(root, name, nproc)
+            out = launch(root, name, nproc, script)
             for runner, result in out["runners"].items():
                 runs[runner].append({**result, "peak_rss_gib": out["peak_rss_gib"]})
     return runs
