@@ -473,6 +473,10 @@ class PeftConfig:
 class ParallelConfig:
     cp_size: int = _field(1, "Context-parallel ranks per sequence, each holding 1/cp_size of its tokens; 1 = off.")
     cp_type: str = _field("ulysses", "Context parallelism: ulysses (all-to-all attention over heads).")
+    cpu_offload: bool = _field(False, "Keep the sharded parameters, gradients and AdamW state on the CPU, the "
+                                      "optimizer step there (FSDP2's CPUOffloadPolicy; on CUDA each layer is copied "
+                                      "to the GPU from pinned memory for its forward and backward): a model whose "
+                                      "weights and optimizer state do not fit the devices trains, slower.")
     timeout_minutes: float = _field(30.0, "How long a collective waits for the slowest rank before the run fails "
                                           "(a hung rank). Waits for one rank's Hub download or tokenization have "
                                           "their own limit of 24 hours.")

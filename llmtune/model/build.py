@@ -193,13 +193,13 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     policy = MixedPrecisionPolicy(param_dtype=HALF_DTYPES[half], reduce_dtype=torch.float32) if half \
         else MixedPrecisionPolicy()
     for layer in layers:
-        fully_shard(layer, mesh=state.fsdp_mesh, mp_policy=policy)
-    fully_shard(module, mesh=state.fsdp_mesh, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, **state.shard_options())
+    fully_shard(module, mp_policy=policy, **state.shard_options())
     # FSDP unshards the root's own parameters (embeddings, lm_head) around `forward` alone.
     register_fsdp_forward_method(module, "sequence_logps")
     if pretrained:
         buffers = {name: buffer.clone() for name, buffer in module.named_buffers()}
-        module.to_empty(device=state.device)
+        module.to_empty(device=state.parameter_device)
         for name, buffer in module.named_buffers():
             buffer.copy_(buffers[name])
         left_out = load_weights(hf_model, Path(model_cfg.name_or_path), features.pretrained_tensors(hf_model),
@@ -208,7 +208,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
             log.warning("model.strict_load false: the load of %s left out %s; the model's tensors among them keep "
                         "their fresh initialisation, the others are ignored", model_cfg.name_or_path, left_out)
     else:
-        module.to(state.device)
+        module.to(state.parameter_device)
     features.weights_ready(hf_model)
     return module
 

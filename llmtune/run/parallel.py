@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from llmtune.errors import UserError
 from llmtune.run.launch import launched_by_torchrun
@@ -34,12 +35,13 @@ class ParallelState:
     # any of them, since the training group's (parallel.timeout_minutes) is fixed when it is made. A rank that fails
     # shares its error at once and one that dies closes its connections, so this timeout only ends a stalled wait.
     wait_group: object
+    cpu_offload: bool = False  # parallel.cpu_offload: the sharded parameters, gradients and optimizer state on the CPU
 
     @classmethod
-    def initialize(cls, cp_size: int = 1, timeout_minutes: float = 30.0) -> "ParallelState":
+    def initialize(cls, cp_size: int = 1, timeout_minutes: float = 30.0, cpu_offload: bool = False) -> "ParallelState":
         """Join the job's process group (torchrun's env:// when launched by it, else a world of one), or reuse
         the one this process already joined, and lay the meshes over it. timeout_minutes: how long a collective of
-        training waits for the slowest rank before the run fails."""
+        training waits for the slowest rank before the run fails; cpu_offload: parallel.cpu_offload."""
         use_cuda = torch.cuda.is_available()
         backend = "nccl" if use_cuda else "gloo"
         timeout = timedelta(minutes=timeout_minutes)
@@ -65,7 +67,7 @@ class ParallelState:
         mesh = init_device_mesh(device.type, (world_size // cp_size, cp_size), mesh_dim_names=("dp_shard", "cp"))
         fsdp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard_cp",))
         wait_group = dist.new_group(backend="gloo", timeout=LONG_WAIT)
-        return cls(dist.get_rank(), world_size, local_rank, device, cp_size, mesh, fsdp_mesh, wait_group)
+        return cls(dist.get_rank(), world_size, local_rank, device, cp_size, mesh, fsdp_mesh, wait_group, cpu_offload)
 
     @property
     def dp_size(self) -> int:
@@ -82,6 +84,19 @@ class ParallelState:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def parameter_device(self) -> torch.device:
+        """Where the sharded parameters live: the CPU under parallel.cpu_offload (FSDP2 copies each layer to the
+        device for its forward and backward), else the device."""
+        return torch.device("cpu") if self.cpu_offload else self.device
+
+    def shard_options(self) -> dict:
+        """fully_shard's arguments of the layout: the mesh the parameters are sharded over, and their offload
+        (CPUOffloadPolicy: parameters, gradients and the optimizer's step on the CPU, the copies to a GPU from pinned
+        memory)."""
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
+        return {"mesh": self.fsdp_mesh, "offload_policy": offload}
 
     @property
     def fsdp_group_size(self) -> int:

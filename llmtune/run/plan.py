@@ -62,6 +62,7 @@ class Plan:
     total_params: int
     averages: int = 0  # train.ema_decay's moving averages: an fp32 copy of the trained parameters per decay
     reference: int = 0  # a preference task's frozen reference copy (dpo.reference: model), in the compute dtype
+    offload: bool = False  # parallel.cpu_offload: the sharded state (parameters, gradients, optimizer, copies) on the CPU
 
     @property
     def peak(self) -> int:
@@ -69,8 +70,13 @@ class Plan:
         two decoder layers are gathered (the one in backward and the next, prefetched) with the first layer's
         unsharded gradient; the sharded gradients exist whole from the second micro-batch on (accumulation)."""
         grads = self.grads if self.layout.accumulation > 1 else 0
-        return (self.params + self.optimizer + self.averages + self.reference + grads + self.root
-                + 3 * self.largest_layer + self.activations + self.loss)
+        return (self.sharded_state(grads) if not self.offload else 0) + self.root + 3 * self.largest_layer \
+            + self.activations + self.loss
+
+    def sharded_state(self, grads: int) -> int:
+        """The sharded parameters, optimizer state, moving averages, reference copy and `grads` of gradients: on the
+        device, or with parallel.cpu_offload in the CPU's memory."""
+        return self.params + self.optimizer + self.averages + self.reference + grads
 
 
 class _MetaAsOnDevice(TorchFunctionMode):
@@ -204,7 +210,8 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
         averages=len(train.ema_decays()) * trained,
         # Every weight frozen, so stored in the compute dtype (model/build.py); the shapes of the policy's model
         # (dpo.ref_model is another checkpoint of it).
-        reference=sum(shard_bytes(p, world_size, compute) for p in params) if config.holds_reference_copy() else 0)
+        reference=sum(shard_bytes(p, world_size, compute) for p in params) if config.holds_reference_copy() else 0,
+        offload=config.parallel.cpu_offload)
 
 
 def gib(nbytes: float) -> str:
@@ -305,6 +312,9 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         (f"loss ({loss})", plan.loss),
         ("peak of a training step", plan.peak),
     ]
+    if plan.offload:
+        rows[-1] = ("peak of a training step on the device", plan.peak)
+        rows.append(("sharded state in CPU memory (parallel.cpu_offload)", plan.sharded_state(plan.grads)))
     lines = [
         f"model: {type(model_config).__name__.removesuffix('Config')}, {plan.total_params / 1e9:.3g}B parameters, "
         f"{plan.trainable / 1e9:.3g}B trained; {dtype} compute",

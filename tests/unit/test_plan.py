@@ -242,3 +242,17 @@ def test_a_dpo_reference_copy_adds_the_model_in_the_compute_dtype_unless_precomp
     assert with_copy.reference == fp32_params // (2 if bf16 else 1)
     assert with_copy.peak - plain.peak == with_copy.reference
     assert "reference model (dpo.reference: model" in render(with_copy, sft, model_config, None, None)
+
+
+def test_cpu_offload_leaves_the_sharded_state_out_of_the_device_peak(plan_recipe):
+    """parallel.cpu_offload: the parameters, gradients and optimizer state live in the CPU's memory; the device holds
+    the gathered layers, the activations and the loss."""
+    plain = load_config(plan_recipe(gradient_accumulation_steps=2, global_batch_size=None), [], "sft", 2)
+    offloaded = load_config(plan_recipe(gradient_accumulation_steps=2, global_batch_size=None),
+                            ["parallel.cpu_offload=true"], "sft", 2)
+    model_config = load_model_config(plain.model)
+    on_device, on_cpu = plan_memory(plain, model_config, 2), plan_memory(offloaded, model_config, 2)
+    held = on_device.params + on_device.grads + on_device.optimizer
+    assert on_device.peak - on_cpu.peak == held == on_cpu.sharded_state(on_cpu.grads)
+    text = render(on_cpu, offloaded, model_config, None, None)
+    assert "peak of a training step on the device" in text and "sharded state in CPU memory" in text
