@@ -33,6 +33,7 @@ class Banner:
     precision: str
     attention: str
     peak: str  # the plan's peak per rank, or why there is none
+    offload: bool = False  # parallel.cpu_offload
 
     def lines(self) -> list[str]:
         if self.rows is None:
@@ -47,7 +48,9 @@ class Banner:
             data,
             f"global batch {self.global_batch} {self.unit} = micro-batch {self.micro_batch} x accumulation "
             f"{self.accumulation} x {self.dp} data-parallel",
-            f"layout {self.dp * self.cp} rank(s) = {self.dp} data-parallel x {self.cp} context-parallel",
+            f"layout {self.dp * self.cp} rank(s) = {self.dp} data-parallel x {self.cp} context-parallel"
+            + ("; parameters, gradients and optimizer state in CPU memory (parallel.cpu_offload)" if self.offload
+               else ""),
             f"parameters {self.params:,}, trainable {self.trainable:,} (weight decay: {self.decay[1]:,} in "
             f"{self.decay[0]} tensors; no decay: {self.no_decay[1]:,} in {self.no_decay[0]})",
             f"precision {self.precision}, attention {self.attention}",
@@ -97,7 +100,7 @@ def start_banner(trainer, config, model_config, world_size: int) -> Banner:
         steps_per_epoch=None if stream else data.steps_per_epoch,
         total_steps=trainer.total_steps, first_step=trainer.step, global_batch=data.global_batch,
         micro_batch=config.train.per_device_train_batch_size, accumulation=config.train.gradient_accumulation_steps,
-        dp=world_size // config.parallel.cp_size, cp=config.parallel.cp_size,
+        dp=world_size // config.parallel.cp_size, cp=config.parallel.cp_size, offload=config.parallel.cpu_offload,
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
         peak=planned_peak(config, model_config, world_size))

@@ -221,7 +221,8 @@ def gib(nbytes: float) -> str:
 def changes(config, world_size: int, model_config):
     """(what to change, the config with it, its world size), cheapest first: what costs no hardware and no
     accuracy (checkpointing, the chunked loss), then a smaller micro-batch (the global batch kept by
-    accumulation), context parallelism (sequences split over ranks), more ranks, and adapters."""
+    accumulation), context parallelism (sequences split over ranks), CPU offload (slower steps), more ranks, and
+    adapters."""
     train, parallel = config.train, config.parallel
     if not train.gradient_checkpointing:
         yield ("train.gradient_checkpointing: true",
@@ -243,6 +244,9 @@ def changes(config, world_size: int, model_config):
                replace(config, parallel=replace(parallel, cp_size=cp),
                        train=replace(train, gradient_accumulation_steps=accumulation)), world_size)
         cp *= 2
+    if not parallel.cpu_offload:
+        yield ("parallel.cpu_offload: true (parameters, gradients and optimizer state in CPU memory; slower steps)",
+               replace(config, parallel=replace(parallel, cpu_offload=True)), world_size)
     for ranks in (world_size * 2, world_size * 4, world_size * 8):
         accumulation = max(1, train.gradient_accumulation_steps * world_size // ranks)
         yield (f"{ranks} ranks (--nproc or torchrun), accumulation {accumulation}",
@@ -319,7 +323,8 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         f"model: {type(model_config).__name__.removesuffix('Config')}, {plan.total_params / 1e9:.3g}B parameters, "
         f"{plan.trainable / 1e9:.3g}B trained; {dtype} compute",
         f"layout: {layout.world_size} rank(s) = {layout.dp} data-parallel x {layout.cp} context-parallel; every "
-        f"parameter sharded over all {layout.world_size}",
+        f"parameter sharded over all {layout.world_size}"
+        + ("; parameters, gradients and optimizer state in CPU memory (parallel.cpu_offload)" if plan.offload else ""),
         f"batch: micro-batch {layout.micro_batch} x {layout.seq_len} tokens ({math.ceil(layout.seq_len / layout.cp)} "
         f"per rank), accumulation {layout.accumulation}; {layout.tokens_per_step:,} tokens per optimizer step",
         "per rank:",

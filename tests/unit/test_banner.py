@@ -35,6 +35,12 @@ def test_a_resumed_run_and_a_stream_say_so():
     assert stream.lines()[0] == "a stream, 50 optimizer steps (train.max_steps)"
 
 
+def test_cpu_offload_is_said_in_the_layout_line():
+    assert dataclasses.replace(FRESH, offload=True).lines()[2] == (
+        "layout 2 rank(s) = 2 data-parallel x 1 context-parallel; parameters, gradients and optimizer state in CPU "
+        "memory (parallel.cpu_offload)")
+
+
 def test_the_rows_are_named_in_the_objectives_unit():
     """pt's and sft's objective counts its rows as samples (samples_per_s); dpo's counts pairs, one or more to a
     row."""

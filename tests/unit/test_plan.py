@@ -16,8 +16,8 @@ from llmtune.errors import UserError
 from llmtune.model.build import decoder_layers, load_model_config
 from llmtune.run import cli
 from llmtune.run.micro_batch import decide_micro_batch
-from llmtune.run.plan import (GIB, USABLE_FRACTION, auto_micro_batch, device_memory_gib, gib, loss_bytes, plan_memory,
-                              render, saved_activations, shard_bytes)
+from llmtune.run.plan import (GIB, USABLE_FRACTION, auto_micro_batch, changes, cheapest_fit, device_memory_gib, gib,
+                              loss_bytes, plan_memory, render, saved_activations, shard_bytes)
 
 LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -256,3 +256,20 @@ def test_cpu_offload_leaves_the_sharded_state_out_of_the_device_peak(plan_recipe
     assert on_device.peak - on_cpu.peak == held == on_cpu.sharded_state(on_cpu.grads)
     text = render(on_cpu, offloaded, model_config, None, None)
     assert "peak of a training step on the device" in text and "sharded state in CPU memory" in text
+    assert "optimizer state in CPU memory (parallel.cpu_offload)" in text.splitlines()[1]
+
+
+def test_the_fit_advice_offers_cpu_offload_after_what_costs_no_speed(plan_recipe):
+    """Where neither checkpointing, the chunked loss, a smaller micro-batch nor context parallelism fits, CPU offload
+    comes before more ranks."""
+    config = load_config(plan_recipe(gradient_checkpointing=True, per_device_train_batch_size=1,
+                                     global_batch_size=16), [], "sft", 1)
+    model_config = load_model_config(config.model)
+    offered = [change for change, _, _ in changes(config, 1, model_config)]
+    assert offered.index(next(c for c in offered if c.startswith("parallel.cpu_offload"))) < \
+        offered.index(next(c for c in offered if "ranks (--nproc" in c))
+    on_cpu = plan_memory(load_config(plan_recipe(gradient_checkpointing=True, per_device_train_batch_size=1,
+                                                 global_batch_size=16), ["parallel.cpu_offload=true"], "sft", 1),
+                         model_config, 1)
+    assert cheapest_fit(config, model_config, 1, on_cpu.peak / GIB / USABLE_FRACTION * 1.001).startswith(
+        "parallel.cpu_offload: true")
