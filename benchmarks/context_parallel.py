@@ -45,10 +45,10 @@ def step_case(model_dir: str, length: int, doc_len: int, out: str) -> None:
     from llmtune.run.parallel import ParallelState
 
     cp = int(os.environ["WORLD_SIZE"])
-    state = ParallelState.initialize(cp)
     config = Config(task="pt", model=ModelConfig(config=model_dir, tokenizer=model_dir), data=DataConfig(),
                     train=TrainConfig(), peft=PeftConfig(), parallel=ParallelConfig(cp_size=cp),
                     checkpoint=CheckpointConfig(), monitor=MonitorConfig())
+    state = ParallelState.initialize(config.parallel)
     features = enabled_features(config)
     model = build_model(load_model_config(config.model), config.model, config.train, state, features)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -78,7 +78,7 @@ def measure(config, keep_process_group: bool = False) -> int:
     from llmtune.tasks.language_model import LanguageModel
     from llmtune.training.trainer import Trainer
 
-    state = ParallelState.initialize(config.parallel.cp_size)
+    state = ParallelState.initialize(config.parallel)
     features = enabled_features(config)
     model = build_model(load_model_config(config.model), config.model, config.train, state, features)
     optimizer = build_optimizer(model, config.train)

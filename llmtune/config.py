@@ -471,8 +471,28 @@ class PeftConfig:
 
 @dataclass
 class ParallelConfig:
+    dp_replicate: int = _field(1, "HSDP: groups of ranks that each hold a whole copy of the model, sharded within "
+                                  "the group; gradients are reduce-scattered within a group at every micro-batch "
+                                  "and all-reduced across groups once per step. Set it to the number of nodes so "
+                                  "that only the all-reduce crosses them; 1 = plain FSDP over every rank.")
+    dp_shard: int = _field(-1, "Data-parallel ranks one copy of the model is sharded over (times cp_size: the cp "
+                               "peers share the shards too); -1 = the ranks left, world / (dp_replicate x cp_size).")
     cp_size: int = _field(1, "Context-parallel ranks per sequence, each holding 1/cp_size of its tokens; 1 = off.")
     cp_type: str = _field("ulysses", "Context parallelism: ulysses (all-to-all attention over heads).")
+    reshard_after_forward: bool | int = _field(True, "After a decoder layer's forward: true frees its gathered "
+                                                     "weights (gathered again for backward), false keeps them until "
+                                                     "its backward (one all-gather less, every layer's weights whole "
+                                                     "at once), or a number n: keep 1/n of them per rank, gathered "
+                                                     "for backward within groups of n ranks (n divides dp_shard x "
+                                                     "cp_size, e.g. the GPUs of a node).")
+    reshard_between_micro_batches: bool = _field(True, "false: between the micro-batches of one accumulation keep "
+                                                       "every layer's weights gathered and its gradients whole, "
+                                                       "reduced once at the step's last micro-batch (fewer "
+                                                       "collectives; the memory of the whole model's weights and "
+                                                       "fp32 gradients on every rank: llmtune plan shows it).")
+    prefetch_layers: int = _field(1, "Decoder layers whose weights are gathered ahead of the one computing, in "
+                                     "forward and backward: 1 is FSDP2's own overlap, more overlaps slower links at "
+                                     "the memory of one more gathered layer each, 0 gathers each layer when it runs.")
     cpu_offload: bool = _field(False, "Keep the sharded parameters, gradients and AdamW state on the CPU, the "
                                       "optimizer step there (FSDP2's CPUOffloadPolicy; on CUDA each layer is copied "
                                       "to the GPU from pinned memory for its forward and backward): a model whose "
@@ -489,7 +509,40 @@ class ParallelConfig:
             out.append(f"parallel.timeout_minutes: {self.timeout_minutes} must be above 0")
         if self.cp_type != "ulysses":
             out.append(_choice_problem("parallel.cp_type", self.cp_type, ("ulysses",)))
+        if self.dp_replicate < 1:
+            out.append(f"parallel.dp_replicate: {self.dp_replicate} must be at least 1")
+        if self.dp_shard != -1 and self.dp_shard < 1:
+            out.append(f"parallel.dp_shard: {self.dp_shard} must be at least 1, or -1 (the ranks left)")
+        after = self.reshard_after_forward
+        if not isinstance(after, bool) and after < 2:
+            out.append(f"parallel.reshard_after_forward: {after!r} must be true, false or a "
+                       "number of ranks of at least 2")
+        if self.prefetch_layers < 0:
+            out.append(f"parallel.prefetch_layers: {self.prefetch_layers} must be at least 0")
         return out
+
+    def shard_size(self, world_size: int) -> int:
+        """The ranks one copy of the model is sharded over (dp_shard x cp_size)."""
+        return world_size // self.dp_replicate
+
+    def layout_problem(self, world_size: int) -> str | None:
+        """Why the layout cannot be laid over world_size ranks, or None."""
+        cp, replicate = self.cp_size, self.dp_replicate
+        if cp < 1 or world_size % cp:
+            return (f"parallel.cp_size: {cp} does not divide the world size {world_size}; use a world size that is a "
+                    "multiple of it")
+        if world_size % (replicate * cp):
+            return (f"parallel.dp_replicate: {replicate} x cp_size {cp} does not divide the world size {world_size}; "
+                    f"choose a dp_replicate that divides {world_size // cp}")
+        shard = world_size // (replicate * cp)
+        if self.dp_shard not in (-1, shard):
+            return (f"parallel.dp_shard: dp_replicate {replicate} x dp_shard {self.dp_shard} x cp_size {cp} is not "
+                    f"the world size {world_size}; set dp_shard: {shard}, or -1 for the ranks left")
+        size, after = shard * cp, self.reshard_after_forward
+        if not isinstance(after, bool) and (size % after or after >= size):
+            return (f"parallel.reshard_after_forward: {after} must divide the {size} ranks a copy of the model is "
+                    f"sharded over (dp_shard x cp_size) and be fewer than them; use true, false or a divisor")
+        return None
 
 
 @dataclass
@@ -1031,10 +1084,9 @@ def _global_batch_wins(provided: set[str], overridden: set[str]) -> None:
 
 
 def _batch_problems(config: Config, world_size: int, provided: set[str]) -> list[str]:
-    train, cp = config.train, config.parallel.cp_size
-    if cp < 1 or world_size % cp:
-        return [f"parallel.cp_size: {cp} does not divide the world size {world_size}; use a world size that is a "
-                "multiple of it"]
+    train, layout = config.train, config.parallel.layout_problem(world_size)
+    if layout:
+        return [layout]
     if config.data.streaming and train.max_steps <= 0:
         return ["train.max_steps: a stream has no known length, so data.streaming needs train.max_steps > 0"]
     if train.per_device_train_batch_size == AUTO:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from torch import Tensor, nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from llmtune.errors import UserError
@@ -192,9 +192,12 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     module.attention = attention
     policy = MixedPrecisionPolicy(param_dtype=HALF_DTYPES[half], reduce_dtype=torch.float32) if half \
         else MixedPrecisionPolicy()
+    options = state.shard_options()
     for layer in layers:
-        fully_shard(layer, mp_policy=policy, **state.shard_options())
-    fully_shard(module, mp_policy=policy, **state.shard_options())
+        fully_shard(layer, mp_policy=policy, **options)
+    # The root (embeddings, lm_head) keeps FSDP2's own choice: gathered from forward to backward, which needs it first.
+    fully_shard(module, mp_policy=policy, **{**options, "reshard_after_forward": None})
+    prefetch(layers, state.parallel.prefetch_layers)
     # FSDP unshards the root's own parameters (embeddings, lm_head) around `forward` alone.
     register_fsdp_forward_method(module, "sequence_logps")
     if pretrained:
@@ -211,6 +214,24 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
         module.to(state.parameter_device)
     features.weights_ready(hf_model)
     return module
+
+
+def prefetch(layers: list[nn.Module], depth: int) -> None:
+    """parallel.prefetch_layers: each sharded decoder layer gathers the weights of the `depth` layers that run after
+    it, in forward and in backward. 1 is FSDP2's own overlap, left implicit."""
+    if depth == 1:
+        return
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + depth])
+        layer.set_modules_to_backward_prefetch(layers[max(i - depth, 0):i][::-1])
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the gathered weights of every sharded module of `module` after a forward with no backward (evaluation, a
+    reference model): those the root, or parallel.reshard_after_forward, keep for a backward would stay gathered."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
 
 
 def base_record(config, model_cfg, model_config) -> dict:

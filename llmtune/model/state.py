@@ -25,12 +25,15 @@ def local_rows(param: torch.Tensor) -> torch.Tensor:
 
 def shard_start(param: torch.Tensor) -> int:
     """The first row of dim 0 held by this rank (its local shard holds the rows that follow): FSDP2 shards dim 0
-    as torch.chunk does."""
+    as torch.chunk does, over the mesh's shard dimension (under HSDP the other one replicates)."""
     if not isinstance(param, DTensor):
         return 0
-    rows = param.shape[0]
-    per_rank = -(-rows // param.device_mesh.size())
-    return min(param.device_mesh.get_local_rank() * per_rank, rows)
+    mesh, rows = param.device_mesh, param.shape[0]
+    dim = next((d for d, placement in enumerate(param.placements) if placement.is_shard(0)), None)
+    if dim is None:
+        return 0
+    per_rank = -(-rows // mesh.size(dim))
+    return min(mesh.get_local_rank(dim) * per_rank, rows)
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

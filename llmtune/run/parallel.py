@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
+from llmtune.config import ParallelConfig
 from llmtune.errors import UserError
 from llmtune.run.launch import launched_by_torchrun
 
@@ -20,31 +21,32 @@ LONG_WAIT = timedelta(hours=24)
 
 @dataclass
 class ParallelState:
-    """World = dp_shard x cp. cp peers (consecutive ranks) hold slices of the same sequences; the data
-    sampler sees the dp_shard ranks only; FSDP shards over the whole world, because cp ranks hold
-    different tokens and so different gradients, which must be reduced too."""
+    """World = dp_replicate x dp_shard x cp. cp peers (consecutive ranks) hold slices of the same sequences; the data
+    sampler sees the dp_replicate x dp_shard ranks; FSDP shards over dp_shard x cp within each replica group
+    (cp ranks hold different tokens and so different gradients, which must be reduced too) and, with dp_replicate >
+    1 (HSDP), all-reduces the gradients across the groups."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
-    cp_size: int
-    mesh: DeviceMesh  # ("dp_shard", "cp")
-    fsdp_mesh: DeviceMesh  # 1-D over every rank
+    mesh: DeviceMesh  # ("dp_replicate", "dp_shard", "cp")
+    fsdp_mesh: DeviceMesh  # ("dp_shard_cp",) over every rank, or ("dp_replicate", "dp_shard_cp") under HSDP
     # For the waits on one rank's long work (a Hub download, tokenizing a corpus): a gloo group whose timeout outlasts
     # any of them, since the training group's (parallel.timeout_minutes) is fixed when it is made. A rank that fails
     # shares its error at once and one that dies closes its connections, so this timeout only ends a stalled wait.
     wait_group: object
-    cpu_offload: bool = False  # parallel.cpu_offload: the sharded parameters, gradients and optimizer state on the CPU
+    parallel: ParallelConfig  # the recipe's parallel section: the layout, offload and resharding choices
 
     @classmethod
-    def initialize(cls, cp_size: int = 1, timeout_minutes: float = 30.0, cpu_offload: bool = False) -> "ParallelState":
+    def initialize(cls, parallel: ParallelConfig | None = None) -> "ParallelState":
         """Join the job's process group (torchrun's env:// when launched by it, else a world of one), or reuse
-        the one this process already joined, and lay the meshes over it. timeout_minutes: how long a collective of
-        training waits for the slowest rank before the run fails; cpu_offload: parallel.cpu_offload."""
+        the one this process already joined, and lay the meshes of `parallel` (the recipe's section, checked against
+        the world size; default: plain FSDP over every rank) over it."""
+        parallel = parallel or ParallelConfig()
         use_cuda = torch.cuda.is_available()
         backend = "nccl" if use_cuda else "gloo"
-        timeout = timedelta(minutes=timeout_minutes)
+        timeout = timedelta(minutes=parallel.timeout_minutes)
         if dist.is_initialized():
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
         elif launched_by_torchrun():
@@ -64,10 +66,19 @@ class ParallelState:
             torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         world_size = dist.get_world_size()
-        mesh = init_device_mesh(device.type, (world_size // cp_size, cp_size), mesh_dim_names=("dp_shard", "cp"))
-        fsdp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard_cp",))
+        replicate, cp = parallel.dp_replicate, parallel.cp_size
+        shard = world_size // (replicate * cp)
+        mesh = init_device_mesh(device.type, (replicate, shard, cp), mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
+        # FSDP2 reads a 1-D mesh as plain FSDP and a 2-D one as HSDP (replicate, shard); cp peers are shard ranks.
+        fsdp_mesh = init_device_mesh(device.type, (replicate, shard * cp),
+                                     mesh_dim_names=("dp_replicate", "dp_shard_cp")) if replicate > 1 else \
+            init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard_cp",))
         wait_group = dist.new_group(backend="gloo", timeout=LONG_WAIT)
-        return cls(dist.get_rank(), world_size, local_rank, device, cp_size, mesh, fsdp_mesh, wait_group, cpu_offload)
+        return cls(dist.get_rank(), world_size, local_rank, device, mesh, fsdp_mesh, wait_group, parallel)
+
+    @property
+    def cp_size(self) -> int:
+        return self.parallel.cp_size
 
     @property
     def dp_size(self) -> int:
@@ -89,18 +100,32 @@ class ParallelState:
     def parameter_device(self) -> torch.device:
         """Where the sharded parameters live: the CPU under parallel.cpu_offload (FSDP2 copies each layer to the
         device for its forward and backward), else the device."""
-        return torch.device("cpu") if self.cpu_offload else self.device
+        return torch.device("cpu") if self.parallel.cpu_offload else self.device
 
     def shard_options(self) -> dict:
-        """fully_shard's arguments of the layout: the mesh the parameters are sharded over, and their offload
-        (CPUOffloadPolicy: parameters, gradients and the optimizer's step on the CPU, the copies to a GPU from pinned
-        memory)."""
-        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
-        return {"mesh": self.fsdp_mesh, "offload_policy": offload}
+        """fully_shard's arguments of the layout for a decoder layer or the root: the mesh the parameters are
+        sharded over (2-D under HSDP), their offload (CPUOffloadPolicy: parameters, gradients and the optimizer's
+        step on the CPU, the copies to a GPU from pinned memory) and what a layer keeps after its forward."""
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.parallel.cpu_offload \
+            else OffloadPolicy()
+        return {"mesh": self.fsdp_mesh, "offload_policy": offload,
+                "reshard_after_forward": self.parallel.reshard_after_forward}
+
+    def accumulate(self, model, last: bool) -> None:
+        """Set `model` (FSDP2) for a micro-batch of a step; `last`: the step's last one. By default each micro-batch's
+        gradients are reduce-scattered within the replica group, which keeps only sharded gradients between
+        micro-batches, and all-reduced across groups (HSDP) at the last alone. parallel.reshard_between_micro_batches
+        false keeps the gathered weights and whole gradients until the last, whose backward reduces them once."""
+        if self.parallel.reshard_between_micro_batches:
+            model.set_requires_gradient_sync(True)
+            model.set_requires_all_reduce(last)
+        else:
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
 
     @property
     def fsdp_group_size(self) -> int:
-        """Ranks over which FSDP averages gradients."""
+        """Ranks over which FSDP averages gradients: every rank, HSDP's replica groups included."""
         return self.world_size
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

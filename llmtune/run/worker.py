@@ -126,8 +126,7 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
     here (fetch_in_turn). resume: the command that continues this run, for the summary that ends it and the message
     of a stop by a signal. callbacks: callback objects beside those the recipe names."""
     configure_logging()
-    state = ParallelState.initialize(config.parallel.cp_size, config.parallel.timeout_minutes,
-                                     config.parallel.cpu_offload)
+    state = ParallelState.initialize(config.parallel)
     started, trainer, outcome, result = time.perf_counter(), None, "failed", None
     try:
         trainer, tokenizer = build_trainer(config, state, local or fetch_in_turn(config, state), callbacks)

@@ -5,7 +5,8 @@ log-probabilities under the weights training started from.
   packed documents, context parallelism, fused kernels), every weight frozen (so stored in the compute dtype under
   bf16 or fp16, as frozen weights are), sharded by FSDP2 over the same ranks, in eval mode (no dropout), never given
   to the optimizer. FSDP2 keeps the root's parameters (the embeddings and the lm_head, the largest with a big
-  vocabulary) gathered after a forward, expecting a backward: the reference has none, so it reshards them at once.
+  vocabulary), and every layer's under parallel.reshard_after_forward false, gathered after a forward, expecting a
+  backward: the reference has none, so it reshards them at once.
 - adapter_off: the policy itself with its peft adapters passing their inputs through (features/adapters.py), under
   no_grad: no second copy at all.
 - precomputed: the values computed once before training (tasks/precompute.py), read from the micro-batch.
@@ -19,7 +20,7 @@ import torch
 
 from llmtune.features.adapters import Adapters
 from llmtune.features.base import Feature
-from llmtune.model.build import build_model, load_model_config
+from llmtune.model.build import build_model, load_model_config, reshard
 
 
 def sequence_count(batch) -> int:
@@ -48,7 +49,7 @@ class ModelReference:
     def logps(self, inputs: dict, batch) -> torch.Tensor:
         with torch.no_grad():
             local, _, _ = self.module.sequence_logps(**inputs, sequences=sequence_count(batch))
-        self.module.reshard()
+        reshard(self.module)
         return self.state.cp_sum(local)
 
 

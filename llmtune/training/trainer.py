@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from llmtune.errors import Preempted, TrainingStopped
+from llmtune.model.build import reshard
 from llmtune.monitor.metrics import StepRecord
 from llmtune.training.callbacks import TrainerControl
 from llmtune.training.loss_scale import LossScale
@@ -224,7 +225,7 @@ class Trainer:
         objective.begin(self.model, zip(inputs, micro_batches))
         sums = torch.zeros(sum(objective.sizes()), device=device, dtype=torch.float64)
         for i, (batch_inputs, batch) in enumerate(zip(inputs, micro_batches)):
-            self.model.set_requires_gradient_sync(i == len(inputs) - 1)
+            self.state.accumulate(self.model, last=i == len(inputs) - 1)
             terms = objective.terms(self.model, batch_inputs, batch)
             (terms.loss * weights).sum().backward()
             sums += torch.cat([terms.loss.detach(), terms.metrics]).double()
@@ -281,6 +282,7 @@ class Trainer:
                 counts += self._counts(inputs, batch)
                 terms = objective.terms(self.model, inputs, batch)
                 sums += torch.cat([terms.loss, terms.metrics]).double()
+        reshard(self.model)
         self.model.train()
         totals, sums = self.state.all_reduce_sum(torch.cat([counts, sums])).split([len(counts), len(sums)])
         return objective.summary(*sums.split(objective.sizes()), totals)

@@ -1,13 +1,15 @@
-"""Training cases of the 2-process tests: run in pytest's process (world of one) or under torchrun
-(`torchrun --nproc-per-node 2 tests/dist/case_worker.py CASES.json`), one case after another in one launch.
+"""Training cases of the multi-process tests: run in pytest's process (world of one) or under torchrun
+(`torchrun --nproc-per-node N tests/dist/case_worker.py CASES.json`), one case after another in one launch.
 
 Each case trains a recipe (task, overrides, and the context-parallel attention's document window) as the
 worker does, exports when the recipe says so, and leaves in its output_dir, besides the run's own outputs:
 grads.pt, every parameter's full gradient at step 1, taken just before the optimizer step; and, for a case
-with a `probe` (token ids), logits.pt, the trained model's logits on it.
+with a `probe` (token ids), logits.pt, the trained model's logits on it. A `resave` case trains nothing: it saves
+again at once the checkpoint it resumed from, as its own layout holds it after the load.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,13 +24,16 @@ from llmtune.run.worker import build_trainer
 
 
 def run_case(recipe: str, overrides: list[str], world_size: int, keep_process_group: bool = False, task: str = "sft",
-             probe: list[int] | None = None) -> None:
+             probe: list[int] | None = None, resave: bool = False) -> None:
     """keep_process_group: leave the process group for the next case (a torchrun worker cannot join a second)."""
     config = load_config(recipe, overrides, task, world_size)
     output_dir = Path(config.train.output_dir)
-    state = ParallelState.initialize(config.parallel.cp_size)
+    state = ParallelState.initialize(config.parallel)
     try:
         trainer, tokenizer = build_trainer(config, state)
+        if resave:
+            trainer.checkpoints.save(trainer.step, trainer.model, trainer.optimizer, trainer.state_dict())
+            return
         step = trainer.optimizer.step
 
         def capture_then_step(*args, **kwargs):
@@ -61,8 +66,9 @@ def main(spec: str) -> None:
     for number, case in enumerate(cases, start=1):
         # A window shorter than the test's sequences makes the attention go document span by span.
         attention.DOCUMENT_WINDOW = case.get("document_window") or default_window
-        run_case(case["recipe"], case["overrides"], 2, keep_process_group=number < len(cases),
-                 task=case.get("task", "sft"), probe=case.get("probe"))
+        run_case(case["recipe"], case["overrides"], int(os.environ["WORLD_SIZE"]),
+                 keep_process_group=number < len(cases), task=case.get("task", "sft"), probe=case.get("probe"),
+                 resave=case.get("resave", False))
 
 
 if __name__ == "__main__":
