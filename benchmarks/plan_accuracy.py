@@ -34,6 +34,9 @@ CASES = [
     ("2 ranks, cp=2", ["parallel.cp_size=2"], 2),
     ("2 ranks, cp=2, checkpointing", ["parallel.cp_size=2", "train.gradient_checkpointing=true"], 2),
     ("1 rank, full logits", ["train.chunk_loss_size=0"], 1),
+    ("2 ranks, layers kept gathered after forward", ["parallel.reshard_after_forward=false"], 2),
+    ("2 ranks, no resharding between micro-batches", ["parallel.reshard_between_micro_batches=false"], 2),
+    ("2 ranks, 2 layers prefetched", ["parallel.prefetch_layers=2"], 2),
 ]
 
 

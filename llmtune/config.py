@@ -525,6 +525,28 @@ class ParallelConfig:
         """The ranks one copy of the model is sharded over (dp_shard x cp_size)."""
         return world_size // self.dp_replicate
 
+    def describe(self, world_size: int) -> str:
+        """The layout as the start banner and llmtune plan say it: the mesh, then what differs from plain FSDP2."""
+        shard = self.shard_size(world_size)
+        words = [f"{world_size} rank(s) = replicate {self.dp_replicate} x shard {shard // self.cp_size} x cp "
+                 f"{self.cp_size}; every parameter sharded over {shard} rank(s)"
+                 + (f", its {self.dp_replicate} copies' gradients all-reduced once per step" if self.dp_replicate > 1
+                    else "")]
+        if self.cpu_offload:
+            words.append("parameters, gradients and optimizer state in CPU memory (parallel.cpu_offload)")
+        after = self.reshard_after_forward
+        if after is False:
+            words.append("layers stay gathered from forward to backward (parallel.reshard_after_forward: false)")
+        elif after is not True:
+            words.append(f"after forward, each layer held by groups of {after} ranks "
+                         f"(parallel.reshard_after_forward: {after})")
+        if not self.reshard_between_micro_batches:
+            words.append("layers gathered and gradients whole between micro-batches "
+                         "(parallel.reshard_between_micro_batches: false)")
+        if self.prefetch_layers != 1:
+            words.append(f"{self.prefetch_layers} layer(s) prefetched (parallel.prefetch_layers)")
+        return "; ".join(words)
+
     def layout_problem(self, world_size: int) -> str | None:
         """Why the layout cannot be laid over world_size ranks, or None."""
         cp, replicate = self.cp_size, self.dp_replicate

@@ -25,7 +25,7 @@ class Banner:
     micro_batch: int
     accumulation: int
     dp: int
-    cp: int
+    layout: str  # ParallelConfig.describe
     params: int  # whole-model counts, not one rank's shard
     trainable: int
     decay: tuple[int, int]  # (tensors, elements) of the optimizer's weight-decay group
@@ -33,7 +33,6 @@ class Banner:
     precision: str
     attention: str
     peak: str  # the plan's peak per rank, or why there is none
-    offload: bool = False  # parallel.cpu_offload
 
     def lines(self) -> list[str]:
         if self.rows is None:
@@ -48,9 +47,7 @@ class Banner:
             data,
             f"global batch {self.global_batch} {self.unit} = micro-batch {self.micro_batch} x accumulation "
             f"{self.accumulation} x {self.dp} data-parallel",
-            f"layout {self.dp * self.cp} rank(s) = {self.dp} data-parallel x {self.cp} context-parallel"
-            + ("; parameters, gradients and optimizer state in CPU memory (parallel.cpu_offload)" if self.offload
-               else ""),
+            f"layout {self.layout}",
             f"parameters {self.params:,}, trainable {self.trainable:,} (weight decay: {self.decay[1]:,} in "
             f"{self.decay[0]} tensors; no decay: {self.no_decay[1]:,} in {self.no_decay[0]})",
             f"precision {self.precision}, attention {self.attention}",
@@ -100,7 +97,7 @@ def start_banner(trainer, config, model_config, world_size: int) -> Banner:
         steps_per_epoch=None if stream else data.steps_per_epoch,
         total_steps=trainer.total_steps, first_step=trainer.step, global_batch=data.global_batch,
         micro_batch=config.train.per_device_train_batch_size, accumulation=config.train.gradient_accumulation_steps,
-        dp=world_size // config.parallel.cp_size, cp=config.parallel.cp_size, offload=config.parallel.cpu_offload,
+        dp=world_size // config.parallel.cp_size, layout=config.parallel.describe(world_size),
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
         peak=planned_peak(config, model_config, world_size))

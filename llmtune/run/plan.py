@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from llmtune.config import ParallelConfig
 from llmtune.errors import UserError
 
 GIB = 2**30
@@ -35,10 +36,16 @@ class Layout:
     micro_batch: int
     accumulation: int
     seq_len: int
+    replicate: int = 1  # parallel.dp_replicate: HSDP's groups, each holding a whole sharded copy
 
     @property
     def dp(self) -> int:
         return self.world_size // self.cp
+
+    @property
+    def shard(self) -> int:
+        """The ranks each parameter is sharded over."""
+        return self.world_size // self.replicate
 
     @property
     def tokens_per_step(self) -> int:
@@ -54,6 +61,7 @@ class Plan:
     grads: int
     optimizer: int
     largest_layer: int  # a decoder layer all-gathered in the compute dtype
+    all_layers: int  # every decoder layer all-gathered at once, in the compute dtype
     root: int  # embeddings, lm_head and final norm, gathered from forward to the end of backward
     activations: int  # per micro-batch, with the recipe's checkpointing
     activations_other: int  # per micro-batch, with checkpointing the other way
@@ -63,15 +71,38 @@ class Plan:
     averages: int = 0  # train.ema_decay's moving averages: an fp32 copy of the trained parameters per decay
     reference: int = 0  # a preference task's frozen reference copy (dpo.reference: model), in the compute dtype
     offload: bool = False  # parallel.cpu_offload: the sharded state (parameters, gradients, optimizer, copies) on the CPU
+    whole_grads: int = 0  # the trained parameters' fp32 gradients, unsharded
+    reshard_after_forward: bool | int = True  # parallel.reshard_after_forward
+    prefetch: int = 1  # parallel.prefetch_layers
+    reshard_between: bool = True  # parallel.reshard_between_micro_batches
+
+    @property
+    def kept_whole(self) -> bool:
+        """Whether every layer stays gathered, with whole gradients, between the micro-batches of a step."""
+        return self.layout.accumulation > 1 and not self.reshard_between
+
+    @property
+    def gathered(self) -> int:
+        """The decoder layers' weights gathered at the start of backward, with the unsharded gradient of the layer in
+        backward: the layer in backward and the `prefetch` ones after it, on top of what each layer keeps after its
+        forward (nothing, 1/n of it under reshard_after_forward n, or all of it), never more layers than the model
+        has; every layer when they stay gathered between micro-batches."""
+        after = self.reshard_after_forward
+        if after is False or self.kept_whole:
+            return self.all_layers + self.largest_layer
+        kept = 0 if after is True else self.all_layers // after
+        return kept + min((1 + self.prefetch) * self.largest_layer, self.all_layers) + self.largest_layer
 
     @property
     def peak(self) -> int:
         """At the start of backward every activation is still held, the loss has made its gradients, the root and
-        two decoder layers are gathered (the one in backward and the next, prefetched) with the first layer's
-        unsharded gradient; the sharded gradients exist whole from the second micro-batch on (accumulation)."""
-        grads = self.grads if self.layout.accumulation > 1 else 0
-        return (self.sharded_state(grads) if not self.offload else 0) + self.root + 3 * self.largest_layer \
-            + self.activations + self.loss
+        the `gathered` layers are gathered; from the second micro-batch on (accumulation) the gradients exist: the
+        sharded ones (with the sharded state, on the CPU under cpu_offload), or whole on the device while they stay
+        unreduced between micro-batches."""
+        grads = self.grads if self.layout.accumulation > 1 and not self.kept_whole else 0
+        state = 0 if self.offload else self.sharded_state(grads)
+        return state + (self.whole_grads if self.kept_whole else 0) + self.root + self.gathered + self.activations \
+            + self.loss
 
     def sharded_state(self, grads: int) -> int:
         """The sharded parameters, optimizer state, moving averages, reference copy and `grads` of gradients: on the
@@ -187,10 +218,11 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     params = list(hf_model.parameters())
     trainable = [p for p in params if p.requires_grad]
     # Stored as the run stores them (model.build_model): fp32 master weights, frozen ones in the compute dtype.
-    stored = sum(shard_bytes(p, world_size, 4 if p.requires_grad or not half else 2) for p in params)
-    trained = sum(shard_bytes(p, world_size, 4) for p in trainable)
-    layout = Layout(world_size, config.parallel.cp_size, train.per_device_train_batch_size,
-                    train.gradient_accumulation_steps, config.data.max_seq_len)
+    parallel = config.parallel
+    layout = Layout(world_size, parallel.cp_size, train.per_device_train_batch_size,
+                    train.gradient_accumulation_steps, config.data.max_seq_len, parallel.dp_replicate)
+    stored = sum(shard_bytes(p, layout.shard, 4 if p.requires_grad or not half else 2) for p in params)
+    trained = sum(shard_bytes(p, layout.shard, 4) for p in trainable)
     tokens = math.ceil(layout.seq_len / layout.cp)
     outside, per_layer = saved_activations(hf_model, layers, layout.micro_batch, tokens)
     hidden = model_config.get_text_config().hidden_size
@@ -201,6 +233,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     return Plan(
         layout=layout, params=stored, grads=trained, optimizer=2 * trained,
         largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers) * compute,
+        all_layers=sum(p.numel() for layer in layers for p in layer.parameters()) * compute,
         root=sum(p.numel() for p in params if id(p) not in in_layers) * compute,
         activations=with_checkpointing if train.gradient_checkpointing else without,
         activations_other=without if train.gradient_checkpointing else with_checkpointing,
@@ -210,8 +243,10 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
         averages=len(train.ema_decays()) * trained,
         # Every weight frozen, so stored in the compute dtype (model/build.py); the shapes of the policy's model
         # (dpo.ref_model is another checkpoint of it).
-        reference=sum(shard_bytes(p, world_size, compute) for p in params) if config.holds_reference_copy() else 0,
-        offload=config.parallel.cpu_offload)
+        reference=sum(shard_bytes(p, layout.shard, compute) for p in params) if config.holds_reference_copy() else 0,
+        offload=parallel.cpu_offload, whole_grads=sum(p.numel() for p in trainable) * 4,
+        reshard_after_forward=parallel.reshard_after_forward, prefetch=parallel.prefetch_layers,
+        reshard_between=parallel.reshard_between_micro_batches)
 
 
 def gib(nbytes: float) -> str:
@@ -219,11 +254,19 @@ def gib(nbytes: float) -> str:
 
 
 def changes(config, world_size: int, model_config):
-    """(what to change, the config with it, its world size), cheapest first: what costs no hardware and no
-    accuracy (checkpointing, the chunked loss), then a smaller micro-batch (the global batch kept by
-    accumulation), context parallelism (sequences split over ranks), CPU offload (slower steps), more ranks, and
-    adapters."""
+    """(what to change, the config with it, its world size), cheapest first: the resharding choices that spend memory
+    to save collectives taken back, what costs no hardware and no accuracy (checkpointing, the chunked loss), then a
+    smaller micro-batch (the global batch kept by accumulation), context parallelism (sequences split over ranks),
+    fewer HSDP replicas (each sharded over more ranks, its collectives wider), CPU offload (slower steps), more
+    ranks, and adapters."""
     train, parallel = config.train, config.parallel
+    memory_for_speed = {"reshard_after_forward": parallel.reshard_after_forward is not True,
+                        "reshard_between_micro_batches": not parallel.reshard_between_micro_batches,
+                        "prefetch_layers": parallel.prefetch_layers > 1}
+    for key in (key for key, spent in memory_for_speed.items() if spent):
+        default = getattr(ParallelConfig(), key)
+        yield (f"parallel.{key}: {str(default).lower()}", replace(config, parallel=replace(parallel, **{key: default})),
+               world_size)
     if not train.gradient_checkpointing:
         yield ("train.gradient_checkpointing: true",
                replace(config, train=replace(train, gradient_checkpointing=True)), world_size)
@@ -244,6 +287,12 @@ def changes(config, world_size: int, model_config):
                replace(config, parallel=replace(parallel, cp_size=cp),
                        train=replace(train, gradient_accumulation_steps=accumulation)), world_size)
         cp *= 2
+    replicate = parallel.dp_replicate // 2
+    while replicate >= 1 and parallel.dp_replicate % replicate == 0:
+        shard = world_size // replicate
+        yield (f"parallel.dp_replicate: {replicate} (each parameter sharded over {shard} ranks)",
+               replace(config, parallel=replace(parallel, dp_replicate=replicate, dp_shard=-1)), world_size)
+        replicate //= 2
     if not parallel.cpu_offload:
         yield ("parallel.cpu_offload: true (parameters, gradients and optimizer state in CPU memory; slower steps)",
                replace(config, parallel=replace(parallel, cpu_offload=True)), world_size)
@@ -304,12 +353,13 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
     loss = f"chunked, {train.chunk_loss_size} tokens" if train.chunk_loss_size else "full logits"
     rows = [
         ("parameters (sharded; fp32 where they train)", plan.params),
+        ("gradients (fp32, whole between micro-batches)", plan.whole_grads) if plan.kept_whole else
         ("gradients (fp32, sharded)", plan.grads),
         ("optimizer state (AdamW's two moments, fp32)", plan.optimizer),
         *([("moving averages (train.ema_decay, fp32, sharded)", plan.averages)] if plan.averages else []),
         *([(f"reference model (dpo.reference: model; frozen, {dtype}, sharded)", plan.reference)]
           if plan.reference else []),
-        (f"largest all-gathered decoder layer ({dtype})", plan.largest_layer),
+        (f"decoder layers gathered at the peak, with a gradient ({dtype})", plan.gathered),
         (f"embeddings, lm_head and norm, gathered ({dtype})", plan.root),
         (f"activations per micro-batch, checkpointing {checkpointing}", plan.activations),
         (f"  (checkpointing {'off' if train.gradient_checkpointing else 'on'}: {gib(plan.activations_other)})", None),
@@ -322,9 +372,7 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
     lines = [
         f"model: {type(model_config).__name__.removesuffix('Config')}, {plan.total_params / 1e9:.3g}B parameters, "
         f"{plan.trainable / 1e9:.3g}B trained; {dtype} compute",
-        f"layout: {layout.world_size} rank(s) = {layout.dp} data-parallel x {layout.cp} context-parallel; every "
-        f"parameter sharded over all {layout.world_size}"
-        + ("; parameters, gradients and optimizer state in CPU memory (parallel.cpu_offload)" if plan.offload else ""),
+        f"layout: {config.parallel.describe(layout.world_size)}",
         f"batch: micro-batch {layout.micro_batch} x {layout.seq_len} tokens ({math.ceil(layout.seq_len / layout.cp)} "
         f"per rank), accumulation {layout.accumulation}; {layout.tokens_per_step:,} tokens per optimizer step",
         "per rank:",

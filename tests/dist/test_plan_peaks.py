@@ -1,6 +1,7 @@
 """`llmtune plan` against the run: the peak it predicts for a training step per rank is within 25% of the peak
 the step measures (tensor bytes, counted as benchmarks/plan_accuracy.py counts them; its table in docs/plan.md has
-more layouts), on 1 and 2 ranks, with checkpointing and with context parallelism."""
+more layouts), on 1 and 2 ranks, with checkpointing, with context parallelism, and with the layers kept gathered
+after forward or between micro-batches."""
 
 import pytest
 
@@ -8,7 +9,8 @@ from benchmarks.plan_accuracy import case_config, measure_cases, predicted, writ
 
 SEQ_LEN = 512
 # (overrides, ranks)
-CASES = [([], 1), (["train.gradient_checkpointing=true"], 2), (["parallel.cp_size=2"], 2)]
+CASES = [([], 1), (["train.gradient_checkpointing=true"], 2), (["parallel.cp_size=2"], 2),
+         (["parallel.reshard_after_forward=false"], 2), (["parallel.reshard_between_micro_batches=false"], 2)]
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,14 @@ tests/dist/test_resume.py (two) and, for a task of pairs, tests/e2e/test_dpo.py.
 
 import dataclasses
 
-from llmtune.config import TrainConfig
+from llmtune.config import ParallelConfig, TrainConfig
 from llmtune.run import banner
 from llmtune.run.banner import Banner, rows_called
 from llmtune.tasks.language_model import LanguageModel
 from llmtune.tasks.dpo import DPO
 
 FRESH = Banner(rows=1000, unit="samples", steps_per_epoch=62, total_steps=186, first_step=0, global_batch=16,
-               micro_batch=4, accumulation=2, dp=2, cp=1, params=1234567, trainable=1234000, decay=(14, 1230000),
+               micro_batch=4, accumulation=2, dp=2, layout=ParallelConfig().describe(2), params=1234567, trainable=1234000, decay=(14, 1230000),
                no_decay=(29, 4000), precision="fp32", attention="sdpa (through llmtune_documents)",
                peak="12.3 MiB per rank (llmtune plan's estimate for this layout)")
 
@@ -20,7 +20,7 @@ def test_the_banner_says_the_runs_numbers():
     assert FRESH.lines() == [
         "1,000 samples, 3 epochs of 62 steps = 186 optimizer steps",
         "global batch 16 samples = micro-batch 4 x accumulation 2 x 2 data-parallel",
-        "layout 2 rank(s) = 2 data-parallel x 1 context-parallel",
+        "layout 2 rank(s) = replicate 1 x shard 2 x cp 1; every parameter sharded over 2 rank(s)",
         "parameters 1,234,567, trainable 1,234,000 (weight decay: 1,230,000 in 14 tensors; no decay: 4,000 in 29)",
         "precision fp32, attention sdpa (through llmtune_documents)",
         "planned peak memory 12.3 MiB per rank (llmtune plan's estimate for this layout)",
@@ -28,17 +28,27 @@ def test_the_banner_says_the_runs_numbers():
 
 
 def test_a_resumed_run_and_a_stream_say_so():
-    resumed = dataclasses.replace(FRESH, total_steps=100, first_step=40, cp=2, dp=1)
+    resumed = dataclasses.replace(FRESH, total_steps=100, first_step=40)
     assert resumed.lines()[0] == "1,000 samples, 1.61 epochs of 62 steps = 100 optimizer steps, resuming after step 40"
-    assert resumed.lines()[2] == "layout 2 rank(s) = 1 data-parallel x 2 context-parallel"
     stream = dataclasses.replace(FRESH, rows=None, steps_per_epoch=None, total_steps=50)
     assert stream.lines()[0] == "a stream, 50 optimizer steps (train.max_steps)"
 
 
-def test_cpu_offload_is_said_in_the_layout_line():
-    assert dataclasses.replace(FRESH, offload=True).lines()[2] == (
-        "layout 2 rank(s) = 2 data-parallel x 1 context-parallel; parameters, gradients and optimizer state in CPU "
-        "memory (parallel.cpu_offload)")
+def test_the_layout_says_the_mesh_and_what_differs_from_plain_fsdp():
+    """The banner's and llmtune plan's layout: replicate x shard x cp, then offload and the resharding knobs."""
+    assert ParallelConfig(cp_size=2).describe(2) == (
+        "2 rank(s) = replicate 1 x shard 1 x cp 2; every parameter sharded over 2 rank(s)")
+    assert ParallelConfig(dp_replicate=2, cp_size=2, cpu_offload=True).describe(16) == (
+        "16 rank(s) = replicate 2 x shard 4 x cp 2; every parameter sharded over 8 rank(s), its 2 copies' gradients "
+        "all-reduced once per step; parameters, gradients and optimizer state in CPU memory (parallel.cpu_offload)")
+    knobs = ParallelConfig(reshard_after_forward=4, reshard_between_micro_batches=False, prefetch_layers=2)
+    assert knobs.describe(8).split("; ")[2:] == [
+        "after forward, each layer held by groups of 4 ranks (parallel.reshard_after_forward: 4)",
+        "layers gathered and gradients whole between micro-batches (parallel.reshard_between_micro_batches: false)",
+        "2 layer(s) prefetched (parallel.prefetch_layers)"]
+    kept = ParallelConfig(reshard_after_forward=False, prefetch_layers=0).describe(2).split("; ")[2:]
+    assert kept == ["layers stay gathered from forward to backward (parallel.reshard_after_forward: false)",
+                    "0 layer(s) prefetched (parallel.prefetch_layers)"]
 
 
 def test_the_rows_are_named_in_the_objectives_unit():

@@ -4,6 +4,7 @@ largest micro-batch whose plan fits. Predicted against measured peaks: tests/dis
 
 import copy
 import logging
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -83,6 +84,13 @@ def test_loss_bytes_by_path():
 
 
 @pytest.fixture
+def four_layers(tmp_path):
+    folder = tmp_path / "four_layers"
+    LlamaConfig(**{**LLAMA, "num_hidden_layers": 4}, max_position_embeddings=1024).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
 def plan_recipe(tmp_path):
     model = tmp_path / "model"
     LlamaConfig(**LLAMA, max_position_embeddings=1024).save_pretrained(model)
@@ -101,10 +109,10 @@ def plan_recipe(tmp_path):
 def test_plan_prints_the_parts_layout_and_tokens(plan_recipe, capsys):
     assert cli.main(["plan", plan_recipe(), "--nproc", "2", "--task", "pt"]) == 0
     out = capsys.readouterr().out
-    assert "layout: 2 rank(s) = 2 data-parallel x 1 context-parallel" in out
+    assert "layout: 2 rank(s) = replicate 1 x shard 2 x cp 1; every parameter sharded over 2 rank(s)" in out
     # 16 rows of 512 tokens per optimizer step; 4 rows per micro-batch on 2 ranks: accumulation 2.
     assert "accumulation 2; 8,192 tokens per optimizer step" in out
-    for part in ("parameters", "gradients", "optimizer state", "largest all-gathered decoder layer",
+    for part in ("parameters", "gradients", "optimizer state", "decoder layers gathered at the peak",
                  "activations per micro-batch, checkpointing off", "(checkpointing on:", "loss (chunked, 1024 tokens)",
                  "peak of a training step", "give --device-memory GiB"):
         assert part in out
@@ -139,8 +147,64 @@ def test_plan_refuses_what_the_run_refuses(plan_recipe, capsys, args, expected):
 def test_plan_layout_of_nodes(plan_recipe, capsys):
     assert cli.main(["plan", plan_recipe(), "--nnodes", "2", "--nproc-per-node", "2", "parallel.cp_size=2"]) == 0
     out = capsys.readouterr().out
-    assert "layout: 4 rank(s) = 2 data-parallel x 2 context-parallel" in out
+    assert "layout: 4 rank(s) = replicate 1 x shard 2 x cp 2; every parameter sharded over 4 rank(s)" in out
     assert "micro-batch 4 x 512 tokens (256 per rank)" in out
+
+
+def test_hsdp_shards_each_copy_over_its_group_alone(plan_recipe, capsys):
+    """parallel.dp_replicate 2 on 4 ranks: each parameter over 2 ranks, so the sharded state is twice plain FSDP's;
+    the activations and the data-parallel batch are the same."""
+    plain = load_config(plan_recipe(), [], "pt", 4)
+    hsdp = load_config(plan_recipe(), ["parallel.dp_replicate=2"], "pt", 4)
+    model_config = load_model_config(plain.model)
+    over4, over2 = plan_memory(plain, model_config, 4), plan_memory(hsdp, model_config, 4)
+    assert over2.params == pytest.approx(2 * over4.params, rel=0.01)
+    assert over2.optimizer == pytest.approx(2 * over4.optimizer, rel=0.01)
+    assert (over2.activations, over2.layout.tokens_per_step) == (over4.activations, over4.layout.tokens_per_step)
+    assert cli.main(["plan", plan_recipe(), "--nproc", "4", "parallel.dp_replicate=2"]) == 0
+    assert ("layout: 4 rank(s) = replicate 2 x shard 2 x cp 1; every parameter sharded over 2 rank(s), its 2 copies' "
+            "gradients all-reduced once per step") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("knob, gathered", [
+    ([], lambda p: 3 * p.largest_layer),
+    (["parallel.prefetch_layers=2"], lambda p: 4 * p.largest_layer),
+    (["parallel.prefetch_layers=0"], lambda p: 2 * p.largest_layer),
+    (["parallel.reshard_after_forward=false"], lambda p: p.all_layers + p.largest_layer),
+    (["parallel.reshard_after_forward=2"], lambda p: p.all_layers // 2 + 3 * p.largest_layer),
+])
+def test_the_resharding_knobs_set_the_layers_gathered_at_the_peak(plan_recipe, four_layers, knob, gathered):
+    config = load_config(plan_recipe(), [f"model.config={four_layers}", *knob], "pt", 4)
+    model_config = load_model_config(config.model)
+    plain = plan_memory(load_config(plan_recipe(), [f"model.config={four_layers}"], "pt", 4), model_config, 4)
+    plan = plan_memory(config, model_config, 4)
+    assert plan.all_layers == 4 * plan.largest_layer
+    assert plan.gathered == gathered(plan)
+    assert plan.peak - plain.peak == plan.gathered - plain.gathered
+
+
+def test_no_more_layers_are_prefetched_than_the_model_has(plan_recipe):
+    two_ahead, one_ahead = (load_config(plan_recipe(), [f"parallel.prefetch_layers={n}"], "pt", 4) for n in (2, 1))
+    model_config = load_model_config(two_ahead.model)
+    assert model_config.num_hidden_layers == 2
+    assert plan_memory(two_ahead, model_config, 4).gathered == plan_memory(one_ahead, model_config, 4).gathered
+
+
+def test_no_resharding_between_micro_batches_holds_every_layer_and_whole_gradients(plan_recipe, capsys):
+    """With accumulation, reshard_between_micro_batches false keeps every layer gathered and the fp32 gradients
+    unsharded from one micro-batch to the next: the sharded gradients give way to whole ones. Without accumulation
+    nothing is kept."""
+    kept = load_config(plan_recipe(), ["parallel.reshard_between_micro_batches=false"], "pt", 2)
+    model_config = load_model_config(kept.model)
+    plain, plan = plan_memory(load_config(plan_recipe(), [], "pt", 2), model_config, 2), plan_memory(kept, model_config, 2)
+    assert plan.layout.accumulation == 2 and plan.kept_whole
+    assert plan.whole_grads == 4 * plan.trainable
+    assert plan.peak - plain.peak == (plan.whole_grads - plain.grads) + (plan.all_layers - 2 * plain.largest_layer)
+    one_micro_batch = replace(kept, train=replace(kept.train, per_device_train_batch_size=8,
+                                                  gradient_accumulation_steps=1))
+    assert not plan_memory(one_micro_batch, model_config, 2).kept_whole
+    assert cli.main(["plan", plan_recipe(), "--nproc", "2", "parallel.reshard_between_micro_batches=false"]) == 0
+    assert "gradients (fp32, whole between micro-batches)" in capsys.readouterr().out
 
 
 def test_moving_averages_add_an_fp32_copy_of_the_trained_parameters_per_decay(plan_recipe):
@@ -273,3 +337,27 @@ def test_the_fit_advice_offers_cpu_offload_after_what_costs_no_speed(plan_recipe
                          model_config, 1)
     assert cheapest_fit(config, model_config, 1, on_cpu.peak / GIB / USABLE_FRACTION * 1.001).startswith(
         "parallel.cpu_offload: true")
+
+
+def test_the_fit_advice_takes_back_memory_spent_on_speed_first_and_fewer_replicas_before_offload(plan_recipe,
+                                                                                                 four_layers):
+    """Layers kept gathered and deeper prefetch are undone before anything else; fewer HSDP replicas (each copy
+    sharded over more ranks) come after context parallelism, before CPU offload (4 layers, accumulation 4)."""
+    knobs = ["parallel.reshard_after_forward=false", "parallel.reshard_between_micro_batches=false",
+             "parallel.prefetch_layers=2", "parallel.dp_replicate=2", f"model.config={four_layers}"]
+    config = load_config(plan_recipe(gradient_checkpointing=True, per_device_train_batch_size=1), knobs, "pt", 4)
+    model_config = load_model_config(config.model)
+    offered = list(changes(config, 4, model_config))
+    names = [change for change, _, _ in offered]
+    assert names[:3] == ["parallel.reshard_after_forward: true", "parallel.reshard_between_micro_batches: true",
+                         "parallel.prefetch_layers: 1"]
+    replicas = [i for i, name in enumerate(names) if name.startswith("parallel.dp_replicate")]
+    assert [names[i] for i in replicas] == ["parallel.dp_replicate: 1 (each parameter sharded over 4 ranks)"]
+    assert max(i for i, name in enumerate(names) if name.startswith("parallel.cp_size")) < replicas[0]
+    assert replicas[-1] < names.index(next(n for n in names if n.startswith("parallel.cpu_offload")))
+    before = plan_memory(config, model_config, 4).peak
+    # Each change is offered alone: while the layers stay gathered between micro-batches, or after forward, neither
+    # reshard_after_forward nor the prefetch changes what is gathered.
+    assert [plan_memory(changed, model_config, ranks).peak < before for _, changed, ranks in offered[:3]] == \
+        [False, True, False]
+    assert all(plan_memory(offered[i][1], model_config, 4).peak < before for i in replicas)
