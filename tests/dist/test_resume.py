@@ -165,7 +165,7 @@ def test_the_straight_run_traces_its_chosen_rank_alone_and_its_banner_counts_the
     banner = re.findall(r"INFO llmtune: start: (.*)", result.stderr)
     assert banner.count(f"64 samples, 2 epochs of 4 steps = {STEPS} optimizer steps") == 1, banner
     assert "global batch 16 samples = micro-batch 4 x accumulation 2 x 2 data-parallel" in banner
-    assert "layout 2 rank(s) = 2 data-parallel x 1 context-parallel" in banner
+    assert "layout 2 rank(s) = replicate 1 x shard 2 x cp 1; every parameter sharded over 2 rank(s)" in banner
     count = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
     assert any(line.startswith(f"parameters {count:,}, trainable {count:,} ") for line in banner), banner
     logged = (output_dir / "train.log").read_text()

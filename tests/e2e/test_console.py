@@ -127,7 +127,7 @@ def test_the_start_banner_says_the_runs_numbers(runs, recipe, assets, capsys):
     assert banner[f"{rows:,}"] == f"samples, {STEPS / (rows // 2):.3g} epochs of {rows // 2} steps = {STEPS} " \
                                   "optimizer steps"
     assert banner["global"] == "batch 2 samples = micro-batch 2 x accumulation 1 x 1 data-parallel"
-    assert banner["layout"] == "1 rank(s) = 1 data-parallel x 1 context-parallel"
+    assert banner["layout"] == "1 rank(s) = replicate 1 x shard 1 x cp 1; every parameter sharded over 1 rank(s)"
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets / "model"))
     count = sum(p.numel() for p in model.parameters())
     decay = sum(p.numel() for p in model.parameters() if p.ndim >= 2)

@@ -138,6 +138,15 @@ def test_plan_names_the_cheapest_change_that_fits(plan_recipe, capsys):
     (["--nproc", "8", "parallel.cp_size=8"], "parallel.cp_size: 8 does not divide the model's 4 attention heads"),
     (["--nproc", "2", "--nnodes", "2"], "give --nproc N (one node) or --nnodes M --nproc-per-node N, not both"),
     (["--device-memory", "lots"], "--device-memory: 'lots' is not a positive number of GiB"),
+    (["--nproc", "4", "parallel.dp_replicate=3"], "parallel.dp_replicate: 3 x cp_size 1 does not divide the world "
+                                                  "size 4; choose a dp_replicate that divides 4"),
+    (["--nproc", "4", "parallel.dp_replicate=2", "parallel.dp_shard=4"],
+     "parallel.dp_shard: dp_replicate 2 x dp_shard 4 x cp_size 1 is not the world size 4; set dp_shard: 2, or -1"),
+    (["--nproc", "4", "parallel.dp_replicate=2", "parallel.reshard_after_forward=2"],
+     "parallel.reshard_after_forward: 2 must divide the 2 ranks a copy of the model is sharded over"),
+    (["parallel.reshard_after_forward=1"], "parallel.reshard_after_forward: 1 must be true, false or a number of "
+                                           "ranks of at least 2"),
+    (["parallel.prefetch_layers=-1"], "parallel.prefetch_layers: -1 must be at least 0"),
 ])
 def test_plan_refuses_what_the_run_refuses(plan_recipe, capsys, args, expected):
     assert cli.main(["plan", plan_recipe(), *args]) == 2
