@@ -1,6 +1,6 @@
 """Full fine-tuning against LoRA (r 16, alpha 32, all-linear), same pretrained model and data, same run.
 
-    python benchmarks/peft.py [--hidden 1024] [--intermediate 4096] [--layers 12] [--steps N]
+    python -m benchmarks.peft [--hidden 1024] [--intermediate 4096] [--layers 12] [--steps N]
 
 A Llama (default: about 190M parameters, fp32) saved with save_pretrained and loaded as a user's pretrained model
 (model.name_or_path), pre-trained further (pt) on the demo corpus on 2 processes (torchrun, gloo, CPU); each
@@ -13,6 +13,7 @@ Then the LoRA / full ratios against their goals: checkpoint <= 0.03, peak RSS <=
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -28,7 +29,8 @@ VARIANTS = {"full": {"method": "none"}, "lora": {"method": "lora", "r": 16, "alp
 GOALS = {"checkpoint_bytes": 0.03, "peak_rss_bytes": 0.6, "step_time_s": 0.9}
 
 
-def write_recipe(root: Path, variant: str, args) -> Path:
+def write_recipe(root: Path, variant: str, args, sections: dict) -> Path:
+    """root/<variant>.yaml: pt on the demo corpus, the variant's recipe sections (peft, parallel, ...) on top."""
     recipe = root / f"{variant}.yaml"
     steps = args.warmup + args.steps
     recipe.write_text(yaml.safe_dump({
@@ -40,10 +42,10 @@ def write_recipe(root: Path, variant: str, args) -> Path:
                   # As fine-tuning runs are set up; without it the activations, the same in both variants, would
                   # outweigh the weights of a model this small.
                   "gradient_checkpointing": True},
-        "peft": VARIANTS[variant],
         # Saved at the last step only, after the timed steps; no export, which is not what is compared.
         "checkpoint": {"save_steps": steps, "export_hf": False},
         "monitor": {"console": False},
+        **sections,
     }))
     return recipe
 
@@ -64,15 +66,19 @@ def worker(variant: str, root: Path) -> None:
     from llmtune.run.parallel import ParallelState
     from llmtune.run.worker import build_trainer
 
-    state = ParallelState.initialize()
+    config = load_config(str(root / f"{variant}.yaml"), [], "pt", int(os.environ["WORLD_SIZE"]))
+    state = ParallelState.initialize(config.parallel)
     try:
-        trainer, _ = build_trainer(load_config(str(root / f"{variant}.yaml"), [], "pt", state.world_size), state)
+        trainer, _ = build_trainer(config, state)
         trainer.train()
         params = list(trainer.model.parameters())
         mine = {"optimizer_bytes": sum(local_bytes(value) for per_param in trainer.optimizer.state.values()
                                        for value in per_param.values() if isinstance(value, torch.Tensor)),
+                # This rank's parameters as stored (a quantized base in its packed form).
+                "parameter_bytes": sum(local_bytes(p) for p in params),
                 # ru_maxrss is in KiB on Linux: the whole process's peak, loading and saving included.
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "device_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
         ranks = [None] * state.world_size
         dist.all_gather_object(ranks, mine)
         if state.is_main:
@@ -83,12 +89,15 @@ def worker(variant: str, root: Path) -> None:
         state.close()
 
 
-def measure(root: Path, variant: str, args) -> dict:
+def measure(root: Path, variant: str, args, sections: dict, nproc: int = 2) -> dict:
+    """Train `variant` (its recipe sections) in a launch of `nproc` processes of its own; its figures."""
     steps = args.warmup + args.steps
-    write_recipe(root, variant, args)
+    write_recipe(root, variant, args, sections)
     print(f"training {variant} ...", file=sys.stderr, flush=True)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          __file__, "--worker", variant, str(root)], cwd=REPO, capture_output=True, text=True)
+    # As a module, from the repository: run as a file, this folder would come first on sys.path.
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                          "-m", "benchmarks.peft", "--worker", variant, str(root)], cwd=REPO, capture_output=True,
+                         text=True)
     if run.returncode:
         sys.exit(f"the {variant} run failed:\n{run.stderr[-6000:]}")
     result = json.loads((root / f"{variant}.json").read_text())
@@ -100,6 +109,23 @@ def measure(root: Path, variant: str, args) -> dict:
             "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()),
             "optimizer_bytes": sum(r["optimizer_bytes"] for r in result["ranks"]),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in result["ranks"])}
+
+
+def write_model_and_data(root: Path, args) -> None:
+    """root/assets: the demo's tokenizer and corpus; root/model: a random Llama of args' shape (hidden, intermediate,
+    layers), saved as a user's pretrained model."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from llmtune.demo.assets import write_demo_assets
+
+    write_demo_assets(root / "assets")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(AutoTokenizer.from_pretrained(root / "assets" / "tokenizer")), hidden_size=args.hidden,
+        intermediate_size=args.intermediate or 4 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False))
+    model.save_pretrained(root / "model")
 
 
 def mib(n: int) -> str:
@@ -120,22 +146,10 @@ def main() -> None:
     if args.worker:
         worker(args.worker[0], Path(args.worker[1]))
         return
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from llmtune.demo.assets import write_demo_assets
-
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        write_demo_assets(root / "assets")
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(AutoTokenizer.from_pretrained(root / "assets" / "tokenizer")), hidden_size=args.hidden,
-            intermediate_size=args.intermediate or 4 * args.hidden, num_hidden_layers=args.layers,
-            num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False))
-        model.save_pretrained(root / "model")
-        del model  # not to count in the parent while the workers run
-        results = {variant: measure(root, variant, args) for variant in VARIANTS}
+        write_model_and_data(root, args)
+        results = {variant: measure(root, variant, args, {"peft": sections}) for variant, sections in VARIANTS.items()}
     print(f"Llama hidden {args.hidden}, intermediate {args.intermediate or 4 * args.hidden}, {args.layers} layers, "
           f"fp32, pt seq {args.seq} x batch {args.batch} per rank, 2 processes (gloo, CPU); step time: median of "
           f"{args.steps} steps after {args.warmup}")

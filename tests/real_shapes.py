@@ -32,6 +32,13 @@ LLAMA_3_1_8B = RealModel(
     params_b=8.030261248,
 )
 
+LLAMA_3_1_70B = RealModel(
+    shape={**LLAMA_3_1_8B.shape, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+           "num_attention_heads": 64},
+    # The Hub's exact count of the safetensors weights (shown as 70.6B); base and Instruct share the shapes.
+    params_b=70.553706496,
+)
+
 QWEN3_30B_A3B_2507 = RealModel(
     shape={"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
            # The config.json at hand (shared/real) was cut to 4 layers by the project it came from; the published
@@ -49,5 +56,6 @@ REAL_MODELS = {
     "Qwen/Qwen3-8B": QWEN3_8B,
     "meta-llama/Llama-3.1-8B": LLAMA_3_1_8B,
     "meta-llama/Llama-3.1-8B-Instruct": LLAMA_3_1_8B,
+    "meta-llama/Llama-3.1-70B-Instruct": LLAMA_3_1_70B,
     "Qwen/Qwen3-30B-A3B-Instruct-2507": QWEN3_30B_A3B_2507,
 }
