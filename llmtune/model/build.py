@@ -1,6 +1,8 @@
-"""Build the model in one order: meta device -> the features' build -> frozen weights to bf16/fp16 (under either) ->
-activation checkpointing -> (compile) -> fully_shard per decoder layer, then the root -> materialise -> load the
-weights, each rank reading only its own shard -> the features' weights_ready (the values of what they added).
+"""Build the model in one order: meta device -> the features' build (model.quantize's 4-bit base among them) -> frozen
+weights to bf16/fp16 (under either; the quantized ones keep their form) -> activation checkpointing -> (compile) ->
+fully_shard per decoder layer, then the root -> materialise -> load the weights, each rank reading only its own
+shard (of a quantized weight: the whole, one at a time) -> the features' weights_ready (the values of what they
+added).
 
 No rank ever holds the full pretrained model. A model trained from a config is the exception: its
 random initialisation is done whole on every rank (with the same seed) and then sharded, so that
@@ -23,6 +25,7 @@ from llmtune.errors import UserError
 from llmtune.model.attention import backend_problems, resolve_backend
 from llmtune.model.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum, token_logps
 from llmtune.model.pretrained import checkpoint_index, load_weights, weight_sources
+from llmtune.model.quantize import is_quantized
 from llmtune.model.state import saved_tensors
 
 log = logging.getLogger(__name__)
@@ -180,7 +183,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
         # Frozen weights (an adapter run's base) are never updated, so they need no fp32 master copy: stored in the
         # compute dtype they compute exactly as their fp32 copy cast to it would, in half the memory.
         for param in hf_model.parameters():
-            if not param.requires_grad:
+            if not param.requires_grad and not is_quantized(param):
                 param.data = param.data.to(HALF_DTYPES[half])
     if train_cfg.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -192,9 +195,13 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     module.attention = attention
     policy = MixedPrecisionPolicy(param_dtype=HALF_DTYPES[half], reduce_dtype=torch.float32) if half \
         else MixedPrecisionPolicy()
+    # On one rank FSDP2 skips the all-gather and copies only the first tensor a tensor subclass gathers
+    # (pytorch/pytorch#197999), where NF4 gathers three: quantized weights stay outside FSDP2 there, which would have
+    # nothing to shard anyway.
+    alone = {p for p in hf_model.parameters() if is_quantized(p)} if state.fsdp_group_size == 1 else None
     for layer in layers:
-        fully_shard(layer, mp_policy=policy, **state.shard_options())
-    fully_shard(module, mp_policy=policy, **state.shard_options())
+        fully_shard(layer, mp_policy=policy, ignored_params=alone, **state.shard_options())
+    fully_shard(module, mp_policy=policy, ignored_params=alone, **state.shard_options())
     # FSDP unshards the root's own parameters (embeddings, lm_head) around `forward` alone.
     register_fsdp_forward_method(module, "sequence_logps")
     if pretrained:

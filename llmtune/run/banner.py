@@ -1,13 +1,14 @@
 """The start banner: what a run is about to do, a block of lines that rank 0 logs once the run is built, before its
 first step (through logging, so that output_dir/train.log holds it too): the data (its rows, named in the task's
-unit) and the optimizer steps, the global batch and the layout, the parameters and their weight-decay groups, the
-precision, the attention backend the model resolved, and the peak memory per rank that `llmtune plan` computes for
-this layout."""
+unit) and the optimizer steps, the global batch and the layout, the parameters (those held in nf4) and their
+weight-decay groups, the precision, the attention backend the model resolved, and the peak memory per rank that
+`llmtune plan` computes for this layout."""
 
 import logging
 from dataclasses import dataclass
 
 from llmtune.data.manager import StreamingDataManager
+from llmtune.model.quantize import is_quantized
 from llmtune.run.plan import gib, plan_memory
 from llmtune.training.optim import group_sizes
 
@@ -34,6 +35,7 @@ class Banner:
     attention: str
     peak: str  # the plan's peak per rank, or why there is none
     offload: bool = False  # parallel.cpu_offload
+    quantized: int = 0  # parameters held in nf4 (model.quantize), whole-model count
 
     def lines(self) -> list[str]:
         if self.rows is None:
@@ -52,7 +54,8 @@ class Banner:
             + ("; parameters, gradients and optimizer state in CPU memory (parallel.cpu_offload)" if self.offload
                else ""),
             f"parameters {self.params:,}, trainable {self.trainable:,} (weight decay: {self.decay[1]:,} in "
-            f"{self.decay[0]} tensors; no decay: {self.no_decay[1]:,} in {self.no_decay[0]})",
+            f"{self.decay[0]} tensors; no decay: {self.no_decay[1]:,} in {self.no_decay[0]})"
+            + (f"; {self.quantized:,} frozen in nf4 (model.quantize)" if self.quantized else ""),
             f"precision {self.precision}, attention {self.attention}",
             f"planned peak memory {self.peak}",
         ]
@@ -103,7 +106,8 @@ def start_banner(trainer, config, model_config, world_size: int) -> Banner:
         dp=world_size // config.parallel.cp_size, cp=config.parallel.cp_size, offload=config.parallel.cpu_offload,
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
-        peak=planned_peak(config, model_config, world_size))
+        peak=planned_peak(config, model_config, world_size),
+        quantized=sum(p.numel() for p in params if is_quantized(p)))
 
 
 def log_start(trainer, config, model_config, world_size: int) -> None:

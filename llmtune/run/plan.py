@@ -63,15 +63,18 @@ class Plan:
     averages: int = 0  # train.ema_decay's moving averages: an fp32 copy of the trained parameters per decay
     reference: int = 0  # a preference task's frozen reference copy (dpo.reference: model), in the compute dtype
     offload: bool = False  # parallel.cpu_offload: the sharded state (parameters, gradients, optimizer, copies) on the CPU
+    quantized: int = 0  # model.quantize: parameters held in nf4, whole model
+    dequantized: int = 0  # model.quantize: the transient dequantization of the largest quantized weight
 
     @property
     def peak(self) -> int:
         """At the start of backward every activation is still held, the loss has made its gradients, the root and
         two decoder layers are gathered (the one in backward and the next, prefetched) with the first layer's
-        unsharded gradient; the sharded gradients exist whole from the second micro-batch on (accumulation)."""
+        unsharded gradient, and a quantized layer dequantizes one weight; the sharded gradients exist whole from the
+        second micro-batch on (accumulation)."""
         grads = self.grads if self.layout.accumulation > 1 else 0
         return (self.sharded_state(grads) if not self.offload else 0) + self.root + 3 * self.largest_layer \
-            + self.activations + self.loss
+            + self.dequantized + self.activations + self.loss
 
     def sharded_state(self, grads: int) -> int:
         """The sharded parameters, optimizer state, moving averages, reference copy and `grads` of gradients: on the
@@ -166,6 +169,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     from llmtune.features.registry import enabled_features
     from llmtune.model.attention import resolve_backend
     from llmtune.model.build import HALF_DTYPES, decoder_layers, meta_model
+    from llmtune.model.quantize import dequantized_bytes, nf4_bytes, quantized_linears, storage_dtype
 
     train = config.train
     half = train.half_precision()
@@ -186,8 +190,17 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     params = list(hf_model.parameters())
     trainable = [p for p in params if p.requires_grad]
+    # model.quantize: the weights features/quantization.py quantizes, counted in NF4's bytes (no torchao needed).
+    nf4 = storage_dtype(half)
+    quantized = {id(linear.weight): linear.weight.numel() for linear in quantized_linears(hf_model, layers).values()
+                 } if config.model.quantize != "none" else {}
+
+    def sized(p, ranks: int, itemsize: int) -> int:
+        """One rank's bytes of `p` on `ranks` ranks, `itemsize` bytes a value unless quantized."""
+        return nf4_bytes(quantized[id(p)] // ranks, nf4) if id(p) in quantized else shard_bytes(p, ranks, itemsize)
+
     # Stored as the run stores them (model.build_model): fp32 master weights, frozen ones in the compute dtype.
-    stored = sum(shard_bytes(p, world_size, 4 if p.requires_grad or not half else 2) for p in params)
+    stored = sum(sized(p, world_size, 4 if p.requires_grad or not half else 2) for p in params)
     trained = sum(shard_bytes(p, world_size, 4) for p in trainable)
     layout = Layout(world_size, config.parallel.cp_size, train.per_device_train_batch_size,
                     train.gradient_accumulation_steps, config.data.max_seq_len)
@@ -200,7 +213,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     head = hf_model.get_output_embeddings().weight
     return Plan(
         layout=layout, params=stored, grads=trained, optimizer=2 * trained,
-        largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers) * compute,
+        largest_layer=max(sum(sized(p, 1, compute) for p in layer.parameters()) for layer in layers),
         root=sum(p.numel() for p in params if id(p) not in in_layers) * compute,
         activations=with_checkpointing if train.gradient_checkpointing else without,
         activations_other=without if train.gradient_checkpointing else with_checkpointing,
@@ -208,10 +221,11 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
                         head.requires_grad),
         trainable=sum(p.numel() for p in trainable), total_params=sum(p.numel() for p in params),
         averages=len(train.ema_decays()) * trained,
-        # Every weight frozen, so stored in the compute dtype (model/build.py); the shapes of the policy's model
-        # (dpo.ref_model is another checkpoint of it).
-        reference=sum(shard_bytes(p, world_size, compute) for p in params) if config.holds_reference_copy() else 0,
-        offload=config.parallel.cpu_offload)
+        # Every weight frozen, so stored in the compute dtype (model/build.py), the quantized ones in NF4; the shapes of
+        # the policy's model (dpo.ref_model is another checkpoint of it).
+        reference=sum(sized(p, world_size, compute) for p in params) if config.holds_reference_copy() else 0,
+        offload=config.parallel.cpu_offload, quantized=sum(quantized.values()),
+        dequantized=dequantized_bytes(max(quantized.values()), nf4) if quantized else 0)
 
 
 def gib(nbytes: float) -> str:
@@ -221,8 +235,10 @@ def gib(nbytes: float) -> str:
 def changes(config, world_size: int, model_config):
     """(what to change, the config with it, its world size), cheapest first: what costs no hardware and no
     accuracy (checkpointing, the chunked loss), then a smaller micro-batch (the global batch kept by
-    accumulation), context parallelism (sequences split over ranks), CPU offload (slower steps), more ranks, and
-    adapters."""
+    accumulation), context parallelism (sequences split over ranks), CPU offload (slower steps), more ranks,
+    adapters, and adapters on a 4-bit base (where its shapes can be quantized on these ranks)."""
+    from llmtune.features.quantization import shape_problems
+
     train, parallel = config.train, config.parallel
     if not train.gradient_checkpointing:
         yield ("train.gradient_checkpointing: true",
@@ -254,6 +270,12 @@ def changes(config, world_size: int, model_config):
     if config.peft.method == "none":
         yield "peft.method: lora (adapters of rank 16; the base frozen)", \
             replace(config, peft=replace(config.peft, method="lora")), world_size
+    lora = replace(config.peft, method="lora") if config.peft.method == "none" else config.peft
+    qlora = replace(config, model=replace(config.model, quantize="nf4"), peft=lora)
+    if config.model.quantize == "none" and lora.method == "lora" \
+            and not shape_problems(qlora, model_config, world_size):
+        yield "peft.method: qlora (LoRA on the base's linear weights held in 4 bits, model.quantize: nf4)", qlora, \
+            world_size
 
 
 def fits(plan: Plan, device_gib: float) -> bool:
@@ -303,13 +325,14 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
     checkpointing = "on" if train.gradient_checkpointing else "off"
     loss = f"chunked, {train.chunk_loss_size} tokens" if train.chunk_loss_size else "full logits"
     rows = [
-        ("parameters (sharded; fp32 where they train)", plan.params),
+        ("parameters (sharded; fp32 where they train)" + ("; nf4 base" if plan.quantized else ""), plan.params),
         ("gradients (fp32, sharded)", plan.grads),
         ("optimizer state (AdamW's two moments, fp32)", plan.optimizer),
         *([("moving averages (train.ema_decay, fp32, sharded)", plan.averages)] if plan.averages else []),
         *([(f"reference model (dpo.reference: model; frozen, {dtype}, sharded)", plan.reference)]
           if plan.reference else []),
         (f"largest all-gathered decoder layer ({dtype})", plan.largest_layer),
+        *([("largest quantized weight dequantized, transient", plan.dequantized)] if plan.dequantized else []),
         (f"embeddings, lm_head and norm, gathered ({dtype})", plan.root),
         (f"activations per micro-batch, checkpointing {checkpointing}", plan.activations),
         (f"  (checkpointing {'off' if train.gradient_checkpointing else 'on'}: {gib(plan.activations_other)})", None),
@@ -322,6 +345,8 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
     lines = [
         f"model: {type(model_config).__name__.removesuffix('Config')}, {plan.total_params / 1e9:.3g}B parameters, "
         f"{plan.trainable / 1e9:.3g}B trained; {dtype} compute",
+        *([f"quantization: nf4 (model.quantize), {plan.quantized / 1e9:.3g}B parameters of the frozen base's linear "
+           "layers in 4 bits, about 0.52 bytes each with their scales"] if plan.quantized else []),
         f"layout: {layout.world_size} rank(s) = {layout.dp} data-parallel x {layout.cp} context-parallel; every "
         f"parameter sharded over all {layout.world_size}"
         + ("; parameters, gradients and optimizer state in CPU memory (parallel.cpu_offload)" if plan.offload else ""),
