@@ -3,8 +3,12 @@
   of the decoder layers, peft's LoRA with the run's initial adapters), to 1e-5 relative, and is finite;
 - under bf16 the base's linear weights are NF4 tensors of about a quarter of their bf16 bytes (measured: their
   packed values and scales), the adapters fp32 master weights (FSDP2 computes them in bf16), and AdamW holds the
-  adapters alone.
+  adapters alone;
+- a dpo run's reference copy (dpo.reference: model) is quantized as the policy's base: at step 0, where the policy
+  is its reference, the rewards are exactly 0 and the loss ln 2.
 The 2-process runs (layout, resume, export, memory per rank when sharded) are tests/dist/test_qlora.py's."""
+
+import math
 
 import pytest
 import torch
@@ -15,11 +19,13 @@ from torch import nn
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
 from transformers import AutoModelForCausalLM
 
+import llmtune
 from llmtune.config import load_config
 from llmtune.model.quantize import held, is_quantized, stored_bytes
 from llmtune.model.state import whole
 from llmtune.run.parallel import ParallelState
 from llmtune.run.worker import build_trainer
+from tests.helpers import read_metrics
 
 pytestmark = pytest.mark.slow  # each test builds a run (~3 s)
 
@@ -99,3 +105,18 @@ def test_under_bf16_the_base_is_nf4_at_a_quarter_of_its_bf16_bytes_and_adamw_hol
     assert {param.dtype for name, param in others.items() if ".lora_" in name} == {torch.float32}
     assert {param.dtype for name, param in others.items() if ".lora_" not in name} == {torch.bfloat16}
     assert optimized == {id(param) for name, param in named.items() if ".lora_" in name}
+
+
+def test_a_dpo_reference_copy_is_quantized_as_the_policys_base(nf4_llama, assets, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    rows = (assets / "data" / "dpo_train.jsonl").read_text().splitlines()[:8]
+    pairs.write_text("".join(row + "\n" for row in rows))
+    llmtune.train("dpo", {
+        "model": {"name_or_path": nf4_llama},
+        "data": {"train_files": [pairs], "chat_template": "basic", "max_seq_len": 128},
+        "train": {"output_dir": tmp_path / "out", "max_steps": 1, "per_device_train_batch_size": 2},
+        "peft": {"method": "qlora", "r": 4}, "dpo": {"reference": "model"},
+        "checkpoint": {"export_hf": False}, "monitor": {"plots": False}})
+    first = read_metrics(tmp_path / "out")[0]
+    assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0
+    assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
