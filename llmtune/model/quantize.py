@@ -50,8 +50,9 @@ def is_quantized(tensor: torch.Tensor) -> bool:
 
 
 def storage_dtype(half: str | None) -> torch.dtype:
-    """The dtype NF4 dequantizes to and keeps its scales' factors in: bf16 under bf16, else fp32. Not fp16: its
-    range cannot hold a factor of 256 / (2 x the largest scale) once that scale is below 0.002."""
+    """The dtype NF4 dequantizes to and keeps its scales' factors in: bf16 under bf16, else fp32. Not fp16 under
+    fp16: a group's factor is 256 / (2 x the largest distance of its scales from their mean), beyond fp16's range
+    (65504) once that distance is below 0.002."""
     return torch.bfloat16 if half == "bf16" else torch.float32
 
 
@@ -107,6 +108,7 @@ def nf4_bytes(numel: int, dtype: torch.dtype) -> int:
 
 def dequantized_bytes(numel: int, dtype: torch.dtype) -> int:
     """The transient memory of dequantizing an NF4 weight of `numel` values to `dtype` (a linear layer's forward and
-    backward): torchao's get_original_weight holds the 4-bit indices as int64 (8 bytes a value) beside about four
-    tensors of the weight's size in `dtype` (the looked-up values, the scales repeated, their products, the result)."""
-    return numel * (8 + 4 * dtype.itemsize)
+    backward): torchao's get_original_weight holds the 4-bit indices as int64 (8 bytes a value) beside three
+    tensors of the weight's size in `dtype` at its fullest (the looked-up values, their scaled products, the result):
+    14 bytes a value in bf16, 20 in fp32, as a count of the tensors alive during it gives for a 1024 x 4096 weight."""
+    return numel * (8 + 3 * dtype.itemsize)
