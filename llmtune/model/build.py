@@ -231,8 +231,12 @@ def base_fingerprint(model_cfg, model_config, seed: int) -> str:
     """What identifies the weights a run starts from, for checkpoints that hold only the parameters it trains: the
     pretrained checkpoint's index (every tensor's file, name, dtype, shape and offsets) and, since fine-tunes of one
     model share their index, 64 KiB of data from the start, middle and end of each file; for a model trained from
-    model.config, that config and the seed that initialises it."""
+    model.config, that config and the seed that initialises it. Under model.quantize, also the quantization: the
+    weights the run computes with are the quantized ones (a checkpoint of its adapters, or a reference's precomputed
+    log-probabilities, belongs to them); without it the fingerprint is what it was before model.quantize existed."""
     digest = hashlib.sha256()
+    if model_cfg.quantize != "none":
+        digest.update(f"quantize={model_cfg.quantize}".encode())
     if not model_cfg.name_or_path:
         digest.update(f"{model_config.to_json_string(use_diff=False)} seed={seed}".encode())
         return digest.hexdigest()[:16]

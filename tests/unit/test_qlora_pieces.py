@@ -11,10 +11,11 @@ import yaml
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 from transformers import AutoConfig
 
-from llmtune.config import load_config
+from llmtune.config import ModelConfig, load_config
 from llmtune.errors import UserError
 from llmtune.features import quantization
 from llmtune.features.quantization import QuantizedBase
+from llmtune.model.build import base_fingerprint
 from llmtune.model.quantize import GROUP, dequantized, nf4_bytes, set_rows
 from llmtune.run.banner import Banner
 from llmtune.run.plan import changes, plan_memory, render
@@ -140,3 +141,15 @@ def test_the_banner_counts_the_parameters_held_in_nf4():
                     no_decay=(0, 0), precision="fp32", attention="sdpa", peak="1 MiB", quantized=900)
     assert banner.lines()[3].endswith("; 900 frozen in nf4 (model.quantize)")
     assert "nf4" not in " ".join(Banner(**{**banner.__dict__, "quantized": 0}).lines())
+
+
+def test_the_base_fingerprint_tells_a_quantized_base_apart(nf4_llama):
+    """A checkpoint of adapters trained on the 4-bit base resumes only on it, and a reference's precomputed
+    log-probabilities are those of the base the run computes with."""
+    model_config = AutoConfig.from_pretrained(nf4_llama)
+    plain, quantized = (base_fingerprint(ModelConfig(name_or_path=str(nf4_llama), quantize=quantize), model_config, 0)
+                        for quantize in ("none", "nf4"))
+    assert plain != quantized
+    from_config = [base_fingerprint(ModelConfig(config="c.json", quantize=quantize), model_config, 0)
+                   for quantize in ("none", "nf4")]
+    assert from_config[0] != from_config[1]
