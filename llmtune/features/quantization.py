@@ -30,10 +30,14 @@ def planned_linears(config, model_config) -> dict[str, torch.nn.Linear]:
     return quantized_linears(hf_model, decoder_layers(hf_model))
 
 
-def shape_problems(config, model_config, world_size: int) -> list[str]:
-    """The weights that cannot be held in NF4 on world_size ranks, named in one line with the fix."""
-    bad = {name: linear.weight.shape for name, linear in planned_linears(config, model_config).items()
-           if not splits(linear.weight.shape, world_size)}
+def base_problems(config, model_config, world_size: int) -> list[str]:
+    """Why the model's base cannot be held in NF4 on world_size ranks: it has no linear layer to quantize (GPT-2's
+    Conv1D layers), or weights that do not split, named in one line with the fix."""
+    planned = planned_linears(config, model_config)
+    if not planned:
+        return [f"model.quantize: nf4 quantizes the linear layers (torch.nn.Linear) of the decoder layers, and "
+                f"{model_config.model_type}'s have none (GPT-2's, for one, are Conv1D); {FIX}"]
+    bad = {name: linear.weight.shape for name, linear in planned.items() if not splits(linear.weight.shape, world_size)}
     if not bad:
         return []
     name, shape = next(iter(bad.items()))
@@ -64,7 +68,7 @@ class QuantizedBase(Feature):
             return ["parallel.cpu_offload: on one rank the 4-bit base of model.quantize stays outside FSDP2 (which "
                     "cannot gather NF4's tensors there, pytorch/pytorch#197999), so in the CPU's memory where the GPU "
                     "cannot compute with it; run on 2 or more ranks, or set parallel.cpu_offload: false"]
-        return shape_problems(config, model_config, world_size)
+        return base_problems(config, model_config, world_size)
 
     def build(self, hf_model, state) -> None:
         linears = quantized_linears(hf_model, decoder_layers(hf_model))

@@ -236,8 +236,8 @@ def changes(config, world_size: int, model_config):
     """(what to change, the config with it, its world size), cheapest first: what costs no hardware and no
     accuracy (checkpointing, the chunked loss), then a smaller micro-batch (the global batch kept by
     accumulation), context parallelism (sequences split over ranks), CPU offload (slower steps), more ranks,
-    adapters, and adapters on a 4-bit base (where its shapes can be quantized on these ranks)."""
-    from llmtune.features.quantization import shape_problems
+    adapters, and adapters on a 4-bit base (where the model's linear weights can be quantized on these ranks)."""
+    from llmtune.features.quantization import base_problems
 
     train, parallel = config.train, config.parallel
     if not train.gradient_checkpointing:
@@ -273,7 +273,7 @@ def changes(config, world_size: int, model_config):
     lora = replace(config.peft, method="lora") if config.peft.method == "none" else config.peft
     qlora = replace(config, model=replace(config.model, quantize="nf4"), peft=lora)
     if config.model.quantize == "none" and lora.method == "lora" \
-            and not shape_problems(qlora, model_config, world_size):
+            and not base_problems(qlora, model_config, world_size):
         yield "peft.method: qlora (LoRA on the base's linear weights held in 4 bits, model.quantize: nf4)", qlora, \
             world_size
 

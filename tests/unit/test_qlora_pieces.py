@@ -84,6 +84,17 @@ def test_weights_that_do_not_split_into_whole_groups_per_rank_are_refused_by_nam
     assert "model.layers.0.self_attn.q_proj.weight (shape [32, 32]) and 13 more weights on 1 rank(s)" in problem
 
 
+def test_a_model_without_linear_layers_to_quantize_is_refused(tmp_path, bare_tokenizer):
+    from transformers import GPT2LMHeadModel
+
+    from tests.helpers import save_tiny_model
+
+    gpt2 = save_tiny_model(tmp_path / "gpt2", GPT2LMHeadModel, bare_tokenizer, n_embd=256, n_layer=1, n_head=4)
+    assert check(tmp_path, gpt2, 1) == ["model.quantize: nf4 quantizes the linear layers (torch.nn.Linear) of the "
+                                        "decoder layers, and gpt2's have none (GPT-2's, for one, are Conv1D); "
+                                        "set model.quantize: none (LoRA on the unquantized base)"]
+
+
 def test_modules_trained_in_full_are_not_quantized_nor_checked(tmp_path, nf4_llama):
     config = load_config(write(tmp_path, nf4_llama, peft={"modules_to_save": ["k_proj"]}), [], "sft", 4)
     planned = quantization.planned_linears(config, AutoConfig.from_pretrained(nf4_llama))
