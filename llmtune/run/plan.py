@@ -325,7 +325,7 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
     checkpointing = "on" if train.gradient_checkpointing else "off"
     loss = f"chunked, {train.chunk_loss_size} tokens" if train.chunk_loss_size else "full logits"
     rows = [
-        ("parameters (sharded; fp32 where they train)" + ("; nf4 base" if plan.quantized else ""), plan.params),
+        ("parameters (sharded; fp32 where they train" + ("; nf4)" if plan.quantized else ")"), plan.params),
         ("gradients (fp32, sharded)", plan.grads),
         ("optimizer state (AdamW's two moments, fp32)", plan.optimizer),
         *([("moving averages (train.ema_decay, fp32, sharded)", plan.averages)] if plan.averages else []),
