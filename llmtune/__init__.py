@@ -1,6 +1,14 @@
 """llmtune: FSDP2 fine-tuning of HF causal language models, correct by construction."""
 
+import logging
+
 __version__ = "0.1.0"
+
+# Wherever torchao is installed (the qlora extra), transformers imports it with its modeling code, and the import
+# logs that torchao's CUDA kernels do not load (on a machine without them) and that a registration torchao makes in
+# torch is deprecated: lines on every run about nothing llmtune uses (NF4 is plain torch code). Errors still show.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 
 def train(task: str, recipe, callbacks=(), **overrides):

@@ -84,6 +84,9 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 # transformers' pattern for a Hub kernel (transformers.integrations.hub_kernels.is_kernel): org/name[@rev][:fn].
 HUB_KERNEL = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")
 PEFT_METHODS = ("none", "lora", "dora")
+QUANTIZE = ("none", "nf4")
+# peft.method: qlora reads as LoRA on a 4-bit base: peft.method lora with model.quantize nf4.
+QLORA = "qlora"
 # peft's other initialisations (pissa, olora, loftq, corda, eva, ...) read or rewrite the base weights or need data
 # at init, which the sharded model built on the meta device does not give them.
 LORA_INITS = (True, False, "gaussian")
@@ -142,8 +145,14 @@ class ModelConfig:
                                      "of the rest (name_or_path: transformers' own, seeded by train.seed and the "
                                      "tensor's name), ignores the source's extra tensors, and names them in one "
                                      "warning.")
+    quantize: str = _field("none", "none | nf4: hold the frozen base's linear weights of the decoder layers in "
+                                   "4-bit NormalFloat (QLoRA, with peft.method lora; peft.method: qlora sets both), "
+                                   "sharded and all-gathered by FSDP2 in 4 bits; needs torchao (pip install -e "
+                                   "\".[qlora]\").")
 
     def problems(self) -> list[str]:
+        if self.quantize not in QUANTIZE:
+            return [_choice_problem("model.quantize", self.quantize, QUANTIZE)]
         if bool(self.name_or_path) == bool(self.config):
             return ["model: set exactly one of model.name_or_path (a HF folder) or model.config "
                     "(a config for training from scratch)"]
@@ -438,7 +447,7 @@ def _regex_errors(patterns: list[str]) -> list[tuple[str, str]]:
 @dataclass
 class PeftConfig:
     method: str = _field("none", "none | lora | dora: train low-rank adapters (built with peft) instead of the "
-                                 "weights, which stay frozen.")
+                                 "weights, which stay frozen; qlora: lora on a 4-bit base (model.quantize: nf4).")
     r: int = _field(16, "Rank of the adapters.")
     alpha: float = _field(32.0, "Scale of the adapters' update: alpha / r (alpha / sqrt(r) with use_rslora).")
     dropout: float = _field(0.0, "Dropout on the adapters' input.")
@@ -938,6 +947,7 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
         problems.append("checkpoint.export_ema: there is no moving average to export; set train.ema_decay")
     problems.extend(config.monitor.rank_problems(world_size))
     problems.extend(_task_problems(config, provided))
+    problems.extend(_quantize_problems(config))
     if problems:
         raise UserError("\n".join(problems))
     return config
@@ -945,8 +955,8 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
 
 def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
     """Rewrite in place, as llmtune's, the names that users bring from the HF Trainer and LLaMA-Factory:
-    KEY_ALIASES, the train keys in lr_scheduler_kwargs, SCHEDULER_ALIASES, FINETUNING_TYPES, warmup_steps below 1
-    (a ratio) and report_to none."""
+    KEY_ALIASES, the train keys in lr_scheduler_kwargs, SCHEDULER_ALIASES, FINETUNING_TYPES, peft.method qlora,
+    warmup_steps below 1 (a ratio) and report_to none."""
     sections = {name: values for name, values in raw.items() if isinstance(values, dict)}
     train = sections.get("train", {})  # no alias adds the train section: its aliases are written in it
     kwargs = train.pop("lr_scheduler_kwargs", None) or {}
@@ -968,7 +978,14 @@ def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
                             "with another value; keep one")
         values[target_key] = value
     peft = raw.get("peft") if isinstance(raw.get("peft"), dict) else {}
-    if peft.get("method") in FINETUNING_TYPES:
+    if peft.get("method") == QLORA:
+        model = raw.setdefault("model", {})
+        if isinstance(model, dict):
+            if model.get("quantize", "nf4") != "nf4":
+                problems.append(f"{recipe}: peft.method qlora is lora with model.quantize nf4, but model.quantize is "
+                                f"{model['quantize']}; set peft.method: lora to train on the unquantized base")
+            peft["method"], model["quantize"] = "lora", "nf4"
+    elif peft.get("method") in FINETUNING_TYPES:
         peft["method"] = FINETUNING_TYPES[peft["method"]]
     elif peft.get("method") == "freeze":
         problems.append(f"{recipe}: peft.method (finetuning_type) freeze: llmtune trains a chosen part of the "
@@ -1183,6 +1200,20 @@ def _task_problems(config: Config, provided: set[str]) -> list[str]:
         out.append(f"data.document_mask: false would let a row's second sequence attend to its first (a row holds "
                    f"both); leave data.document_mask true for {name}")
     return out
+
+
+def _quantize_problems(config: Config) -> list[str]:
+    """model.quantize with what cannot train on a 4-bit base (the model's shapes and torchao: features/quantization)."""
+    if config.model.quantize == "none":
+        return []
+    method = config.peft.method
+    if method == "none":
+        return ["model.quantize: nf4 holds the frozen base in 4 bits, and this run trains every weight (peft.method: "
+                "none), which cannot be stored quantized; set peft.method: lora (peft.method: qlora sets both)"]
+    if method == "dora":
+        return ["peft.method: dora cannot run on a base of model.quantize nf4: peft's DoRA reads a torchao weight "
+                "through its dequantize(), which torchao's NF4Tensor does not have; set peft.method: lora"]
+    return []
 
 
 def _evaluation_problems(config: Config) -> list[str]:

@@ -64,6 +64,16 @@ def tied_llama(bare_tokenizer, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def nf4_llama(bare_tokenizer, tmp_path_factory) -> Path:
+    """A random tiny Llama whose linear weights NF4 holds on 1 and 2 ranks: each a multiple of 2 x 16384 values
+    (model.quantize's groups, a whole number of them on each of 2 ranks)."""
+    from transformers import LlamaForCausalLM
+
+    return save_tiny_model(tmp_path_factory.mktemp("nf4_llama"), LlamaForCausalLM, bare_tokenizer, seed=3,
+                           hidden_size=256, intermediate_size=512, num_key_value_heads=2, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
 def sft_file(assets, tmp_path_factory) -> Path:
     """64 prompt/response rows of unequal lengths."""
     rows = (assets / "data" / "sft_train.jsonl").read_text().splitlines()[:64]

@@ -23,7 +23,8 @@ import torch
 from llmtune.errors import UserError
 from llmtune.features.base import Feature
 from llmtune.model.build import meta_model
-from llmtune.model.state import copy_rows, whole
+from llmtune.model.quantize import is_quantized
+from llmtune.model.state import copy_rows, laid_out_like, whole
 
 ADAPTER = "default"  # peft's name of a model's only adapter
 ADAPTER_CONFIG = "adapter_config.json"
@@ -104,12 +105,19 @@ def merged_weight(layer) -> torch.Tensor:
 
 def merge_adapters(hf_model) -> None:
     """Merge every adapter into its layer's weight and put the layer back in its place: hf_model becomes the plain
-    HF model of the merged export. On a sharded model every rank calls it; one layer is gathered at a time."""
+    HF model of the merged export. On a sharded model every rank calls it; one layer is gathered at a time. A
+    quantized base weight (model.quantize) is merged dequantized and replaced by the result in its dtype, laid out
+    as it was: quantized again, the merge would lose most of the adapters' update."""
     with torch.no_grad():
         for name, layer in lora_layers(hf_model).items():
-            copy_rows(layer.get_base_layer().weight, merged_weight(layer))
+            base = layer.get_base_layer()
+            if is_quantized(base.weight):
+                merged = merged_weight(layer).to(base.weight.dtype)
+                base.weight = torch.nn.Parameter(laid_out_like(base.weight, merged), requires_grad=False)
+            else:
+                copy_rows(base.weight, merged_weight(layer))
             parent, _, child = name.rpartition(".")
-            setattr(hf_model.get_submodule(parent), child, layer.get_base_layer())
+            setattr(hf_model.get_submodule(parent), child, base)
 
 
 class Adapters(Feature):

@@ -6,10 +6,12 @@ from llmtune.features.base import Features
 from llmtune.features.documents import PackedDocuments
 from llmtune.features.freezing import Freezing
 from llmtune.features.fused_kernels import FusedKernels
+from llmtune.features.quantization import QuantizedBase
 from llmtune.features.router_loss import RouterLoss
 from llmtune.features.ulysses import ContextParallel
 
-FEATURES = (ContextParallel, PackedDocuments, FusedKernels, Adapters, Freezing, RouterLoss)
+# QuantizedBase after Adapters: it quantizes what the adapters leave frozen.
+FEATURES = (ContextParallel, PackedDocuments, FusedKernels, Adapters, QuantizedBase, Freezing, RouterLoss)
 
 
 def check_features(config, model_config, world_size: int) -> None:

@@ -1,6 +1,8 @@
-"""Build the model in one order: meta device -> the features' build -> frozen weights to bf16/fp16 (under either) ->
-activation checkpointing -> (compile) -> fully_shard per decoder layer, then the root -> materialise -> load the
-weights, each rank reading only its own shard -> the features' weights_ready (the values of what they added).
+"""Build the model in one order: meta device -> the features' build (model.quantize's 4-bit base among them) -> frozen
+weights to bf16/fp16 (under either; the quantized ones keep their form) -> activation checkpointing -> (compile) ->
+fully_shard per decoder layer, then the root -> materialise -> load the weights, each rank reading only its own
+shard (of a quantized weight: the whole, one at a time) -> the features' weights_ready (the values of what they
+added).
 
 No rank ever holds the full pretrained model. A model trained from a config is the exception: its
 random initialisation is done whole on every rank (with the same seed) and then sharded, so that
@@ -23,6 +25,7 @@ from llmtune.errors import UserError
 from llmtune.model.attention import backend_problems, resolve_backend
 from llmtune.model.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum, token_logps
 from llmtune.model.pretrained import checkpoint_index, load_weights, weight_sources
+from llmtune.model.quantize import is_quantized
 from llmtune.model.state import saved_tensors
 
 log = logging.getLogger(__name__)
@@ -180,7 +183,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
         # Frozen weights (an adapter run's base) are never updated, so they need no fp32 master copy: stored in the
         # compute dtype they compute exactly as their fp32 copy cast to it would, in half the memory.
         for param in hf_model.parameters():
-            if not param.requires_grad:
+            if not param.requires_grad and not is_quantized(param):
                 param.data = param.data.to(HALF_DTYPES[half])
     if train_cfg.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -192,7 +195,11 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     module.attention = attention
     policy = MixedPrecisionPolicy(param_dtype=HALF_DTYPES[half], reduce_dtype=torch.float32) if half \
         else MixedPrecisionPolicy()
-    options = state.shard_options()
+    # Where a copy is sharded over one rank, FSDP2 skips the all-gather and copies only the first tensor a tensor
+    # subclass gathers (pytorch/pytorch#197999), where NF4 gathers three: quantized weights stay outside FSDP2 there,
+    # which would have nothing to shard anyway.
+    alone = {p for p in hf_model.parameters() if is_quantized(p)} if state.shard_size == 1 else None
+    options = {**state.shard_options(), "ignored_params": alone}
     for layer in layers:
         fully_shard(layer, mp_policy=policy, **options)
     # The root (embeddings, lm_head) keeps FSDP2's own choice: gathered from forward to backward, which needs it first.
@@ -245,8 +252,12 @@ def base_fingerprint(model_cfg, model_config, seed: int) -> str:
     """What identifies the weights a run starts from, for checkpoints that hold only the parameters it trains: the
     pretrained checkpoint's index (every tensor's file, name, dtype, shape and offsets) and, since fine-tunes of one
     model share their index, 64 KiB of data from the start, middle and end of each file; for a model trained from
-    model.config, that config and the seed that initialises it."""
+    model.config, that config and the seed that initialises it. Under model.quantize, also the quantization: the
+    weights the run computes with are the quantized ones (a checkpoint of its adapters, or a reference's precomputed
+    log-probabilities, belongs to them); without it the fingerprint is what it was before model.quantize existed."""
     digest = hashlib.sha256()
+    if model_cfg.quantize != "none":
+        digest.update(f"quantize={model_cfg.quantize}".encode())
     if not model_cfg.name_or_path:
         digest.update(f"{model_config.to_json_string(use_diff=False)} seed={seed}".encode())
         return digest.hexdigest()[:16]

@@ -27,7 +27,8 @@ from transformers.core_model_loading import (Concatenate, Interleave, MergeModul
                                              WeightRenaming, dot_natural_key, rename_source_key)
 
 from llmtune.errors import UserError
-from llmtune.model.state import local_rows, shard_start
+from llmtune.model.quantize import is_quantized
+from llmtune.model.state import copy_rows, local_rows, shard_start
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -204,10 +205,15 @@ def load_weights(hf_model: PreTrainedModel, folder: Path, tensors: dict[str, tor
         local, start = local_rows(tensor), shard_start(tensor)
         if name in fresh:
             with torch.no_grad():
-                local.copy_(fresh_value(plain, name, seed)[start:start + len(local)])
+                copy_rows(tensor, fresh_value(plain, name, seed))
             continue
         source = sources[name]
-        if isinstance(source, Stored):
+        if isinstance(source, Stored) and is_quantized(local):
+            # Quantized whole, so that a rank's rows do not depend on the number of ranks (model/quantize.py): each
+            # rank reads the whole weight, one at a time.
+            with torch.no_grad():
+                copy_rows(tensor, read_rows(source, 0, source.shape[0]))
+        elif isinstance(source, Stored):
             read_rows_into(local, source, start)
         elif len(local):
             value = converted_rows(source, start, len(local), name, hf_model)

@@ -1,21 +1,44 @@
 """The model's tensors as checkpoints and HF folders hold them: the value of a parameter that FSDP2 shards on
-dim 0, the rows of it a rank holds, and the persistent buffers that are saved beside the parameters."""
+dim 0, the rows of it a rank holds, and the persistent buffers that are saved beside the parameters. A quantized
+parameter (model/quantize.py) reads as the values it stands for and is set from full-precision ones."""
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from llmtune.model.quantize import dequantized, held, is_quantized, set_rows
+
 
 def whole(param: torch.Tensor) -> torch.Tensor:
-    """The full value of a parameter, gathered from every rank when it is sharded (every rank must call)."""
-    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+    """The full value of a parameter, gathered from every rank when it is sharded (every rank must call); a
+    quantized one dequantized (each rank its rows, which are those of the whole tensor's dequantization)."""
+    if not is_quantized(param):
+        return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+    rows = dequantized(held(param))
+    if not isinstance(param, DTensor):
+        return rows
+    return DTensor.from_local(rows, param.device_mesh, param.placements, run_check=False).full_tensor()
 
 
 def copy_rows(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Set a parameter, sharded or not, from its full value: each rank copies the rows its shard holds."""
-    local = local_rows(param)
+    """Set a parameter, sharded or not, from its full value: each rank copies the rows its shard holds (of a
+    quantized one: the rows of the whole value quantized)."""
     start = shard_start(param)
+    if is_quantized(param):
+        set_rows(held(param), value, start)
+        return
+    local = local_rows(param)
     local.copy_(value[start:start + len(local)])
+
+
+def laid_out_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The full `value` laid out as `param` (evenly sharded, as quantized parameters are): a DTensor of this rank's
+    rows, sharded as `param` is, when it is one."""
+    if not isinstance(param, DTensor):
+        return value
+    start = shard_start(param)
+    rows = value[start:start + len(local_rows(param))]
+    return DTensor.from_local(rows, param.device_mesh, param.placements, run_check=False)
 
 
 def local_rows(param: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """The start banner: what a run is about to do, a block of lines that rank 0 logs once the run is built, before its
 first step (through logging, so that output_dir/train.log holds it too): the data (its rows, named in the task's
-unit) and the optimizer steps, the global batch and the layout, the parameters and their weight-decay groups, the
-precision, the attention backend the model resolved, and the peak memory per rank that `llmtune plan` computes for
-this layout."""
+unit) and the optimizer steps, the global batch and the layout, the parameters (those held in nf4) and their
+weight-decay groups, the precision, the attention backend the model resolved, and the peak memory per rank that
+`llmtune plan` computes for this layout."""
 
 import logging
 from dataclasses import dataclass
 
 from llmtune.data.manager import StreamingDataManager
+from llmtune.model.quantize import is_quantized
 from llmtune.run.plan import gib, plan_memory
 from llmtune.training.optim import group_sizes
 
@@ -33,6 +34,7 @@ class Banner:
     precision: str
     attention: str
     peak: str  # the plan's peak per rank, or why there is none
+    quantized: int = 0  # parameters held in nf4 (model.quantize), whole-model count
 
     def lines(self) -> list[str]:
         if self.rows is None:
@@ -49,7 +51,8 @@ class Banner:
             f"{self.accumulation} x {self.dp} data-parallel",
             f"layout {self.layout}",
             f"parameters {self.params:,}, trainable {self.trainable:,} (weight decay: {self.decay[1]:,} in "
-            f"{self.decay[0]} tensors; no decay: {self.no_decay[1]:,} in {self.no_decay[0]})",
+            f"{self.decay[0]} tensors; no decay: {self.no_decay[1]:,} in {self.no_decay[0]})"
+            + (f"; {self.quantized:,} frozen in nf4 (model.quantize)" if self.quantized else ""),
             f"precision {self.precision}, attention {self.attention}",
             f"planned peak memory {self.peak}",
         ]
@@ -100,7 +103,8 @@ def start_banner(trainer, config, model_config, world_size: int) -> Banner:
         dp=world_size // config.parallel.cp_size, layout=config.parallel.describe(world_size),
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
-        peak=planned_peak(config, model_config, world_size))
+        peak=planned_peak(config, model_config, world_size),
+        quantized=sum(p.numel() for p in params if is_quantized(p)))
 
 
 def log_start(trainer, config, model_config, world_size: int) -> None:

@@ -1,5 +1,6 @@
 """`llmtune export`: a DCP checkpoint of any world size -> the HF folder (or adapter folder) the end of training
-writes, offline, on one process; the frozen weights of an adapter or partial run re-read from its base model."""
+writes, offline, on one process; the frozen weights of an adapter or partial run re-read from its base model (and
+quantized again, for a run of model.quantize)."""
 
 import json
 from pathlib import Path
@@ -14,6 +15,7 @@ from llmtune.config import load_config, parse_size
 from llmtune.errors import UserError
 from llmtune.features.adapters import Adapters, merge_adapters
 from llmtune.features.base import Features
+from llmtune.features.quantization import QuantizedBase
 from llmtune.features.registry import enabled_features
 from llmtune.model.build import base_record, load_model_config
 from llmtune.model.pretrained import load_weights
@@ -21,14 +23,14 @@ from llmtune.model.state import saved_tensors
 from llmtune.run.inputs import fetch_hub_inputs, local_inputs
 
 
-def checkpoint_model(checkpoint: Path, run, trainer_state: dict, adapters: Adapters | None):
+def checkpoint_model(checkpoint: Path, run, trainer_state: dict, features: Features):
     """The checkpoint's HF model on the CPU in fp32, adapters in their layers: the parameters the run trained from
     the checkpoint, the frozen ones (a run that trained adapters or some modules only) re-read from its base model,
-    which must be the one it was trained on."""
+    which must be the one it was trained on, and quantized as the run quantized them (model.quantize). `features`:
+    those of the run that shape its weights (the adapters, the quantized base)."""
     config = AutoConfig.from_pretrained(checkpoint / "hf_config")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    features = Features([adapters] if adapters else [])
     features.build(model, None)
     model.to_empty(device="cpu")
     model.tie_weights()
@@ -67,7 +69,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, o
     if merge and not adapters:
         raise UserError(f"--merge: {checkpoint} has no adapters to merge (peft.method is none); leave --merge out")
     dtype = EXPORT_DTYPES[dtype_name]
-    model = checkpoint_model(checkpoint, run, saved, adapters)
+    model = checkpoint_model(checkpoint, run, saved,
+                             Features([f for f in features.features if isinstance(f, (Adapters, QuantizedBase))]))
     source = checkpoint / "hf_config"
     tokenizer = AutoTokenizer.from_pretrained(source)
     if adapters and not merge:

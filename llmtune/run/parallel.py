@@ -81,6 +81,11 @@ class ParallelState:
         return self.parallel.cp_size
 
     @property
+    def shard_size(self) -> int:
+        """The ranks each parameter is sharded over (dp_shard x cp)."""
+        return self.parallel.shard_size(self.world_size)
+
+    @property
     def dp_size(self) -> int:
         return self.world_size // self.cp_size
 

@@ -75,6 +75,8 @@ class Plan:
     reshard_after_forward: bool | int = True  # parallel.reshard_after_forward
     prefetch: int = 1  # parallel.prefetch_layers
     reshard_between: bool = True  # parallel.reshard_between_micro_batches
+    quantized: int = 0  # model.quantize: parameters held in nf4, whole model
+    dequantized: int = 0  # model.quantize: the transient dequantization of the largest quantized weight
 
     @property
     def kept_whole(self) -> bool:
@@ -96,13 +98,13 @@ class Plan:
     @property
     def peak(self) -> int:
         """At the start of backward every activation is still held, the loss has made its gradients, the root and
-        the `gathered` layers are gathered; from the second micro-batch on (accumulation) the gradients exist: the
-        sharded ones (with the sharded state, on the CPU under cpu_offload), or whole on the device while they stay
-        unreduced between micro-batches."""
+        the `gathered` layers are gathered, and a quantized layer dequantizes one weight; from the second micro-batch
+        on (accumulation) the gradients exist: the sharded ones (with the sharded state, on the CPU under
+        cpu_offload), or whole on the device while they stay unreduced between micro-batches."""
         grads = self.grads if self.layout.accumulation > 1 and not self.kept_whole else 0
         state = 0 if self.offload else self.sharded_state(grads)
-        return state + (self.whole_grads if self.kept_whole else 0) + self.root + self.gathered + self.activations \
-            + self.loss
+        return state + (self.whole_grads if self.kept_whole else 0) + self.root + self.gathered + self.dequantized \
+            + self.activations + self.loss
 
     def sharded_state(self, grads: int) -> int:
         """The sharded parameters, optimizer state, moving averages, reference copy and `grads` of gradients: on the
@@ -197,6 +199,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     from llmtune.features.registry import enabled_features
     from llmtune.model.attention import resolve_backend
     from llmtune.model.build import HALF_DTYPES, decoder_layers, meta_model
+    from llmtune.model.quantize import dequantized_bytes, nf4_bytes, quantized_linears, storage_dtype
 
     train = config.train
     half = train.half_precision()
@@ -217,11 +220,20 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     params = list(hf_model.parameters())
     trainable = [p for p in params if p.requires_grad]
+    # model.quantize: the weights features/quantization.py quantizes, counted in NF4's bytes (no torchao needed).
+    nf4 = storage_dtype(half)
+    quantized = {id(linear.weight): linear.weight.numel() for linear in quantized_linears(hf_model, layers).values()
+                 } if config.model.quantize != "none" else {}
+
+    def sized(p, ranks: int, itemsize: int) -> int:
+        """One rank's bytes of `p` on `ranks` ranks, `itemsize` bytes a value unless quantized."""
+        return nf4_bytes(quantized[id(p)] // ranks, nf4) if id(p) in quantized else shard_bytes(p, ranks, itemsize)
+
     # Stored as the run stores them (model.build_model): fp32 master weights, frozen ones in the compute dtype.
     parallel = config.parallel
     layout = Layout(world_size, parallel.cp_size, train.per_device_train_batch_size,
                     train.gradient_accumulation_steps, config.data.max_seq_len, parallel.dp_replicate)
-    stored = sum(shard_bytes(p, layout.shard, 4 if p.requires_grad or not half else 2) for p in params)
+    stored = sum(sized(p, layout.shard, 4 if p.requires_grad or not half else 2) for p in params)
     trained = sum(shard_bytes(p, layout.shard, 4) for p in trainable)
     tokens = math.ceil(layout.seq_len / layout.cp)
     outside, per_layer = saved_activations(hf_model, layers, layout.micro_batch, tokens)
@@ -232,8 +244,8 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     head = hf_model.get_output_embeddings().weight
     return Plan(
         layout=layout, params=stored, grads=trained, optimizer=2 * trained,
-        largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers) * compute,
-        all_layers=sum(p.numel() for layer in layers for p in layer.parameters()) * compute,
+        largest_layer=max(sum(sized(p, 1, compute) for p in layer.parameters()) for layer in layers),
+        all_layers=sum(sized(p, 1, compute) for layer in layers for p in layer.parameters()),
         root=sum(p.numel() for p in params if id(p) not in in_layers) * compute,
         activations=with_checkpointing if train.gradient_checkpointing else without,
         activations_other=without if train.gradient_checkpointing else with_checkpointing,
@@ -241,12 +253,13 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
                         head.requires_grad),
         trainable=sum(p.numel() for p in trainable), total_params=sum(p.numel() for p in params),
         averages=len(train.ema_decays()) * trained,
-        # Every weight frozen, so stored in the compute dtype (model/build.py); the shapes of the policy's model
-        # (dpo.ref_model is another checkpoint of it).
-        reference=sum(shard_bytes(p, layout.shard, compute) for p in params) if config.holds_reference_copy() else 0,
+        # Every weight frozen, so stored in the compute dtype (model/build.py), the quantized ones in NF4; the shapes of
+        # the policy's model (dpo.ref_model is another checkpoint of it).
+        reference=sum(sized(p, layout.shard, compute) for p in params) if config.holds_reference_copy() else 0,
         offload=parallel.cpu_offload, whole_grads=sum(p.numel() for p in trainable) * 4,
         reshard_after_forward=parallel.reshard_after_forward, prefetch=parallel.prefetch_layers,
-        reshard_between=parallel.reshard_between_micro_batches)
+        reshard_between=parallel.reshard_between_micro_batches, quantized=sum(quantized.values()),
+        dequantized=dequantized_bytes(max(quantized.values()), nf4) if quantized else 0)
 
 
 def gib(nbytes: float) -> str:
@@ -258,7 +271,10 @@ def changes(config, world_size: int, model_config):
     to save collectives taken back, what costs no hardware and no accuracy (checkpointing, the chunked loss), then a
     smaller micro-batch (the global batch kept by accumulation), context parallelism (sequences split over ranks),
     fewer HSDP replicas (each sharded over more ranks, its collectives wider), CPU offload (slower steps), more
-    ranks, and adapters."""
+    ranks, adapters, and adapters on a 4-bit base (where the model's linear weights can be quantized on these
+    ranks)."""
+    from llmtune.features.quantization import base_problems
+
     train, parallel = config.train, config.parallel
     memory_for_speed = {"reshard_after_forward": parallel.reshard_after_forward is not True,
                         "reshard_between_micro_batches": not parallel.reshard_between_micro_batches,
@@ -303,6 +319,12 @@ def changes(config, world_size: int, model_config):
     if config.peft.method == "none":
         yield "peft.method: lora (adapters of rank 16; the base frozen)", \
             replace(config, peft=replace(config.peft, method="lora")), world_size
+    lora = replace(config.peft, method="lora") if config.peft.method == "none" else config.peft
+    qlora = replace(config, model=replace(config.model, quantize="nf4"), peft=lora)
+    if config.model.quantize == "none" and lora.method == "lora" \
+            and not base_problems(qlora, model_config, world_size):
+        yield "peft.method: qlora (LoRA on the base's linear weights held in 4 bits, model.quantize: nf4)", qlora, \
+            world_size
 
 
 def fits(plan: Plan, device_gib: float) -> bool:
@@ -352,7 +374,7 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
     checkpointing = "on" if train.gradient_checkpointing else "off"
     loss = f"chunked, {train.chunk_loss_size} tokens" if train.chunk_loss_size else "full logits"
     rows = [
-        ("parameters (sharded; fp32 where they train)", plan.params),
+        ("parameters (sharded; fp32 where they train" + ("; nf4)" if plan.quantized else ")"), plan.params),
         ("gradients (fp32, whole between micro-batches)", plan.whole_grads) if plan.kept_whole else
         ("gradients (fp32, sharded)", plan.grads),
         ("optimizer state (AdamW's two moments, fp32)", plan.optimizer),
@@ -360,6 +382,7 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         *([(f"reference model (dpo.reference: model; frozen, {dtype}, sharded)", plan.reference)]
           if plan.reference else []),
         (f"decoder layers gathered at the peak, with a gradient ({dtype})", plan.gathered),
+        *([("largest quantized weight dequantized, transient", plan.dequantized)] if plan.dequantized else []),
         (f"embeddings, lm_head and norm, gathered ({dtype})", plan.root),
         (f"activations per micro-batch, checkpointing {checkpointing}", plan.activations),
         (f"  (checkpointing {'off' if train.gradient_checkpointing else 'on'}: {gib(plan.activations_other)})", None),
@@ -372,6 +395,8 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
     lines = [
         f"model: {type(model_config).__name__.removesuffix('Config')}, {plan.total_params / 1e9:.3g}B parameters, "
         f"{plan.trainable / 1e9:.3g}B trained; {dtype} compute",
+        *([f"quantization: nf4 (model.quantize), {plan.quantized / 1e9:.3g}B parameters of the frozen base's linear "
+           "layers in 4 bits, about 0.52 bytes each with their scales"] if plan.quantized else []),
         f"layout: {config.parallel.describe(layout.world_size)}",
         f"batch: micro-batch {layout.micro_batch} x {layout.seq_len} tokens ({math.ceil(layout.seq_len / layout.cp)} "
         f"per rank), accumulation {layout.accumulation}; {layout.tokens_per_step:,} tokens per optimizer step",

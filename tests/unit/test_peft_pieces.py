@@ -70,7 +70,7 @@ def test_freezing_patterns_select_by_search():
 
 
 @pytest.mark.parametrize("changes, problem", [
-    ({"method": "qlora"}, "peft.method: 'qlora' is not valid"),
+    ({"method": "ia3"}, "peft.method: 'ia3' is not valid"),
     ({"r": 0}, "peft.r: 0 must be a positive rank"),
     ({"dropout": 1.0}, "peft.dropout: 1.0 must be in [0, 1)"),
     ({"init_lora_weights": "pissa"}, "peft.init_lora_weights: 'pissa' is not supported"),
