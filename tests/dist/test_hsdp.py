@@ -4,9 +4,11 @@ and a prefetch of 2 layers, and HSDP with every layer kept gathered from forward
 give the per-step losses and gradient norms of plain FSDP over the 4 ranks (1e-5 relative) on the same global batch
 with accumulation. A checkpoint written by replicate 2 x shard 2 loads at shard 4, and that one at replicate 4 x
 shard 1, with parameters and AdamW state bitwise equal to what was written; a run resumed from it at shard 4
-continues the HSDP run's curve."""
+continues the HSDP run's curve. QLoRA's 4-bit base trains the same losses sharded within replica groups of 2 and
+replicated on every rank."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -27,6 +29,10 @@ TRAINED = {"plain": [],
            "hsdp_gathered_no_prefetch": ["parallel.dp_replicate=2", "parallel.reshard_after_forward=false",
                                          "parallel.prefetch_layers=0"]}
 
+# QLoRA's 4-bit base (whose weights split whole over 2 ranks, not 4) sharded within replica groups of 2, and
+# replicated whole on every rank (a copy sharded over one rank: FSDP2 leaves the 4-bit weights alone there).
+QLORA = {"qlora_hsdp": ["parallel.dp_replicate=2"], "qlora_replicate4": ["parallel.dp_replicate=4"]}
+
 
 def recipe(root, tiny_model, sft_file) -> str:
     path = root / "recipe.yaml"
@@ -42,12 +48,15 @@ def recipe(root, tiny_model, sft_file) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, sft_file, tmp_path_factory):
+def runs(tiny_model, nf4_llama, sft_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp")
     path = recipe(root, tiny_model, sft_file)
-    out = {name: root / name for name in [*TRAINED, "at_shard4", "at_replicate4", "resumed"]}
+    out = {name: root / name for name in [*TRAINED, *QLORA, "at_shard4", "at_replicate4", "resumed"]}
     cases = [{"recipe": path, "overrides": [*overrides, f"train.output_dir={out[name]}"]}
              for name, overrides in TRAINED.items()]
+    cases += [{"recipe": path, "overrides": [f"model.name_or_path={nf4_llama}", "peft.method=qlora",
+                                             "checkpoint.save_steps=0", *overrides, f"train.output_dir={out[name]}"]}
+              for name, overrides in QLORA.items()]
     cases += [{"recipe": path, "resave": True, "overrides": [
                   f"train.output_dir={out['at_shard4']}", f"checkpoint.resume_from_checkpoint={out['hsdp'] / SAVED}"]},
               {"recipe": path, "resave": True, "overrides": [
@@ -75,6 +84,14 @@ def test_layout_gives_the_losses_of_plain_fsdp(runs, name):
     assert [step for step, _, _ in got] == [1, 2, 3, 4]
     assert [loss for _, loss, _ in got] == pytest.approx([loss for _, loss, _ in expected], rel=1e-5)
     assert [norm for _, _, norm in got] == pytest.approx([norm for _, _, norm in expected], rel=1e-5)
+
+
+def test_qlora_trains_the_same_losses_sharded_within_groups_or_replicated(runs):
+    sharded, replicated = curve(runs["qlora_hsdp"]), curve(runs["qlora_replicate4"])
+    assert [step for step, _, _ in sharded] == [1, 2, 3, 4]
+    assert all(math.isfinite(loss) for _, loss, _ in sharded)
+    assert [loss for _, loss, _ in replicated] == pytest.approx([loss for _, loss, _ in sharded], rel=1e-5)
+    assert [norm for _, _, norm in replicated] == pytest.approx([norm for _, _, norm in sharded], rel=1e-5)
 
 
 def saved_state(folder, tmp_path):
