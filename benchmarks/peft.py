@@ -51,8 +51,13 @@ def write_recipe(root: Path, variant: str, args, sections: dict) -> Path:
 
 
 def local_bytes(tensor) -> int:
+    """This rank's bytes of `tensor` as stored: a 4-bit NF4 weight's packed values and scales, not its logical size."""
     from torch.distributed.tensor import DTensor
 
+    from llmtune.model.quantize import held, is_quantized, stored_bytes
+
+    if is_quantized(tensor):
+        return stored_bytes(held(tensor))
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
 

@@ -5,6 +5,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 from llmtune.tasks.registry import TASKS
@@ -158,3 +159,14 @@ def misfit_copy(model: Path, folder: Path) -> dict:
     tensors["model.extra.weight"] = torch.zeros(3)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return tensors
+
+
+def launch_cases(cases: list[dict], folder: Path, nproc: int = 2, timeout: int = 900) -> None:
+    """Train `cases` (tests/dist/case_worker.py's) one after another in one torchrun launch of `nproc` processes,
+    their list written to folder/cases.json; fails the test with the launch's last error lines."""
+    spec = folder / "cases.json"
+    spec.write_text(json.dumps(cases))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                             str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]

@@ -381,7 +381,7 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         *([("moving averages (train.ema_decay, fp32, sharded)", plan.averages)] if plan.averages else []),
         *([(f"reference model (dpo.reference: model; frozen, {dtype}, sharded)", plan.reference)]
           if plan.reference else []),
-        (f"decoder layers gathered at the peak, with a gradient ({dtype})", plan.gathered),
+        (f"decoder layers gathered, with one gradient ({dtype})", plan.gathered),
         *([("largest quantized weight dequantized, transient", plan.dequantized)] if plan.dequantized else []),
         (f"embeddings, lm_head and norm, gathered ({dtype})", plan.root),
         (f"activations per micro-batch, checkpointing {checkpointing}", plan.activations),

@@ -11,8 +11,6 @@ loss in 32-token chunks), 2-process runs in one torchrun launch against one-proc
 """
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -30,7 +28,7 @@ from llmtune.run.cli import main as cli_main
 from llmtune.run.parallel import ParallelState
 from llmtune.run.worker import build_trainer
 from tests.dist.case_worker import run_case
-from tests.helpers import REPO, kill_tree, read_metrics, run_cli, save_tiny_model, start_cli
+from tests.helpers import kill_tree, launch_cases, read_metrics, run_cli, save_tiny_model, start_cli
 
 PROBE = "The sum of 12 and 30 is 42. 7 + 8 = 15."
 LORA = {"method": "lora", "r": 4, "alpha": 8, "init_lora_weights": False}
@@ -72,12 +70,7 @@ def runs(tiny_model, tied_llama, bare_tokenizer, sft_file, tmp_path_factory):
                                                        "train.gradient_checkpointing=true"]},
              *[{"recipe": recipes[name], "overrides": [f"train.output_dir={out[name]}"], "probe": probe}
                for name in ("dora", "frozen", "tied")]]
-    spec = root / "cases.json"
-    spec.write_text(json.dumps(cases))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+    launch_cases(cases, root)
     for name in ("lora", "dora", "frozen"):
         run_case(recipes[name], [f"train.output_dir={out[name + '_ref']}"], 1)
     run_case(recipes["lora"], [f"train.output_dir={out['lora_resumed_on_1']}",

@@ -7,17 +7,14 @@ shard 1, with parameters and AdamW state bitwise equal to what was written; a ru
 continues the HSDP run's curve. QLoRA's 4-bit base trains the same losses sharded within replica groups of 2 and
 replicated on every rank."""
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.helpers import REPO, read_metrics
+from tests.helpers import launch_cases, read_metrics
 
 SAVED = "checkpoints/global_step_2"
 # name: (the case's overrides of the recipe, whether it only resaves the checkpoint it resumes from)
@@ -64,12 +61,7 @@ def runs(tiny_model, nf4_llama, sft_file, tmp_path_factory):
                   f"checkpoint.resume_from_checkpoint={out['at_shard4'] / SAVED}"]},
               {"recipe": path, "overrides": [
                   f"train.output_dir={out['resumed']}", f"checkpoint.resume_from_checkpoint={out['hsdp'] / SAVED}"]}]
-    spec = root / "cases.json"
-    spec.write_text(json.dumps(cases))
-    launch = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                             str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
-                            capture_output=True, text=True, timeout=900)
-    assert launch.returncode == 0, launch.stderr[-4000:]
+    launch_cases(cases, root, nproc=4)
     return out
 
 

@@ -11,8 +11,6 @@ loss off: it is computed per cp slice (docs/moe.md), so it is not cp-invariant."
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from llmtune.features.ulysses import layout_problems
 from llmtune.run.cli import main as cli_main
-from tests.helpers import REPO, read_metrics
+from tests.helpers import launch_cases, read_metrics
 from tests.model_matrix import FAMILIES
 
 IDS = [family.model_type for family in FAMILIES]
@@ -90,12 +88,7 @@ def matrix(bare_tokenizer, assets, sft_file, tmp_path_factory):
             cases.append({"recipe": folders["sft_recipe"], "overrides": [
                 f"train.output_dir={folders[f'sft_cp{cp}']}", f"parallel.cp_size={cp}", *router_loss_off]})
         runs[family.model_type] = folders
-    spec = tmp_path_factory.mktemp("matrix") / "cases.json"
-    spec.write_text(json.dumps(cases))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
-                            capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stderr[-4000:]
+    launch_cases(cases, tmp_path_factory.mktemp("matrix"), timeout=1200)
     return runs
 
 

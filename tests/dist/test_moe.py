@@ -4,9 +4,6 @@ give the same losses (1e-5 relative) and step-1 gradients (1e-5). This is the in
 micro-batch's aux loss enters weighted by its labelled tokens, so spreading the same micro-batches over ranks and
 accumulation steps changes nothing (their size would: the aux loss of a batch is not the mean of its parts')."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +11,7 @@ import yaml
 from transformers import Qwen3MoeConfig
 
 from tests.dist.case_worker import run_case
-from tests.helpers import REPO, read_metrics
+from tests.helpers import launch_cases, read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +32,8 @@ def runs(bare_tokenizer, assets, tmp_path_factory):
         "monitor": {"console": False},
     }))
     out = {name: root / name for name in ("dp2", "dp1", "dp1_without_router_loss")}
-    spec = root / "cases.json"
-    case = {"recipe": str(recipe), "task": "pt", "overrides": [f"train.output_dir={out['dp2']}"]}
-    spec.write_text(json.dumps([case]))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    launch_cases([{"recipe": str(recipe), "task": "pt", "overrides": [f"train.output_dir={out['dp2']}"]}], root,
+                 timeout=600)
     run_case(str(recipe), [f"train.output_dir={out['dp1']}"], 1, task="pt")
     run_case(str(recipe), [f"train.output_dir={out['dp1_without_router_loss']}", "train.router_aux_loss_coef=0"], 1,
              task="pt")

@@ -12,8 +12,6 @@ against a one-process run in this process:
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +29,7 @@ from llmtune.model.quantize import held, is_quantized, stored_bytes
 from llmtune.run.cli import main as cli_main
 from llmtune.training.callbacks import Callback
 from tests.dist.case_worker import run_case
-from tests.helpers import REPO, read_metrics
+from tests.helpers import launch_cases, read_metrics
 
 PROBE = "The sum of 12 and 30 is 42. 7 + 8 = 15."
 
@@ -72,12 +70,7 @@ def runs(nf4_llama, bare_tokenizer, sft_file, tmp_path_factory):
               "probe": bare_tokenizer(PROBE)["input_ids"]},
              {"recipe": recipe, "overrides": [f"train.output_dir={out['resumed']}",
                                               f"checkpoint.resume_from_checkpoint={step_2}"]}]
-    spec = root / "cases.json"
-    spec.write_text(json.dumps(cases))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+    launch_cases(cases, root)
     run_case(recipe, [f"train.output_dir={out['one_process']}", "checkpoint.save_steps=0",
                       "checkpoint.export_merged=false"], 1)
     return out

@@ -112,7 +112,7 @@ def test_plan_prints_the_parts_layout_and_tokens(plan_recipe, capsys):
     assert "layout: 2 rank(s) = replicate 1 x shard 2 x cp 1; every parameter sharded over 2 rank(s)" in out
     # 16 rows of 512 tokens per optimizer step; 4 rows per micro-batch on 2 ranks: accumulation 2.
     assert "accumulation 2; 8,192 tokens per optimizer step" in out
-    for part in ("parameters", "gradients", "optimizer state", "decoder layers gathered at the peak",
+    for part in ("parameters", "gradients", "optimizer state", "decoder layers gathered, with one gradient",
                  "activations per micro-batch, checkpointing off", "(checkpointing on:", "loss (chunked, 1024 tokens)",
                  "peak of a training step", "give --device-memory GiB"):
         assert part in out

@@ -34,6 +34,7 @@ LAYOUTS = {
     "llama3/pt-continued.yaml": ("pt", (8, 16, 32)),
     "llama3/sft-8b.yaml": ("sft", (8, 16, 32)),
     "llama3/sft-8b-hsdp-2nodes.yaml": ("sft", (16, 32)),
+    "llama3/qlora-70b-2gpus.yaml": ("sft", (2, 4, 8)),
     "qwen3/sft-8b.yaml": ("sft", (8, 16, 32)),
     "qwen3/sft-8b-lora.yaml": ("sft", (1, 2, 8)),
     "qwen3/sft-long-context-cp.yaml": ("sft", (8, 16)),
