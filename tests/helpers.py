@@ -163,10 +163,12 @@ def misfit_copy(model: Path, folder: Path) -> dict:
 
 def launch_cases(cases: list[dict], folder: Path, nproc: int = 2, timeout: int = 900) -> None:
     """Train `cases` (tests/dist/case_worker.py's) one after another in one torchrun launch of `nproc` processes,
-    their list written to folder/cases.json; fails the test with the launch's last error lines."""
+    their list written to folder/cases.json; fails the test with the launch's last error lines. The repository is on
+    the workers' path, as pytest's is, for the callbacks a case's recipe names from tests/."""
     spec = folder / "cases.json"
     spec.write_text(json.dumps(cases))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                             str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
+                             str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
