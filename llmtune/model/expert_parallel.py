@@ -8,7 +8,7 @@ ALL_EXPERTS_FUNCTIONS. `expert_parallel_forward`, registered there as EXPERT_PAR
 with no code of its own: on the rank that holds an expert, the family's own implementation (the one the model used
 before, eager, grouped_mm, ...) computes it, with the family's biases, gate activation and layout.
 
-A rank r of an EP group of N holds experts [r*E/N, (r+1)*E/N) (`shard_experts`). Per layer and micro-batch:
+A rank r of an EP group of N holds experts [r*E/N, (r+1)*E/N) (`shard_experts`: DTensors sharded on dim 0). Per layer and micro-batch:
 1. the T x k (token, expert) pairs sorted by expert, so that the pairs for each rank are contiguous;
 2. the per-expert counts exchanged (one all-to-all of N x E/N integers, read back to the host for the splits);
 3. the pairs' hidden states exchanged with variable splits (autograd-aware all-to-all: its backward sends the
@@ -21,9 +21,13 @@ A rank r of an EP group of N holds experts [r*E/N, (r+1)*E/N) (`shard_experts`).
 The routing weights never leave their rank, so their gradient is computed where the router is.
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 EXPERT_PARALLEL = "llmtune_expert_parallel"
@@ -48,18 +52,19 @@ def expert_parallel_problem(model: torch.nn.Module, degree: int) -> str | None:
     return None
 
 
-def shard_experts(model: torch.nn.Module, group) -> None:
-    """Keep, in each experts module of `model`, this rank's 1/N of the experts (N: the ranks of `group`, this rank's
-    place in it saying which), and route the model's experts through EXPERT_PARALLEL over `group`. Every parameter
-    of an experts module is per expert (dim 0: gate_up_proj, down_proj, gpt-oss's biases)."""
-    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+def shard_experts(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Split each experts module of `model` over the 1-D expert-parallel `mesh`: its parameters become DTensors
+    sharded on dim 0 (every parameter of an experts module is per expert: gate_up_proj, down_proj, gpt-oss's
+    biases), this rank keeping its 1/N of the experts, and the model's experts go through EXPERT_PARALLEL. DTensors,
+    so that FSDP2 can shard each expert further over other ranks of the same mesh's root (torchtitan's efsdp x ep)
+    and checkpoints see the whole tensor's shape."""
     for module in experts_modules(model):
-        local = module.num_experts // ranks
         for name, parameter in list(module.named_parameters(recurse=False)):
-            rows = parameter.detach()[rank * local:(rank + 1) * local].clone()
+            # Every rank holds the same whole tensor: each keeps its rows, with no communication.
+            rows = distribute_tensor(parameter.detach(), mesh, [Shard(0)], src_data_rank=None)
             setattr(module, name, torch.nn.Parameter(rows, requires_grad=parameter.requires_grad))
-        module.num_experts = local
-        module.expert_parallel_group = group
+        module.num_experts //= mesh.size()
+        module.expert_parallel_group = mesh.get_group()
         module.local_experts_forward = _implementation(module, model.config._experts_implementation)
     # transformers accepts only registered names; registering again replaces the entry with itself.
     ALL_EXPERTS_FUNCTIONS.register(EXPERT_PARALLEL, expert_parallel_forward)
@@ -101,12 +106,25 @@ def _exchange(rows: torch.Tensor, received: list[int], sent: list[int], group) -
 
 
 def _run_local_experts(module, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """The family's own experts function on the rows that arrived (top-1, unit weights). With none, one zero row
-    goes through instead and is dropped: its output then depends on the received rows and the local experts, so
-    that this rank's backward takes part in the all-to-alls' backward like every other rank's, and its experts get
-    (zero) gradients."""
+    """The family's own experts function on the rows that arrived (top-1, unit weights), on this rank's rows of the
+    experts' parameters. With no row, one zero row goes through instead and is dropped: its output then depends on
+    the received rows and the local experts, so that this rank's backward takes part in the all-to-alls' backward
+    like every other rank's, and its experts get (zero) gradients."""
     weights = rows.new_ones(len(rows), 1)
-    if len(rows):
-        return module.local_experts_forward(module, rows, experts, weights)
-    return module.local_experts_forward(module, rows.sum(dim=0, keepdim=True), experts.new_zeros(1, 1),
-                                        weights.new_ones(1, 1))[:0]
+    with _local_parameters(module):
+        if len(rows):
+            return module.local_experts_forward(module, rows, experts, weights)
+        return module.local_experts_forward(module, rows.sum(dim=0, keepdim=True), experts.new_zeros(1, 1),
+                                            weights.new_ones(1, 1))[:0]
+
+
+@contextmanager
+def _local_parameters(module):
+    """The module's DTensor parameters replaced by this rank's rows of them while the family's function runs (its
+    kernels take plain tensors); their backward gives the DTensors their gradients."""
+    sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    module._parameters.update({name: p.to_local() for name, p in sharded.items()})
+    try:
+        yield
+    finally:
+        module._parameters.update(sharded)

@@ -1,10 +1,17 @@
-"""Run by torchrun (2 processes, gloo) from test_expert_parallel.py: for each mixture-of-experts family of
-tests/model_matrix.py and each experts implementation the family may compute with (eager: the class's own loop,
-grouped_mm: transformers' default), build the tiny model (the same on every rank), keep a copy unsplit, split the
-other's experts over the 2 ranks (llmtune/model/expert_parallel.py) and run the first MoE layer's experts module:
-the unsplit copy on every rank's tokens together, the split one on this rank's own. Each rank appends one JSON line
-per case to OUT/reports.jsonl: the case, and the differences beyond fp32's tolerance (1e-5 relative) of the output
-and of the gradients w.r.t. hidden states, routing weights and this rank's experts' parameters."""
+"""Run by torchrun (gloo) from test_expert_parallel.py, as `expert_parallel_worker.py MODE OUT`, for each
+mixture-of-experts family of tests/model_matrix.py: build the tiny model (the same on every rank), keep a copy
+unsplit, split the other's experts over the ranks (llmtune/model/expert_parallel.py), run both and append one JSON
+line per case and rank to OUT/reports.jsonl: the case, and the differences beyond fp32's tolerance (1e-5 relative).
+
+MODE dispatch (2 processes, ep 2): for each experts implementation the family may compute with (eager: the class's
+own loop, grouped_mm: transformers' default), the first MoE layer's experts module alone, unsplit on every rank's
+tokens together, split on this rank's own: output, and gradients w.r.t. hidden states, routing weights and this
+rank's experts' parameters.
+
+MODE fsdp (4 processes, ep 2 x efsdp 2): the whole model, its experts split over ep and each expert sharded by FSDP2
+over the other two ranks, everything else sharded by FSDP2 over all four, each rank on a batch of its own: the
+rank's loss against the unsplit model's on the same batch, and every parameter's gradient (gathered) against the
+unsplit model's for the four batches together, averaged as FSDP averages over the data-parallel ranks."""
 
 import copy
 import json
@@ -13,12 +20,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from llmtune.model.expert_parallel import experts_modules, shard_experts
 from tests.model_matrix import FAMILIES
 
 TOKENS = 12  # per rank
+VOCAB = 64
 # Each case's routing: random experts per token, or every token to the first rank's experts (the second then
 # receives no row, and must still take part in the backward's all-to-alls).
 ROUTINGS = ("random", "first_rank_only")
@@ -38,13 +48,19 @@ def differences(name: str, got: torch.Tensor, expected: torch.Tensor) -> list[st
     return []
 
 
-def check(family, implementation: str, case: str) -> dict:
-    rank, ranks = dist.get_rank(), dist.get_world_size()
+def tiny_model(family, implementation: str):
+    """The family's tiny model, the same on every rank, computing its experts with `implementation`."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family.hf_config(vocab_size=64), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(family.hf_config(vocab_size=VOCAB), dtype=torch.float32)
     model.set_experts_implementation(implementation)
+    return model
+
+
+def check_dispatch(family, implementation: str, case: str) -> dict:
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    model = tiny_model(family, implementation)
     unsplit = copy.deepcopy(model)
-    shard_experts(model, dist.group.WORLD)
+    shard_experts(model, init_device_mesh("cpu", (ranks,), mesh_dim_names=("ep",)))
     experts, reference = experts_modules(model)[0], experts_modules(unsplit)[0]
     total, hidden_size, top_k = reference.num_experts, model.config.hidden_size, model.config.num_experts_per_tok
 
@@ -67,20 +83,61 @@ def check(family, implementation: str, case: str) -> dict:
     found += differences("hidden_states grad", hidden_mine.grad, hidden_all.grad[mine])
     found += differences("top_k_weights grad", weights_mine.grad, weights_all.grad[mine])
     for name, parameter in reference.named_parameters():
-        found += differences(f"{name} grad", getattr(experts, name).grad,
+        found += differences(f"{name} grad", getattr(experts, name).grad.to_local(),
                              parameter.grad[rank * local:(rank + 1) * local])
     return {"rank": rank, "family": family.name, "implementation": implementation, "routing": case,
             "dispatch": experts.config._experts_implementation,
             "local_compute": experts.local_experts_forward.__name__, "local_experts": local,
-            "local_shapes": [list(parameter.shape) for parameter in experts.parameters()], "differences": found}
+            "local_shapes": [list(parameter.to_local().shape) for parameter in experts.parameters()], "differences": found}
+
+
+def summed_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=input_ids).logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), input_ids[:, 1:].reshape(-1), reduction="sum")
+
+
+def check_fsdp(family) -> dict:
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    model = tiny_model(family, "grouped_mm")
+    unsplit = copy.deepcopy(model)
+    # Expert-parallel ranks consecutive (the innermost dimension), like context-parallel peers: on a node they are
+    # its GPUs, over which the all-to-alls run.
+    mesh = init_device_mesh("cpu", (ranks // 2, 2), mesh_dim_names=("efsdp", "ep"))
+    shard_experts(model, mesh["ep"])
+    for layer in model.model.layers:
+        for experts in experts_modules(layer):
+            fully_shard(experts, mesh=mesh["efsdp"])
+            # FSDP averages an expert's gradient over the efsdp ranks alone, while it holds the tokens of every
+            # data-parallel rank (the ep ranks sent theirs): divided by all of them, as a dense weight's is. A
+            # factor other than the group's size needs a premultiplied sum, which gloo lacks: sums and a scaling.
+            experts.set_gradient_divide_factor(ranks)
+            experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(layer, mesh=mesh._flatten("dp"))
+    fully_shard(model, mesh=mesh._flatten("dp"))
+
+    batches = torch.randint(3, VOCAB, (ranks, 2, 16), generator=torch.Generator().manual_seed(2))
+    loss = summed_loss(model, batches[rank])
+    loss.backward()
+    expected = [summed_loss(unsplit, batch) for batch in batches]
+    sum(expected).backward()
+    found = differences("loss", loss.detach(), expected[rank].detach())
+    unsplit_parameters = dict(unsplit.named_parameters())
+    for name, parameter in model.named_parameters():
+        found += differences(f"{name} grad", parameter.grad.full_tensor(), unsplit_parameters[name].grad / ranks)
+    return {"rank": rank, "family": family.name, "experts_placements": [
+        str(parameter.placements) for parameter in experts_modules(model)[0].parameters()], "differences": found}
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
+    mode, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
+    families = [family for family in FAMILIES if family.mixture_of_experts]
     try:
-        reports = [check(family, implementation, case) for family in FAMILIES if family.mixture_of_experts
-                   for implementation in ("eager", "grouped_mm") for case in ROUTINGS]
+        if mode == "dispatch":
+            reports = [check_dispatch(family, implementation, case) for family in families
+                       for implementation in ("eager", "grouped_mm") for case in ROUTINGS]
+        else:
+            reports = [check_fsdp(family) for family in families]
     finally:
         dist.destroy_process_group()
     with open(out / "reports.jsonl", "a") as f:
