@@ -11,7 +11,8 @@ rank's experts' parameters.
 MODE fsdp (4 processes, ep 2 x efsdp 2): the whole model, its experts split over ep and each expert sharded by FSDP2
 over the other two ranks, everything else sharded by FSDP2 over all four, each rank on a batch of its own: the
 rank's loss against the unsplit model's on the same batch, and every parameter's gradient (gathered) against the
-unsplit model's for the four batches together, averaged as FSDP averages over the data-parallel ranks."""
+unsplit model's for the four batches together, averaged as FSDP averages over the data-parallel ranks; then the
+gradient norm llmtune clips with, and the clipped gradients, against torch's clip_grad_norm_ of the unsplit model."""
 
 import copy
 import json
@@ -25,10 +26,12 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from llmtune.model.expert_parallel import experts_modules, shard_experts
+from llmtune.training.trainer import clip_gradients
 from tests.model_matrix import FAMILIES
 
 TOKENS = 12  # per rank
 VOCAB = 64
+MAX_NORM = 0.5  # far below the tiny models' summed-loss gradient norms (tens): the clipping acts
 # Each case's routing: random experts per token, or every token to the first rank's experts (the second then
 # receives no row, and must still take part in the backward's all-to-alls).
 ROUTINGS = ("random", "first_rank_only")
@@ -96,6 +99,13 @@ def summed_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), input_ids[:, 1:].reshape(-1), reduction="sum")
 
 
+def compared_gradients(model, unsplit, what: str) -> list[str]:
+    """The differences of every gradient of `model` (gathered) from the unsplit model's."""
+    unsplit_parameters = dict(unsplit.named_parameters())
+    return [line for name, parameter in model.named_parameters()
+            for line in differences(f"{what}{name} grad", parameter.grad.full_tensor(), unsplit_parameters[name].grad)]
+
+
 def check_fsdp(family) -> dict:
     rank, ranks = dist.get_rank(), dist.get_world_size()
     model = tiny_model(family, "grouped_mm")
@@ -121,10 +131,15 @@ def check_fsdp(family) -> dict:
     expected = [summed_loss(unsplit, batch) for batch in batches]
     sum(expected).backward()
     found = differences("loss", loss.detach(), expected[rank].detach())
-    unsplit_parameters = dict(unsplit.named_parameters())
-    for name, parameter in model.named_parameters():
-        found += differences(f"{name} grad", parameter.grad.full_tensor(), unsplit_parameters[name].grad / ranks)
-    return {"rank": rank, "family": family.name, "experts_placements": [
+    for parameter in unsplit.parameters():
+        parameter.grad /= ranks
+    found += compared_gradients(model, unsplit, "")
+    # Clipped over the whole model's norm, each expert counted once though the experts' DTensors lie on another mesh.
+    norm = clip_gradients(list(model.parameters()), MAX_NORM)
+    expected_norm = torch.nn.utils.clip_grad_norm_(unsplit.parameters(), MAX_NORM)
+    found += differences("grad norm", torch.tensor(norm, dtype=torch.float32), expected_norm)
+    found += compared_gradients(model, unsplit, "clipped ")
+    return {"rank": rank, "family": family.name, "grad_norm": norm, "experts_placements": [
         str(parameter.placements) for parameter in experts_modules(model)[0].parameters()], "differences": found}
 
 

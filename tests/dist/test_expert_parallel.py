@@ -5,7 +5,8 @@ of tests/model_matrix.py (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3), fp32, 1e-5 
   routing weights and each rank's experts' parameters, also when every token goes to the first rank's experts and
   the second receives none;
 - on 4 processes (ep 2 x efsdp 2: each expert also sharded by FSDP2 over the other two ranks, the rest of the model
-  over all four), a whole model's per-rank losses and every gradient equal the unsplit model's."""
+  over all four), a whole model's per-rank losses and every gradient equal the unsplit model's, and so do
+  llmtune's gradient norm (the experts' DTensors on a mesh of their own, counted once) and the clipped gradients."""
 
 import json
 import subprocess
@@ -56,8 +57,8 @@ def test_split_experts_give_the_unsplit_output_and_gradients(reports, family):
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_experts_split_over_ep_and_sharded_by_fsdp_train_the_unsplit_models_losses_and_gradients(fsdp_reports,
-                                                                                                family):
+def test_experts_split_over_ep_and_sharded_by_fsdp_give_the_unsplit_models_losses_gradients_and_clipping(
+        fsdp_reports, family):
     mine = [r for r in fsdp_reports if r["family"] == family]
     assert sorted(r["rank"] for r in mine) == [0, 1, 2, 3]
     for report in mine:
