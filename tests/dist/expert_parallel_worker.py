@@ -12,7 +12,8 @@ MODE fsdp (4 processes, ep 2 x efsdp 2): the whole model, its experts split over
 over the other two ranks, everything else sharded by FSDP2 over all four, each rank on a batch of its own: the
 rank's loss against the unsplit model's on the same batch, and every parameter's gradient (gathered) against the
 unsplit model's for the four batches together, averaged as FSDP averages over the data-parallel ranks; then the
-gradient norm llmtune clips with, and the clipped gradients, against torch's clip_grad_norm_ of the unsplit model."""
+gradient norm llmtune clips with, and the clipped gradients, against torch's clip_grad_norm_ of the unsplit model;
+last, every parameter set from a whole value rank by rank (model/state.copy_rows) reads back as it (whole)."""
 
 import copy
 import json
@@ -26,6 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from llmtune.model.expert_parallel import experts_modules, shard_experts
+from llmtune.model.state import copy_rows, whole
 from llmtune.training.trainer import clip_gradients
 from tests.model_matrix import FAMILIES
 
@@ -139,6 +141,14 @@ def check_fsdp(family) -> dict:
     expected_norm = torch.nn.utils.clip_grad_norm_(unsplit.parameters(), MAX_NORM)
     found += differences("grad norm", torch.tensor(norm, dtype=torch.float32), expected_norm)
     found += compared_gradients(model, unsplit, "clipped ")
+    # What checkpoints, exports and pretrained loading go through: a parameter set from its whole value, each rank
+    # copying its rows, reads back as that value.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            value = torch.randn(parameter.shape, generator=torch.Generator().manual_seed(3))
+            copy_rows(parameter, value)
+            if not torch.equal(whole(parameter), value):
+                found.append(f"{name}: its rows copied from a value do not read back as it")
     return {"rank": rank, "family": family.name, "grad_norm": norm, "experts_placements": [
         str(parameter.placements) for parameter in experts_modules(model)[0].parameters()], "differences": found}
 

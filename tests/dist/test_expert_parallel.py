@@ -6,7 +6,8 @@ of tests/model_matrix.py (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3), fp32, 1e-5 
   the second receives none;
 - on 4 processes (ep 2 x efsdp 2: each expert also sharded by FSDP2 over the other two ranks, the rest of the model
   over all four), a whole model's per-rank losses and every gradient equal the unsplit model's, and so do
-  llmtune's gradient norm (the experts' DTensors on a mesh of their own, counted once) and the clipped gradients."""
+  llmtune's gradient norm (the experts' DTensors on a mesh of their own, counted once) and the clipped gradients;
+  and every parameter set from a whole value rank by rank (model/state.copy_rows) reads back as it."""
 
 import json
 import subprocess
