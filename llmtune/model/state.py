@@ -5,6 +5,7 @@ parameter (model/quantize.py) reads as the values it stands for and is set from 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from llmtune.model.quantize import dequantized, held, is_quantized, set_rows
 
@@ -47,16 +48,12 @@ def local_rows(param: torch.Tensor) -> torch.Tensor:
 
 
 def shard_start(param: torch.Tensor) -> int:
-    """The first row of dim 0 held by this rank (its local shard holds the rows that follow): FSDP2 shards dim 0
-    as torch.chunk does, over the mesh's shard dimension (under HSDP the other one replicates)."""
+    """The first row of dim 0 held by this rank (its local shard holds the rows that follow), where torch lays it:
+    FSDP2 shards dim 0 as torch.chunk does, over the mesh's shard dimension (under HSDP the other one replicates);
+    expert parallelism's experts are chunked over ep first, then each rank's share over FSDP2's ranks."""
     if not isinstance(param, DTensor):
         return 0
-    mesh, rows = param.device_mesh, param.shape[0]
-    dim = next((d for d, placement in enumerate(param.placements) if placement.is_shard(0)), None)
-    if dim is None:
-        return 0
-    per_rank = -(-rows // mesh.size(dim))
-    return min(mesh.get_local_rank(dim) * per_rank, rows)
+    return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1][0]
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

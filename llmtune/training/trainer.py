@@ -295,11 +295,25 @@ def clip_gradients(parameters: list, max_norm: float) -> float:
     differently rounded from those of the whole one, and a clipping factor differing in its last bits
     would make the updates depend on the number of ranks. In fp64 the difference is far below what
     fp32 can tell, and the factor comes out the same.
+
+    Sharded gradients are taken mesh by mesh, one collective each: DTensors of different device meshes (expert
+    parallelism's experts beside the dense weights) cannot enter one operation.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    groups = _by_mesh(parameters)
+    norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64)
+                                                   for p in group])) for group in groups.values()]
+    norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total.item()
+
+
+def _by_mesh(parameters: list) -> dict:
+    """The parameters that have a gradient, by their gradient's device mesh (None: not sharded), in their order."""
+    groups = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return groups
