@@ -24,9 +24,10 @@ IMPLEMENTATIONS = {"eager": "forward", "grouped_mm": "grouped_mm_experts_forward
 
 
 def launch(mode: str, nproc: int, out) -> list[dict]:
-    """The worker's reports of `mode` on `nproc` processes."""
+    """The worker's reports of `mode` on `nproc` processes. Run as a module from the repository, which puts it on the
+    workers' path for the worker's imports from tests/."""
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                             str(REPO / "tests" / "dist" / "expert_parallel_worker.py"), mode, str(out)],
+                             "-m", "tests.dist.expert_parallel_worker", mode, str(out)],
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads(line) for line in (out / "reports.jsonl").read_text().splitlines()]
