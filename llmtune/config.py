@@ -488,6 +488,10 @@ class ParallelConfig:
                                "peers share the shards too); -1 = the ranks left, world / (dp_replicate x cp_size).")
     cp_size: int = _field(1, "Context-parallel ranks per sequence, each holding 1/cp_size of its tokens; 1 = off.")
     cp_type: str = _field("ulysses", "Context parallelism: ulysses (all-to-all attention over heads).")
+    expert_parallel: int = _field(1, "MoE models: ranks each routed expert layer's experts are split over (each "
+                                     "rank holds experts / n of them, tokens sent to their expert's rank by "
+                                     "all-to-all); n consecutive dp_shard ranks; n divides dp_shard and the expert "
+                                     "count; 1 = off.")
     reshard_after_forward: bool | int = _field(True, "After a decoder layer's forward: true frees its gathered "
                                                      "weights (gathered again for backward), false keeps them until "
                                                      "its backward (one all-gather less, every layer's weights whole "
@@ -528,6 +532,11 @@ class ParallelConfig:
                        "number of ranks of at least 2")
         if self.prefetch_layers < 0:
             out.append(f"parallel.prefetch_layers: {self.prefetch_layers} must be at least 0")
+        if self.expert_parallel < 1:
+            out.append(f"parallel.expert_parallel: {self.expert_parallel} must be at least 1")
+        elif self.expert_parallel > 1 and self.cp_size > 1:
+            out.append(f"parallel.expert_parallel: {self.expert_parallel} with cp_size {self.cp_size} is not "
+                       "supported yet; set one of them to 1")
         return out
 
     def shard_size(self, world_size: int) -> int:
@@ -554,6 +563,9 @@ class ParallelConfig:
                          "(parallel.reshard_between_micro_batches: false)")
         if self.prefetch_layers != 1:
             words.append(f"{self.prefetch_layers} layer(s) prefetched (parallel.prefetch_layers)")
+        if self.expert_parallel > 1:
+            words.append(f"ep {self.expert_parallel}: experts split over {self.expert_parallel} consecutive shard "
+                         "ranks (parallel.expert_parallel)")
         return "; ".join(words)
 
     def layout_problem(self, world_size: int) -> str | None:
@@ -569,6 +581,9 @@ class ParallelConfig:
         if self.dp_shard not in (-1, shard):
             return (f"parallel.dp_shard: dp_replicate {replicate} x dp_shard {self.dp_shard} x cp_size {cp} is not "
                     f"the world size {world_size}; set dp_shard: {shard}, or -1 for the ranks left")
+        if shard % self.expert_parallel:
+            return (f"parallel.expert_parallel: {self.expert_parallel} does not divide dp_shard {shard}; choose a "
+                    f"divisor of {shard}")
         size, after = shard * cp, self.reshard_after_forward
         if not isinstance(after, bool) and (size % after or after >= size):
             return (f"parallel.reshard_after_forward: {after} must divide the {size} ranks a copy of the model is "

@@ -173,3 +173,25 @@ def test_recipe_reference_page_lists_every_field():
     spec.loader.exec_module(generator)
     assert (REPO / "docs" / "recipe.md").read_text() == generator.page(), \
         "docs/recipe.md is stale: python docs/recipe_table.py"
+
+
+def test_expert_parallel_below_one_is_refused():
+    from llmtune.config import ParallelConfig
+    assert any("parallel.expert_parallel: 0" in p for p in ParallelConfig(expert_parallel=0).problems())
+
+
+def test_expert_parallel_with_context_parallel_is_refused():
+    from llmtune.config import ParallelConfig
+    assert any("cp_size 2" in p for p in ParallelConfig(expert_parallel=2, cp_size=2).problems())
+
+
+def test_expert_parallel_must_divide_dp_shard():
+    from llmtune.config import ParallelConfig
+    assert "does not divide dp_shard 3" in ParallelConfig(expert_parallel=2).layout_problem(3)
+    assert ParallelConfig(expert_parallel=2).layout_problem(4) is None
+
+
+def test_describe_names_expert_parallel_only_when_on():
+    from llmtune.config import ParallelConfig
+    assert "ep 2" in ParallelConfig(expert_parallel=2).describe(4)
+    assert "ep " not in ParallelConfig().describe(4)
