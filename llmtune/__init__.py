@@ -7,7 +7,10 @@ __version__ = "0.1.0"
 # Wherever torchao is installed (the qlora extra), transformers imports it with its modeling code, and the import
 # logs that torchao's CUDA kernels do not load (on a machine without them) and that a registration torchao makes in
 # torch is deprecated: lines on every run about nothing llmtune uses (NF4 is plain torch code). Errors still show.
-for _name in ("torchao", "torch.utils._pytree"):
+# Expert parallelism's experts lie on a 2-D (efsdp, ep) mesh, whose gradient norm and whole value (export) DTensor
+# reduces or gathers one mesh dimension after the other, and warns once per process that one collective would be
+# faster: for one scalar per step, and once per export. Nothing else logs there.
+for _name in ("torchao", "torch.utils._pytree", "torch.distributed.tensor._redistribute"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
 

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from llmtune.errors import UserError
 from llmtune.model.attention import backend_problems, resolve_backend
+from llmtune.model.expert_parallel import split_experts
 from llmtune.model.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum, token_logps
 from llmtune.model.pretrained import checkpoint_index, load_weights, weight_sources
 from llmtune.model.quantize import is_quantized
@@ -200,6 +201,17 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     # which would have nothing to shard anyway.
     alone = {p for p in hf_model.parameters() if is_quantized(p)} if state.shard_size == 1 else None
     options = {**state.shard_options(), "ignored_params": alone}
+    for experts in split_experts(hf_model):
+        # Experts split over ep ranks (parallel.expert_parallel) are sharded over the data-parallel ranks left
+        # (efsdp), before their layer takes the rest of it over every rank.
+        fully_shard(experts, mp_policy=policy, **{**options, **state.shard_options(experts=True)})
+        # An expert's gradient holds the tokens the ep ranks sent it, those of every data-parallel rank: averaged
+        # over all of them, as a dense weight's is, not over its efsdp ranks alone. Where a reduce-scatter runs,
+        # summed and then divided, since gloo lacks the premultiplied sum another factor would use; over one efsdp
+        # rank FSDP2 divides its copy of the gradient by the factor, and would divide it again after a summed
+        # reduction.
+        experts.set_gradient_divide_factor(state.world_size)
+        experts.set_force_sum_reduction_for_comms(state.expert_mesh["efsdp"].size() > 1)
     for layer in layers:
         fully_shard(layer, mp_policy=policy, **options)
     # The root (embeddings, lm_head) keeps FSDP2's own choice: gathered from forward to backward, which needs it first.

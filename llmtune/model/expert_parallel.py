@@ -8,7 +8,8 @@ ALL_EXPERTS_FUNCTIONS. `expert_parallel_forward`, registered there as EXPERT_PAR
 with no code of its own: on the rank that holds an expert, the family's own implementation (the one the model used
 before, eager, grouped_mm, ...) computes it, with the family's biases, gate activation and layout.
 
-A rank r of an EP group of N holds experts [r*E/N, (r+1)*E/N) (`shard_experts`: DTensors sharded on dim 0). Per layer and micro-batch:
+A rank r of an EP group of N holds experts [r*E/N, (r+1)*E/N) (`shard_experts`: DTensors sharded on dim 0). Per
+layer and micro-batch:
 1. the T x k (token, expert) pairs sorted by expert, so that the pairs for each rank are contiguous;
 2. the per-expert counts exchanged (one all-to-all of N x E/N integers, read back to the host for the splits);
 3. the pairs' hidden states exchanged with variable splits (autograd-aware all-to-all: its backward sends the
@@ -57,18 +58,25 @@ def shard_experts(model: torch.nn.Module, mesh: DeviceMesh) -> None:
     sharded on dim 0 (every parameter of an experts module is per expert: gate_up_proj, down_proj, gpt-oss's
     biases), this rank keeping its 1/N of the experts, and the model's experts go through EXPERT_PARALLEL. DTensors,
     so that FSDP2 can shard each expert further over other ranks of the same mesh's root (torchtitan's efsdp x ep)
-    and checkpoints see the whole tensor's shape."""
+    and checkpoints see the whole tensor's shape. The module's num_experts stays the model's (what the FLOP count
+    and the router read); `local_experts` is this rank's share."""
     for module in experts_modules(model):
         for name, parameter in list(module.named_parameters(recurse=False)):
             # Every rank holds the same whole tensor: each keeps its rows, with no communication.
             rows = distribute_tensor(parameter.detach(), mesh, [Shard(0)], src_data_rank=None)
             setattr(module, name, torch.nn.Parameter(rows, requires_grad=parameter.requires_grad))
-        module.num_experts //= mesh.size()
+        module.local_experts = module.num_experts // mesh.size()
         module.expert_parallel_group = mesh.get_group()
         module.local_experts_forward = _implementation(module, model.config._experts_implementation)
+        module.sent_bytes = 0
     # transformers accepts only registered names; registering again replaces the entry with itself.
     ALL_EXPERTS_FUNCTIONS.register(EXPERT_PARALLEL, expert_parallel_forward)
     model.set_experts_implementation(EXPERT_PARALLEL)
+
+
+def split_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules of `model` that shard_experts split."""
+    return [module for module in experts_modules(model) if hasattr(module, "expert_parallel_group")]
 
 
 def _implementation(module: torch.nn.Module, name: str):
@@ -81,8 +89,8 @@ def expert_parallel_forward(module, hidden_states: torch.Tensor, top_k_index: to
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' output [T, H] for this rank's tokens, the experts spread over `module.expert_parallel_group`
     (see the module's doc)."""
-    group, local = module.expert_parallel_group, module.num_experts
-    ranks = dist.get_world_size(group)
+    group, local = module.expert_parallel_group, module.local_experts
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
     tokens, top_k = top_k_index.shape
     pairs = top_k_index.reshape(-1)
     order = torch.argsort(pairs, stable=True)
@@ -90,6 +98,9 @@ def expert_parallel_forward(module, hidden_states: torch.Tensor, top_k_index: to
     received_per_expert = torch.empty_like(sent_per_expert)
     dist.all_to_all_single(received_per_expert, sent_per_expert, group=group)
     sent, received = torch.stack([sent_per_expert.sum(dim=1), received_per_expert.sum(dim=1)]).tolist()
+    if torch.is_grad_enabled():  # a training forward: the all-to-all volume metric's (ExpertParallel.step_metrics)
+        rows_out = sum(sent) - sent[me] + sum(received) - received[me]  # dispatched, then returned
+        module.sent_bytes += rows_out * hidden_states.shape[-1] * hidden_states.element_size()
     rows = _exchange(hidden_states[order // top_k], received, sent, group)
     experts = torch.arange(local, device=rows.device).repeat(ranks).repeat_interleave(received_per_expert.flatten())
     outputs = _run_local_experts(module, rows, experts[:, None])
@@ -120,11 +131,14 @@ def _run_local_experts(module, rows: torch.Tensor, experts: torch.Tensor) -> tor
 
 @contextmanager
 def _local_parameters(module):
-    """The module's DTensor parameters replaced by this rank's rows of them while the family's function runs (its
-    kernels take plain tensors); their backward gives the DTensors their gradients."""
+    """The module's DTensor parameters replaced by this rank's rows of them, and its num_experts by their count, while
+    the family's function runs (its kernels take plain tensors, its loops and one-hots count the experts it holds);
+    their backward gives the DTensors their gradients."""
     sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
     module._parameters.update({name: p.to_local() for name, p in sharded.items()})
+    module.num_experts, total = module.local_experts, module.num_experts
     try:
         yield
     finally:
         module._parameters.update(sharded)
+        module.num_experts = total

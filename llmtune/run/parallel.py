@@ -37,6 +37,9 @@ class ParallelState:
     # shares its error at once and one that dies closes its connections, so this timeout only ends a stalled wait.
     wait_group: object
     parallel: ParallelConfig  # the recipe's parallel section: the layout, offload and resharding choices
+    # Under parallel.expert_parallel n: ("dp_replicate", "efsdp", "ep") over the same ranks, ep the n consecutive
+    # ranks an experts module is split over, efsdp the shard ranks left to shard each expert; None without.
+    expert_mesh: DeviceMesh | None = None
 
     @classmethod
     def initialize(cls, parallel: ParallelConfig | None = None) -> "ParallelState":
@@ -73,8 +76,14 @@ class ParallelState:
         fsdp_mesh = init_device_mesh(device.type, (replicate, shard * cp),
                                      mesh_dim_names=("dp_replicate", "dp_shard_cp")) if replicate > 1 else \
             init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard_cp",))
+        ep = parallel.expert_parallel
+        # Consecutive ep ranks (the innermost dimension), like cp peers: on a node they are its GPUs, over which
+        # the all-to-alls run. One root mesh for both: FSDP2 shards a DTensor of its ep dimension over its efsdp one.
+        expert_mesh = init_device_mesh(device.type, (replicate, shard // ep, ep),
+                                       mesh_dim_names=("dp_replicate", "efsdp", "ep")) if ep > 1 else None
         wait_group = dist.new_group(backend="gloo", timeout=LONG_WAIT)
-        return cls(dist.get_rank(), world_size, local_rank, device, mesh, fsdp_mesh, wait_group, parallel)
+        return cls(dist.get_rank(), world_size, local_rank, device, mesh, fsdp_mesh, wait_group, parallel,
+                   expert_mesh)
 
     @property
     def cp_size(self) -> int:
@@ -107,13 +116,18 @@ class ParallelState:
         device for its forward and backward), else the device."""
         return torch.device("cpu") if self.parallel.cpu_offload else self.device
 
-    def shard_options(self) -> dict:
-        """fully_shard's arguments of the layout for a decoder layer or the root: the mesh the parameters are
-        sharded over (2-D under HSDP), their offload (CPUOffloadPolicy: parameters, gradients and the optimizer's
+    def shard_options(self, experts: bool = False) -> dict:
+        """fully_shard's arguments of the layout for a decoder layer or the root, or with `experts` for an experts
+        module split over the ep ranks: the mesh the parameters are sharded over (2-D under HSDP; the experts' efsdp
+        ranks, under HSDP with dp_replicate), their offload (CPUOffloadPolicy: parameters, gradients and the optimizer's
         step on the CPU, the copies to a GPU from pinned memory) and what a layer keeps after its forward."""
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.parallel.cpu_offload \
             else OffloadPolicy()
-        return {"mesh": self.fsdp_mesh, "offload_policy": offload,
+        mesh = self.fsdp_mesh
+        if experts:
+            mesh = self.expert_mesh["dp_replicate", "efsdp"] if self.parallel.dp_replicate > 1 \
+                else self.expert_mesh["efsdp"]
+        return {"mesh": mesh, "offload_policy": offload,
                 "reshard_after_forward": self.parallel.reshard_after_forward}
 
     def accumulate(self, model, last: bool) -> None:

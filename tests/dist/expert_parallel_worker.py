@@ -83,7 +83,7 @@ def check_dispatch(family, implementation: str, case: str) -> dict:
     got = experts(hidden_mine, index[mine], weights_mine)
     (got * cotangent[mine]).sum().backward()
 
-    local = experts.num_experts
+    local = experts.local_experts
     found = differences("output", got, expected[mine].detach())
     found += differences("hidden_states grad", hidden_mine.grad, hidden_all.grad[mine])
     found += differences("top_k_weights grad", weights_mine.grad, weights_all.grad[mine])

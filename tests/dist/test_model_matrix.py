@@ -6,8 +6,10 @@ gives the cp=1 (dp=2) losses (1e-5 relative; dropout off) where the family allow
 A backend the recipe names that the class cannot run is refused up front; `auto` picks one it can.
 
 Mixture-of-experts families load from the per-expert layout save_pretrained writes and export it back; their pt
-runs log aux_loss and expert_load where the model has a router loss. The cp comparison runs them with the router
-loss off: it is computed per cp slice (docs/moe.md), so it is not cp-invariant."""
+runs log aux_loss and expert_load where the model has a router loss. With their experts split over the 2
+processes (parallel.expert_parallel 2) they give the plain run's losses, router metrics and export (1e-5), and resume
+its checkpoint. The cp comparison runs them with the router loss off: it is computed per cp slice (docs/moe.md),
+so it is not cp-invariant."""
 
 import json
 import shutil
@@ -48,14 +50,17 @@ def without_dropout(folder, copy):
 
 def write_recipe(path, model, data, task, output_dir) -> str:
     """pt: blocks of 64 tokens; sft: packed rows of 96 (documents and sliding windows inside a row). A global
-    batch of 4 rows, 2 per micro-batch: 1 accumulation step on dp=2, 2 on dp=1 x cp=2."""
+    batch of 4 rows, 2 per micro-batch: 1 accumulation step on dp=2, 2 on dp=1 x cp=2. AdamW's epsilon at 1e-6:
+    an element whose gradient is near 0 (its parts cancelling) has last bits that depend on the order its parts are
+    summed in, which the usual 1e-8 would turn into an update differing by a percent of the learning rate between
+    layouts, where the runs' weights are compared."""
     path.write_text(yaml.safe_dump({
         "model": {"name_or_path": str(model)},
         "data": {"train_files": [str(data)], "max_seq_len": 64 if task == "pt" else 96,
                  **({"chat_template": "basic"} if task == "sft" else {})},
         "train": {"output_dir": str(output_dir), "max_steps": 4 if task == "pt" else 3,
                   "per_device_train_batch_size": 2, "global_batch_size": 4, "logging_steps": 1,
-                  "learning_rate": 2e-3},
+                  "learning_rate": 2e-3, "adam_epsilon": 1e-6},
         "checkpoint": {"export_dtype": "fp32", "export_hf": task == "pt", "save_steps": 2 if task == "pt" else 0},
         "monitor": {"console": False},
     }))
@@ -82,6 +87,17 @@ def matrix(bare_tokenizer, assets, sft_file, tmp_path_factory):
                   {"recipe": folders["pt_recipe"], "task": "pt", "overrides": [
                       f"train.output_dir={folders['pt_resumed']}", "checkpoint.save_steps=0",
                       f"checkpoint.resume_from_checkpoint={folders['pt'] / 'checkpoints' / 'global_step_2'}"]}]
+        if family.mixture_of_experts:
+            # Expert parallelism: the same pt run with each layer's 4 experts split 2 and 2 over the ranks, and the
+            # plain run's step-2 checkpoint resumed with them split.
+            folders["pt_ep2"], folders["pt_ep2_resumed"] = root / "pt_ep2", root / "pt_ep2_resumed"
+            cases += [{"recipe": folders["pt_recipe"], "task": "pt", "overrides": [
+                          f"train.output_dir={folders['pt_ep2']}", "parallel.expert_parallel=2",
+                          "checkpoint.save_steps=0"]},
+                      {"recipe": folders["pt_recipe"], "task": "pt", "overrides": [
+                          f"train.output_dir={folders['pt_ep2_resumed']}", "parallel.expert_parallel=2",
+                          "checkpoint.save_steps=0", "checkpoint.export_hf=false",
+                          f"checkpoint.resume_from_checkpoint={folders['pt'] / 'checkpoints' / 'global_step_2'}"]}]
         router_loss_off = ["train.router_aux_loss_coef=0"] if family.model_type in ROUTER_LOSS_IDS else []
         for cp in (1, 2) if family.model_type in CP_IDS else (1,):
             folders[f"sft_cp{cp}"] = root / f"sft_cp{cp}"
@@ -143,6 +159,30 @@ def test_mixture_of_experts_runs_log_the_router_loss_and_expert_load(matrix, fam
         assert all(r["aux_loss"] > 0 and 1.0 <= r["expert_load"] <= 2.0 for r in records)
     else:  # DeepSeek-V3: transformers defines no router loss for it
         assert not any("aux_loss" in r for r in records)
+
+
+MOE_IDS = [family.model_type for family in FAMILIES if family.mixture_of_experts]
+
+
+@pytest.mark.parametrize("family", MOE_IDS)
+def test_expert_parallel_gives_the_losses_metrics_and_export_of_the_plain_run(matrix, family):
+    """ep 2 (each rank holding 2 of a layer's 4 experts, its tokens sent to the other's by all-to-all): the plain
+    run's losses, gradient norms, router loss and expert load (1e-5 relative), and its export under the same names;
+    a plain checkpoint resumed with the experts split continues the plain curve."""
+    runs = matrix[family]
+    plain, split = read_metrics(runs["pt"]), read_metrics(runs["pt_ep2"])
+    assert [r["step"] for r in split] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", *(("aux_loss", "expert_load") if family in ROUTER_LOSS_IDS else ())):
+        assert [r[key] for r in split] == pytest.approx([r[key] for r in plain], rel=1e-5), key
+    assert all(r["expert_all_to_all_mib"] > 0 for r in split)
+    assert not any("expert_all_to_all_mib" in r for r in plain)
+    exported, expected = tensors(runs["pt_ep2"] / "hf"), tensors(runs["pt"] / "hf")
+    assert exported.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(exported[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    resumed = read_metrics(runs["pt_ep2_resumed"])
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx(losses(runs["pt"])[2:], rel=1e-5)
 
 
 def test_a_backend_the_class_cannot_run_is_refused_and_auto_picks_one(matrix, tmp_path, capsys):
