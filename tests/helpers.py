@@ -172,3 +172,20 @@ def launch_cases(cases: list[dict], folder: Path, nproc: int = 2, timeout: int =
                              str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def saved_state(folder: Path, tmp_path: Path) -> dict:
+    """A DCP checkpoint folder's whole content (model and optimizer, every tensor whole), read in this process."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = tmp_path / f"{folder.parent.parent.name}.pt"
+    dcp_to_torch_save(folder, target)
+    return torch.load(target, weights_only=True)
+
+
+def flat(state, prefix: str = "") -> dict:
+    """Every leaf of a nested checkpoint state, by its dotted path."""
+    if isinstance(state, dict):
+        return {key: value for name, sub in state.items() for key, value in flat(sub, f"{prefix}{name}.").items()}
+    return {prefix[:-1]: state}

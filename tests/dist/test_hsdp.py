@@ -12,9 +12,8 @@ import math
 import pytest
 import torch
 import yaml
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.helpers import launch_cases, read_metrics
+from tests.helpers import flat, launch_cases, read_metrics, saved_state
 
 SAVED = "checkpoints/global_step_2"
 # name: (the case's overrides of the recipe, whether it only resaves the checkpoint it resumes from)
@@ -84,19 +83,6 @@ def test_qlora_trains_the_same_losses_sharded_within_groups_or_replicated(runs):
     assert all(math.isfinite(loss) for _, loss, _ in sharded)
     assert [loss for _, loss, _ in replicated] == pytest.approx([loss for _, loss, _ in sharded], rel=1e-5)
     assert [norm for _, _, norm in replicated] == pytest.approx([norm for _, _, norm in sharded], rel=1e-5)
-
-
-def saved_state(folder, tmp_path):
-    target = tmp_path / f"{folder.parent.parent.name}.pt"
-    dcp_to_torch_save(folder, target)
-    return torch.load(target, weights_only=True)
-
-
-def flat(state, prefix=""):
-    """Every leaf of a nested checkpoint state, by its dotted path."""
-    if isinstance(state, dict):
-        return {key: value for name, sub in state.items() for key, value in flat(sub, f"{prefix}{name}.").items()}
-    return {prefix[:-1]: state}
 
 
 def test_checkpoint_written_by_hsdp_loads_bitwise_at_other_layouts(runs, tmp_path):
