@@ -10,9 +10,10 @@ micro-batch that is exactly the HF model's loss; it does not depend on how the s
 ranks and accumulation steps, but it does on their size (the load-balancing loss of a batch is not the mean of its
 parts' losses), and under context parallelism each rank's slice is one part.
 
-metrics.jsonl gets, for every training step: aux_loss, that token-weighted mean before the coefficient; and
-expert_load, for each layer the tokens routed to its busiest expert over the mean per expert (1: balanced; at worst
-experts / experts per token), of the least balanced layer.
+metrics.jsonl gets, for every training step: aux_loss, that token-weighted mean before the coefficient;
+expert_load/layer_<i>, for each mixture-of-experts decoder layer i the tokens routed to its busiest expert over the
+mean per expert (1: balanced; at worst experts / experts per token); and expert_load, that of the least balanced
+layer.
 """
 
 import sys
@@ -20,6 +21,8 @@ import sys
 import torch
 
 from llmtune.features.base import Feature
+from llmtune.model.build import decoder_layers
+from llmtune.model.expert_parallel import experts_modules
 from llmtune.model.loss import IGNORE_INDEX
 
 
@@ -50,6 +53,9 @@ class RouterLoss(Feature):
         self.coef = model_coef if recipe_coef is None else recipe_coef
         if self.coef:
             self.experts, self.top_k = hf_model.num_experts, hf_model.num_experts_per_tok
+            # The decoder layers with routed experts, in order: those whose routers record the router logits (a
+            # family may keep dense layers among them, as Qwen3-MoE's mlp_only_layers).
+            self.moe_layers = [i for i, layer in enumerate(decoder_layers(hf_model)) if experts_modules(layer)]
             self.loss_function = lambda logits, mask: function(logits, self.experts, self.top_k, mask)
 
     def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -76,5 +82,6 @@ class RouterLoss(Feature):
         totals = state.all_reduce_sum(torch.cat([torch.stack([self.weighted_aux, self.tokens]), self.routed.flatten()]))
         routed = totals[2:].view(-1, self.experts)
         self._reset()
-        return {"aux_loss": (totals[0] / totals[1].clamp(min=1)).item(),
-                "expert_load": (routed.max(dim=1).values / routed.mean(dim=1).clamp(min=1e-9)).max().item()}
+        loads = (routed.max(dim=1).values / routed.mean(dim=1).clamp(min=1e-9)).tolist()
+        return {"aux_loss": (totals[0] / totals[1].clamp(min=1)).item(), "expert_load": max(loads),
+                **{f"expert_load/layer_{layer}": load for layer, load in zip(self.moe_layers, loads, strict=True)}}

@@ -6,7 +6,8 @@ line per case and rank to OUT/reports.jsonl: the case, and the differences beyon
 MODE dispatch (2 processes, ep 2): for each experts implementation the family may compute with (eager: the class's
 own loop, grouped_mm: transformers' default), the first MoE layer's experts module alone, unsplit on every rank's
 tokens together, split on this rank's own: output, and gradients w.r.t. hidden states, routing weights and this
-rank's experts' parameters.
+rank's experts' parameters; and the bytes the experts module counts as sent to the other rank (the all-to-all
+volume metric's).
 
 MODE fsdp (4 processes, ep 2 x efsdp 2): the whole model, its experts split over ep and each expert sharded by FSDP2
 over the other two ranks, everything else sharded by FSDP2 over all four, each rank on a batch of its own: the
@@ -85,6 +86,13 @@ def check_dispatch(family, implementation: str, case: str) -> dict:
 
     local = experts.local_experts
     found = differences("output", got, expected[mine].detach())
+    # The all-to-all volume metric's count: this rank's pairs for the other rank's experts (dispatched) and the other
+    # rank's pairs for this one's (returned), each a row of hidden states in fp32.
+    owner, others = index // local, torch.ones(len(index), dtype=torch.bool)
+    others[mine] = False
+    crossing = int((owner[mine] != rank).sum() + (owner[others] == rank).sum())
+    if experts.sent_bytes != crossing * hidden_size * 4:
+        found.append(f"sent_bytes {experts.sent_bytes}, expected {crossing * hidden_size * 4}")
     found += differences("hidden_states grad", hidden_mine.grad, hidden_all.grad[mine])
     found += differences("top_k_weights grad", weights_mine.grad, weights_all.grad[mine])
     for name, parameter in reference.named_parameters():

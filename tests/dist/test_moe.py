@@ -17,11 +17,13 @@ from tests.helpers import launch_cases, read_metrics
 @pytest.fixture(scope="module")
 def runs(bare_tokenizer, assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    Qwen3MoeConfig(vocab_size=len(bare_tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                   num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=8, max_position_embeddings=256, router_aux_loss_coef=0.3,
-                   bos_token_id=bare_tokenizer.bos_token_id, eos_token_id=bare_tokenizer.eos_token_id,
-                   pad_token_id=bare_tokenizer.pad_token_id).save_pretrained(root / "model")
+    shapes = dict(vocab_size=len(bare_tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                  num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=256, router_aux_loss_coef=0.3, bos_token_id=bare_tokenizer.bos_token_id,
+                  eos_token_id=bare_tokenizer.eos_token_id, pad_token_id=bare_tokenizer.pad_token_id)
+    Qwen3MoeConfig(num_hidden_layers=2, **shapes).save_pretrained(root / "model")
+    # 3 layers, the middle one dense: the per-layer expert load is named by decoder layer.
+    Qwen3MoeConfig(num_hidden_layers=3, mlp_only_layers=[1], **shapes).save_pretrained(root / "model_dense_middle")
     recipe = root / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "model": {"config": str(root / "model"), "tokenizer": str(assets / "tokenizer")},
@@ -31,12 +33,14 @@ def runs(bare_tokenizer, assets, tmp_path_factory):
         "checkpoint": {"export_hf": False},
         "monitor": {"console": False},
     }))
-    out = {name: root / name for name in ("dp2", "dp1", "dp1_without_router_loss")}
+    out = {name: root / name for name in ("dp2", "dp1", "dp1_without_router_loss", "dense_middle")}
     launch_cases([{"recipe": str(recipe), "task": "pt", "overrides": [f"train.output_dir={out['dp2']}"]}], root,
                  timeout=600)
     run_case(str(recipe), [f"train.output_dir={out['dp1']}"], 1, task="pt")
     run_case(str(recipe), [f"train.output_dir={out['dp1_without_router_loss']}", "train.router_aux_loss_coef=0"], 1,
              task="pt")
+    run_case(str(recipe), [f"train.output_dir={out['dense_middle']}", f"model.config={root / 'model_dense_middle'}"],
+             1, task="pt")
     return out
 
 
@@ -71,3 +75,14 @@ def test_metrics_have_the_aux_loss_and_the_expert_load(runs):
     without = read_metrics(runs["dp1_without_router_loss"])
     assert "aux_loss" not in without[0]
     assert one[0]["loss"] - without[0]["loss"] == pytest.approx(0.3 * one[0]["aux_loss"], rel=1e-5)
+
+
+def test_the_expert_load_of_each_layer_is_logged_by_its_decoder_layer(runs):
+    """expert_load/layer_<i> for each decoder layer with experts, the dense ones left out; expert_load is the
+    largest."""
+    for name, layers in (("dp1", [0, 1]), ("dense_middle", [0, 2])):
+        for record in read_metrics(runs[name]):
+            loads = {key: value for key, value in record.items() if key.startswith("expert_load/")}
+            assert sorted(loads) == [f"expert_load/layer_{i}" for i in layers], name
+            assert all(1.0 <= load <= 2.0 for load in loads.values())
+            assert record["expert_load"] == max(loads.values())
