@@ -4,7 +4,8 @@ config before any weight is read or any process started.
 Sizes of parameters, gradients and AdamW's moments come from the model built on the meta device, sharded the way
 FSDP2 shards it (dim 0 split over every rank, padded). Activations are not estimated by a formula per model family:
 the decoder's forward runs on meta tensors for one micro-batch and every tensor autograd saves for backward is
-counted, the way benchmarks/context_parallel.py counts a real step. Two things make that trace the run's own:
+counted (but the weights, which FSDP2 frees after forward), the way benchmarks/context_parallel.py counts a real
+step. Two things make that trace the run's own:
 attention calls the kernel a real CPU run calls (torch picks its math fallback for meta tensors, which would save
 the [sequence, sequence] weights a flash kernel never holds), and the model's data-dependent checks (is this row
 packed? is the mask all ones?) are answered with the plain case, as no data exists. The step's peak is then the
@@ -143,7 +144,10 @@ class _PlainData(TorchDispatchMode):
 
 def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, list[int]]:
     """(bytes autograd saves outside the decoder layers, bytes each layer saves) in the decoder's forward of
-    `rows` x `tokens` on the meta device, each storage counted once."""
+    `rows` x `tokens` on the meta device, each storage counted once. The weights autograd saves (a matmul keeps its
+    weight for the input's gradient) are left out: under FSDP2 they are the gathered weights, whose storage is freed
+    after the layer's forward and gathered again for its backward, which Plan.gathered counts."""
+    weights = {p.untyped_storage()._cdata for p in hf_model.parameters()}
     owner, current = {}, [None]
     hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: current.__setitem__(0, i))
              for i, layer in enumerate(layers)]
@@ -152,7 +156,8 @@ def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, li
 
     def keep(tensor):
         storage = tensor.untyped_storage()
-        owner.setdefault(storage._cdata, (current[0], storage.nbytes()))
+        if storage._cdata not in weights:
+            owner.setdefault(storage._cdata, (current[0], storage.nbytes()))
         return tensor
 
     ids = torch.zeros((rows, tokens), dtype=torch.long, device="meta")
