@@ -56,9 +56,12 @@ def test_meta_trace_counts_what_a_real_forward_saves(config, dtype):
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     ids = torch.randint(0, 256, (2, 256))
-    outside, per_layer = saved_activations(meta, decoder_layers(meta), 2, 256)
+    outside, per_layer, routed = saved_activations(meta, decoder_layers(meta), 2, 256)
     assert outside + sum(per_layer) == real_saved_bytes(real, ids)
     assert len(per_layer) == 2 and per_layer[0] > 0 and outside > 0
+    # The (token, expert) pairs' hidden states of a layer: 2 x 256 tokens, 2 experts each, 128 values of `dtype`.
+    pairs = 2 * 256 * 2 if isinstance(config, Qwen3MoeConfig) else 0
+    assert routed == pairs * 128 * dtype.itemsize
     # What the trace leaves out is every weight of the decoder but the embeddings (a lookup keeps only the ids).
     saved = real_saved(real, ids)
     decoder = real.get_decoder()
