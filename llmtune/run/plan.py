@@ -85,7 +85,7 @@ class Plan:
     quantized: int = 0  # model.quantize: parameters held in nf4, whole model
     dequantized: int = 0  # model.quantize: the transient dequantization of the largest quantized weight
     experts: int = 0  # experts of a mixture-of-experts layer (the most of any layer; 0: none)
-    routed: int = 0  # the hidden states of one layer's (token, expert) pairs, [T x k, hidden] in the compute dtype
+    routed: int = 0  # the largest layer's (token, expert) pairs' hidden states, [T x k, hidden] in the compute dtype
 
     @property
     def kept_whole(self) -> bool:
@@ -108,8 +108,7 @@ class Plan:
     def dispatch(self) -> int:
         """parallel.expert_parallel's all-to-all buffers of the MoE layer in flight, with balanced routing (each rank
         receives as many pairs as it sends): the pairs sorted by expert to be sent, those received and the experts'
-        outputs sent back, each `routed`. What the experts save for backward is in the activations already: the
-        unsplit forward the plan traces saves as much for the same number of pairs."""
+        outputs sent back, each `routed`. What the split forward saves for backward is in the activations."""
         return 3 * self.routed if self.layout.ep > 1 else 0
 
     @property
@@ -164,14 +163,14 @@ class _PlainData(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, list[int], int]:
-    """(bytes autograd saves outside the decoder layers, bytes each layer saves, bytes of the largest experts
-    module's pairs) in the decoder's forward of `rows` x `tokens` on the meta device, each storage counted once.
+def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, list[int], list[int]]:
+    """(bytes autograd saves outside the decoder layers, bytes each layer saves, bytes of each layer's experts'
+    pairs) in the decoder's forward of `rows` x `tokens` on the meta device, each storage counted once.
     The weights autograd saves (a matmul keeps its weight for the input's gradient) are left out: under FSDP2 they
     are the gathered weights, whose storage is freed after the layer's forward and gathered again for its backward,
     which Plan.gathered counts. The pairs: the hidden states of the (token, expert) pairs an experts module
-    computes, [T x k, hidden] in their dtype, what expert parallelism sends to the experts' ranks (0 without
-    experts)."""
+    computes, [T x k, hidden] in their dtype, what expert parallelism sends to the experts' ranks (0 in a layer
+    without experts)."""
     from llmtune.model.expert_parallel import experts_modules
 
     weights = {p.untyped_storage()._cdata for p in hf_model.parameters()}
@@ -180,12 +179,12 @@ def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, li
              for i, layer in enumerate(layers)]
     hooks += [layer.register_forward_hook(lambda module, args, out: current.__setitem__(0, None))
               for layer in layers]
-    pairs = [0]
+    pairs = [0] * len(layers)
 
     def routed(module, args):
         # Every family calls its experts with (hidden_states [T, H], top_k_index [T, k], top_k_weights).
         hidden_states, top_k_index = args[:2]
-        pairs[0] = max(pairs[0], top_k_index.numel() * hidden_states.shape[-1] * hidden_states.element_size())
+        pairs[current[0]] += top_k_index.numel() * hidden_states.shape[-1] * hidden_states.element_size()
     hooks += [module.register_forward_pre_hook(routed) for module in experts_modules(hf_model)]
 
     def keep(tensor):
@@ -208,7 +207,7 @@ def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, li
             outside += nbytes
         else:
             per_layer[layer] += nbytes
-    return outside, per_layer, pairs[0]
+    return outside, per_layer, pairs
 
 
 def shard_bytes(param: torch.Tensor, world_size: int, itemsize: int, split: int = 1) -> int:
@@ -290,6 +289,10 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     trained = sum(sized(p, layout.shard, 4) for p in trainable)
     tokens = math.ceil(layout.seq_len / layout.cp)
     outside, per_layer, routed = saved_activations(hf_model, layers, layout.micro_batch, tokens)
+    if layout.ep > 1:
+        # The split forward saves what the traced one does, and the outputs its experts' ranks sent back too, kept
+        # for the routing weights' gradient (model/expert_parallel.py).
+        per_layer = [saved + pairs for saved, pairs in zip(per_layer, routed)]
     hidden = model_config.get_text_config().hidden_size
     layer_inputs = len(layers) * layout.micro_batch * tokens * hidden * compute
     without = outside + sum(per_layer)
@@ -313,7 +316,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
         reshard_after_forward=parallel.reshard_after_forward, prefetch=parallel.prefetch_layers,
         reshard_between=parallel.reshard_between_micro_batches, quantized=sum(quantized.values()),
         dequantized=dequantized_bytes(max(quantized.values()), nf4) if quantized else 0,
-        experts=max((module.num_experts for module in experts), default=0), routed=routed)
+        experts=max((module.num_experts for module in experts), default=0), routed=max(routed))
 
 
 def gib(nbytes: float) -> str:

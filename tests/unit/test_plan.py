@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3MoeConfig
 
 from llmtune.config import load_config
@@ -38,8 +39,9 @@ def real_saved(hf_model, ids) -> dict[int, int]:
 
 
 def real_saved_bytes(hf_model, ids) -> int:
-    """What a real forward saves but the model's weights (which FSDP2 frees after forward)."""
-    weights = {p.data_ptr() for p in hf_model.parameters()}
+    """What a real forward saves but the model's weights (which FSDP2 frees after forward; a DTensor's, its rank's
+    rows)."""
+    weights = {(p.to_local() if isinstance(p, DTensor) else p).data_ptr() for p in hf_model.parameters()}
     return sum(nbytes for address, nbytes in real_saved(hf_model, ids).items() if address not in weights)
 
 
@@ -59,9 +61,9 @@ def test_meta_trace_counts_what_a_real_forward_saves(config, dtype):
     outside, per_layer, routed = saved_activations(meta, decoder_layers(meta), 2, 256)
     assert outside + sum(per_layer) == real_saved_bytes(real, ids)
     assert len(per_layer) == 2 and per_layer[0] > 0 and outside > 0
-    # The (token, expert) pairs' hidden states of a layer: 2 x 256 tokens, 2 experts each, 128 values of `dtype`.
+    # The (token, expert) pairs' hidden states of each layer: 2 x 256 tokens, 2 experts each, 128 values of `dtype`.
     pairs = 2 * 256 * 2 if isinstance(config, Qwen3MoeConfig) else 0
-    assert routed == pairs * 128 * dtype.itemsize
+    assert routed == [pairs * 128 * dtype.itemsize] * 2
     # What the trace leaves out is every weight of the decoder but the embeddings (a lookup keeps only the ids).
     saved = real_saved(real, ids)
     decoder = real.get_decoder()

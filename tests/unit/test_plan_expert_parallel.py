@@ -6,12 +6,16 @@ number is computed here from the model's shapes. Predicted against measured: ben
 import pytest
 import torch
 import yaml
-from transformers import LlamaConfig, Qwen3MoeConfig
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
 from llmtune.config import load_config
 from llmtune.model.build import load_model_config
+from llmtune.model.expert_parallel import shard_experts
 from llmtune.run import cli
+from llmtune.run.parallel import ParallelState
 from llmtune.run.plan import GIB, USABLE_FRACTION, changes, cheapest_fit, gib, plan_memory, shard_bytes
+from tests.unit.test_plan import real_saved_bytes
 
 HIDDEN, EXPERTS, MOE_INTERMEDIATE, TOP_K, LAYERS = 128, 8, 64, 2, 2
 MOE = dict(vocab_size=256, hidden_size=HIDDEN, intermediate_size=344, num_hidden_layers=LAYERS,
@@ -20,6 +24,8 @@ MOE = dict(vocab_size=256, hidden_size=HIDDEN, intermediate_size=344, num_hidden
 SEQ_LEN, MICRO_BATCH = 256, 2
 # One layer's experts: gate_up_proj [E, 2I, H] and down_proj [E, H, I], bf16.
 EXPERTS_BYTES = EXPERTS * 3 * MOE_INTERMEDIATE * HIDDEN * 2
+# One layer's (token, expert) pairs' hidden states, bf16.
+PAIRS_BYTES = MICRO_BATCH * SEQ_LEN * TOP_K * HIDDEN * 2
 
 
 @pytest.fixture
@@ -62,7 +68,6 @@ def test_each_rank_stores_the_same_share_of_the_experts_but_gathers_only_its_own
     assert plain.largest_layer - split.largest_layer == EXPERTS_BYTES // 2
     assert plain.all_layers - split.all_layers == LAYERS * EXPERTS_BYTES // 2
     assert plain.gathered - split.gathered == 3 * EXPERTS_BYTES // 2
-    assert split.activations == plain.activations
     assert (split.experts, split.layout.ep, split.layout.efsdp) == (EXPERTS, 2, 2)
 
 
@@ -70,17 +75,43 @@ def test_the_dispatch_buffers_are_three_times_the_pairs_hidden_states_with_balan
     """Per rank, the layer in backward holds its pairs sorted to be sent, those received and the outputs sent
     back: 3 x (micro-batch x tokens x k) rows of the hidden size in bf16; a rank that receives all of its ep
     group's pairs, ep times the received and returned rows."""
-    pairs_bytes = MICRO_BATCH * SEQ_LEN * TOP_K * HIDDEN * 2
     plain = planned(moe_recipe(), 4)
     split = planned(moe_recipe(), 4, "parallel.expert_parallel=2")
     quarters = planned(moe_recipe(), 4, "parallel.expert_parallel=4")
     assert plain.dispatch == plain.dispatch_worst == 0
-    assert split.dispatch == quarters.dispatch == 3 * pairs_bytes
-    assert split.dispatch_worst == (1 + 2 * 2) * pairs_bytes
-    assert quarters.dispatch_worst == (1 + 2 * 4) * pairs_bytes
-    assert split.peak - plain.peak == 3 * pairs_bytes - 3 * EXPERTS_BYTES // 2
+    assert split.dispatch == quarters.dispatch == 3 * PAIRS_BYTES
+    assert split.dispatch_worst == (1 + 2 * 2) * PAIRS_BYTES
+    assert quarters.dispatch_worst == (1 + 2 * 4) * PAIRS_BYTES
+    assert split.peak - plain.peak == 3 * PAIRS_BYTES + LAYERS * PAIRS_BYTES - 3 * EXPERTS_BYTES // 2
     # A layer's 2 experts alone, each whole on its rank (efsdp 1).
     assert plain.largest_layer - quarters.largest_layer == EXPERTS_BYTES * 3 // 4
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_split_forward_also_keeps_the_returned_outputs_of_each_layer(moe_recipe, checkpointing):
+    """For the routing weights' gradient each MoE layer keeps the [T x k, hidden] outputs its experts' ranks sent
+    back: every layer's until backward, or with checkpointing the one recomputed."""
+    plain = planned(moe_recipe(gradient_checkpointing=checkpointing), 4)
+    split = planned(moe_recipe(gradient_checkpointing=checkpointing), 4, "parallel.expert_parallel=2")
+    assert split.activations - plain.activations == (1 if checkpointing else LAYERS) * PAIRS_BYTES
+    assert split.activations_other - plain.activations_other == (LAYERS if checkpointing else 1) * PAIRS_BYTES
+
+
+def test_the_activations_of_a_split_model_are_what_its_forward_saves(moe_recipe):
+    """A real forward of the experts split over an ep group of one rank, where every pair stays (balanced), saves
+    what the plan counts for the same layers and micro-batch (fp32, the weights left out as the plan leaves them),
+    but for the pairs' order (int64) and routing weights each split layer keeps too: 12 bytes a pair, 0.2% here."""
+    plan = planned(moe_recipe(bf16=False), 2, "parallel.expert_parallel=2")
+    state = ParallelState.initialize()
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**MOE), attn_implementation="sdpa",
+                                                 dtype=torch.float32)
+        shard_experts(model, init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
+        saved = real_saved_bytes(model, torch.randint(0, 256, (MICRO_BATCH, SEQ_LEN)))
+    finally:
+        state.close()
+    assert saved - plan.activations == LAYERS * MICRO_BATCH * SEQ_LEN * TOP_K * (8 + 4)
 
 
 def test_whole_gradients_between_micro_batches_are_the_ranks_own_experts(moe_recipe):
@@ -129,14 +160,14 @@ def test_the_fit_advice_offers_expert_parallelism_after_the_free_changes_and_bef
 
 
 def test_the_cheapest_change_is_expert_parallelism_where_the_gathered_experts_do_not_fit(moe_recipe):
-    """Rows of 32 tokens: the dispatch buffers (3 x 2 x 32 x 2 pairs of 128 bf16 values, 96 KiB) are less than
-    the experts a layer no longer gathers (3 layers x 4 experts, 576 KiB), so ep 2 lowers the peak; with
-    checkpointing and the chunked loss already on, it is the first change offered."""
+    """Rows of 32 tokens: the dispatch buffers and the outputs the recomputed layer keeps (4 x 2 x 32 x 2 pairs of
+    128 bf16 values, 128 KiB) are less than the experts a layer no longer gathers (3 layers x 4 experts, 576 KiB),
+    so ep 2 lowers the peak; with checkpointing and the chunked loss already on, it is the first change offered."""
     short = "data.max_seq_len=32"
     config = load_config(moe_recipe(gradient_checkpointing=True), [short], "pt", 4)
     model_config = load_model_config(config.model)
     split = planned(moe_recipe(gradient_checkpointing=True), 4, short, "parallel.expert_parallel=2")
-    assert plan_memory(config, model_config, 4).peak - split.peak == 3 * EXPERTS_BYTES // 2 - 3 * 2 * 32 * 2 * 128 * 2
+    assert plan_memory(config, model_config, 4).peak - split.peak == 3 * EXPERTS_BYTES // 2 - 4 * 2 * 32 * 2 * 128 * 2
     device = split.peak / GIB / USABLE_FRACTION * 1.001
     assert cheapest_fit(config, model_config, 4, device).startswith("parallel.expert_parallel: 2 ")
 
