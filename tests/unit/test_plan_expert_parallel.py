@@ -1,7 +1,8 @@
 """`llmtune plan` under parallel.expert_parallel: each rank stores the same share of the experts as without it, but
-a layer gathers only its rank's E/N experts; the all-to-all buffers of the layer in flight are added, with balanced
-routing; the render names both; the fit advice offers expert parallelism for a mixture of experts. Every expected
-number is computed here from the model's shapes. Predicted against measured: benchmarks/plan_accuracy.py."""
+a layer gathers only its rank's E/N experts; the all-to-all buffers of the layer in flight (balanced routing) and
+the outputs sent back that each layer keeps are added; the render names the experts and the buffers; the fit advice
+offers expert parallelism for a mixture of experts. Every expected number is computed here from the model's shapes.
+Predicted against measured: benchmarks/plan_accuracy.py."""
 
 import pytest
 import torch
