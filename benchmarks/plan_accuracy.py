@@ -1,5 +1,6 @@
 """`llmtune plan` against the run: the predicted peak of a training step per rank next to the peak the step
-measures, on CPU, for layouts of 1 and 2 ranks, activation checkpointing on and off, and context parallelism.
+measures, on CPU, for layouts of 1 and 2 ranks, activation checkpointing on and off, and context parallelism; then,
+for a mixture of experts, 2 ranks with and without expert parallelism.
 
     python -m benchmarks.plan_accuracy [--seq-len 1024] [--layers 4]
 
@@ -10,7 +11,7 @@ has AdamW's moments), then one measured step. Its peak is counted in tensors, as
 counts it: the bytes live before the step (every storage of the parameters, buffers and optimizer state) plus the
 profiler's highest total of bytes allocated during the step (less what earlier cases left in that total). The
 largest rank is shown. The 2-rank cases run one after another in one launch (torchrun, whose start-up takes
-seconds), the 1-rank ones in this process. tests/dist/test_plan_peaks.py holds three of these cases to 25%.
+seconds), the 1-rank ones in this process. tests/dist/test_plan_peaks.py holds some of these cases to 25%.
 """
 
 import argparse
@@ -38,13 +39,26 @@ CASES = [
     ("2 ranks, no resharding between micro-batches", ["parallel.reshard_between_micro_batches=false"], 2),
     ("2 ranks, 2 layers prefetched", ["parallel.prefetch_layers=2"], 2),
 ]
+# The mixture of experts' (write_model with EXPERTS): its experts are most of its weights, the gathered layer's too.
+EXPERTS = 32
+MOE_CASES = [
+    ("2 ranks", [], 2),
+    ("2 ranks, ep 2", ["parallel.expert_parallel=2"], 2),
+    ("2 ranks, checkpointing", ["train.gradient_checkpointing=true"], 2),
+    ("2 ranks, ep 2, checkpointing", ["parallel.expert_parallel=2", "train.gradient_checkpointing=true"], 2),
+]
 
 
-def write_model(folder: Path, layers: int, seq_len: int) -> None:
-    from transformers import LlamaConfig
+def write_model(folder: Path, layers: int, seq_len: int, experts: int = 0) -> None:
+    """A Llama, or with `experts` a Qwen3-MoE of the same attention, vocabulary and hidden size whose layers each
+    have that many experts of 256, two per token."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
-    LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
-                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq_len).save_pretrained(folder)
+    shape = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=layers, num_attention_heads=8,
+                 num_key_value_heads=4, max_position_embeddings=seq_len)
+    config = Qwen3MoeConfig(**shape, head_dim=32, num_experts=experts, num_experts_per_tok=2,
+                            moe_intermediate_size=256) if experts else LlamaConfig(**shape, intermediate_size=688)
+    config.save_pretrained(folder)
 
 
 def case_config(model_dir: str, seq_len: int, overrides: list[str], world_size: int):
@@ -183,19 +197,21 @@ def main() -> None:
             with open(out, "a") as f:
                 f.write(json.dumps({"case": number, "peak": peak}) + "\n")
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        write_model(model_dir, args.layers, args.seq_len)
-        print(f"Llama hidden 256, {args.layers} layers, vocab 2048, fp32, micro-batch 2 x {args.seq_len} tokens, "
-              "accumulation 2, chunked loss 512; MiB per rank")
-        print(f"| {'layout':<30} | {'predicted':>9} | {'measured':>9} | {'predicted / measured':>20} |")
-        print(f"|{'-' * 32}|{'-' * 11}:|{'-' * 11}:|{'-' * 22}:|")
-        measured_peaks = measure_cases(model_dir, args.seq_len, [(overrides, ranks) for _, overrides, ranks in CASES],
-                                       Path(tmp))
-        for (name, overrides, ranks), measured in zip(CASES, measured_peaks):
-            plan = predicted(case_config(str(model_dir), args.seq_len, overrides, ranks), ranks)
-            print(f"| {name:<30} | {plan / 2**20:9.1f} | {measured / 2**20:9.1f} | {plan / measured:20.2f} |",
-                  flush=True)
+    for model, experts, cases in (("Llama", 0, CASES),
+                                  (f"Qwen3-MoE of {EXPERTS} experts of 256 (2 per token),", EXPERTS, MOE_CASES)):
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = Path(tmp) / "model"
+            write_model(model_dir, args.layers, args.seq_len, experts)
+            print(f"\n{model} hidden 256, {args.layers} layers, vocab 2048, fp32, micro-batch 2 x {args.seq_len} "
+                  "tokens, accumulation 2, chunked loss 512; MiB per rank")
+            print(f"| {'layout':<30} | {'predicted':>9} | {'measured':>9} | {'predicted / measured':>20} |")
+            print(f"|{'-' * 32}|{'-' * 11}:|{'-' * 11}:|{'-' * 22}:|")
+            measured_peaks = measure_cases(model_dir, args.seq_len,
+                                           [(overrides, ranks) for _, overrides, ranks in cases], Path(tmp))
+            for (name, overrides, ranks), measured in zip(cases, measured_peaks):
+                plan = predicted(case_config(str(model_dir), args.seq_len, overrides, ranks), ranks)
+                print(f"| {name:<30} | {plan / 2**20:9.1f} | {measured / 2**20:9.1f} | {plan / measured:20.2f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ config before any weight is read or any process started.
 Sizes of parameters, gradients and AdamW's moments come from the model built on the meta device, sharded the way
 FSDP2 shards it (dim 0 split over every rank, padded). Activations are not estimated by a formula per model family:
 the decoder's forward runs on meta tensors for one micro-batch and every tensor autograd saves for backward is
-counted, the way benchmarks/context_parallel.py counts a real step. Two things make that trace the run's own:
+counted (but the weights, which FSDP2 frees after forward), the way benchmarks/context_parallel.py counts a real
+step. Two things make that trace the run's own:
 attention calls the kernel a real CPU run calls (torch picks its math fallback for meta tensors, which would save
 the [sequence, sequence] weights a flash kernel never holds), and the model's data-dependent checks (is this row
 packed? is the mask all ones?) are answered with the plain case, as no data exists. The step's peak is then the
@@ -37,6 +38,7 @@ class Layout:
     accumulation: int
     seq_len: int
     replicate: int = 1  # parallel.dp_replicate: HSDP's groups, each holding a whole sharded copy
+    ep: int = 1  # parallel.expert_parallel: the ranks each MoE layer's experts are split over
 
     @property
     def dp(self) -> int:
@@ -46,6 +48,11 @@ class Layout:
     def shard(self) -> int:
         """The ranks each parameter is sharded over."""
         return self.world_size // self.replicate
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks each expert-parallel rank's share of the experts is sharded over."""
+        return self.shard // self.ep
 
     @property
     def tokens_per_step(self) -> int:
@@ -71,12 +78,14 @@ class Plan:
     averages: int = 0  # train.ema_decay's moving averages: an fp32 copy of the trained parameters per decay
     reference: int = 0  # a preference task's frozen reference copy (dpo.reference: model), in the compute dtype
     offload: bool = False  # parallel.cpu_offload: the sharded state (parameters, gradients, optimizer, copies) on the CPU
-    whole_grads: int = 0  # the trained parameters' fp32 gradients, unsharded
+    whole_grads: int = 0  # the trained parameters' fp32 gradients, unsharded (of the rank's own experts under ep)
     reshard_after_forward: bool | int = True  # parallel.reshard_after_forward
     prefetch: int = 1  # parallel.prefetch_layers
     reshard_between: bool = True  # parallel.reshard_between_micro_batches
     quantized: int = 0  # model.quantize: parameters held in nf4, whole model
     dequantized: int = 0  # model.quantize: the transient dequantization of the largest quantized weight
+    experts: int = 0  # experts of a mixture-of-experts layer (the most of any layer; 0: none)
+    routed: int = 0  # the largest layer's (token, expert) pairs' hidden states, [T x k, hidden] in the compute dtype
 
     @property
     def kept_whole(self) -> bool:
@@ -96,15 +105,28 @@ class Plan:
         return kept + min((1 + self.prefetch) * self.largest_layer, self.all_layers) + self.largest_layer
 
     @property
+    def dispatch(self) -> int:
+        """parallel.expert_parallel's all-to-all buffers of the MoE layer in flight, with balanced routing (each rank
+        receives as many pairs as it sends): the pairs sorted by expert to be sent, those received and the experts'
+        outputs sent back, each `routed`. What the split forward saves for backward is in the activations."""
+        return 3 * self.routed if self.layout.ep > 1 else 0
+
+    @property
+    def dispatch_worst(self) -> int:
+        """The dispatch buffers of a rank whose experts receive every pair of its ep group: ep times the pairs."""
+        return (1 + 2 * self.layout.ep) * self.routed if self.layout.ep > 1 else 0
+
+    @property
     def peak(self) -> int:
         """At the start of backward every activation is still held, the loss has made its gradients, the root and
         the `gathered` layers are gathered, and a quantized layer dequantizes one weight; from the second micro-batch
         on (accumulation) the gradients exist: the sharded ones (with the sharded state, on the CPU under
-        cpu_offload), or whole on the device while they stay unreduced between micro-batches."""
+        cpu_offload), or whole on the device while they stay unreduced between micro-batches; under expert
+        parallelism the last layer's backward holds its dispatch buffers."""
         grads = self.grads if self.layout.accumulation > 1 and not self.kept_whole else 0
         state = 0 if self.offload else self.sharded_state(grads)
         return state + (self.whole_grads if self.kept_whole else 0) + self.root + self.gathered + self.dequantized \
-            + self.activations + self.loss
+            + self.dispatch + self.activations + self.loss
 
     def sharded_state(self, grads: int) -> int:
         """The sharded parameters, optimizer state, moving averages, reference copy and `grads` of gradients: on the
@@ -141,18 +163,34 @@ class _PlainData(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, list[int]]:
-    """(bytes autograd saves outside the decoder layers, bytes each layer saves) in the decoder's forward of
-    `rows` x `tokens` on the meta device, each storage counted once."""
+def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, list[int], list[int]]:
+    """(bytes autograd saves outside the decoder layers, bytes each layer saves, bytes of each layer's experts'
+    pairs) in the decoder's forward of `rows` x `tokens` on the meta device, each storage counted once.
+    The weights autograd saves (a matmul keeps its weight for the input's gradient) are left out: under FSDP2 they
+    are the gathered weights, whose storage is freed after the layer's forward and gathered again for its backward,
+    which Plan.gathered counts. The pairs: the hidden states of the (token, expert) pairs an experts module
+    computes, [T x k, hidden] in their dtype, what expert parallelism sends to the experts' ranks (0 in a layer
+    without experts)."""
+    from llmtune.model.expert_parallel import experts_modules
+
+    weights = {p.untyped_storage()._cdata for p in hf_model.parameters()}
     owner, current = {}, [None]
     hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: current.__setitem__(0, i))
              for i, layer in enumerate(layers)]
     hooks += [layer.register_forward_hook(lambda module, args, out: current.__setitem__(0, None))
               for layer in layers]
+    pairs = [0] * len(layers)
+
+    def routed(module, args):
+        # Every family calls its experts with (hidden_states [T, H], top_k_index [T, k], top_k_weights).
+        hidden_states, top_k_index = args[:2]
+        pairs[current[0]] += top_k_index.numel() * hidden_states.shape[-1] * hidden_states.element_size()
+    hooks += [module.register_forward_pre_hook(routed) for module in experts_modules(hf_model)]
 
     def keep(tensor):
         storage = tensor.untyped_storage()
-        owner.setdefault(storage._cdata, (current[0], storage.nbytes()))
+        if storage._cdata not in weights:
+            owner.setdefault(storage._cdata, (current[0], storage.nbytes()))
         return tensor
 
     ids = torch.zeros((rows, tokens), dtype=torch.long, device="meta")
@@ -169,14 +207,16 @@ def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, li
             outside += nbytes
         else:
             per_layer[layer] += nbytes
-    return outside, per_layer
+    return outside, per_layer, pairs
 
 
-def shard_bytes(param: torch.Tensor, world_size: int, itemsize: int) -> int:
-    """One rank's share of `param` as FSDP2 shards it: dim 0 split in world_size rows of ceil(dim0 / world_size)."""
+def shard_bytes(param: torch.Tensor, world_size: int, itemsize: int, split: int = 1) -> int:
+    """One rank's share of `param` as FSDP2 shards it: dim 0 split in world_size rows of ceil(dim0 / world_size).
+    split: dim 0 first cut in `split` equal parts, one of which FSDP2 shards (an experts module's parameter under
+    expert parallelism: a rank's E / split experts)."""
     if param.dim() == 0:
         return itemsize
-    rows = math.ceil(param.shape[0] / world_size)
+    rows = math.ceil(param.shape[0] // split / world_size)
     return rows * (param.numel() // max(param.shape[0], 1)) * itemsize
 
 
@@ -199,6 +239,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     from llmtune.features.registry import enabled_features
     from llmtune.model.attention import resolve_backend
     from llmtune.model.build import HALF_DTYPES, decoder_layers, meta_model
+    from llmtune.model.expert_parallel import experts_modules
     from llmtune.model.quantize import dequantized_bytes, nf4_bytes, quantized_linears, storage_dtype
 
     train = config.train
@@ -225,18 +266,33 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     quantized = {id(linear.weight): linear.weight.numel() for linear in quantized_linears(hf_model, layers).values()
                  } if config.model.quantize != "none" else {}
 
-    def sized(p, ranks: int, itemsize: int) -> int:
-        """One rank's bytes of `p` on `ranks` ranks, `itemsize` bytes a value unless quantized."""
-        return nf4_bytes(quantized[id(p)] // ranks, nf4) if id(p) in quantized else shard_bytes(p, ranks, itemsize)
-
-    # Stored as the run stores them (model.build_model): fp32 master weights, frozen ones in the compute dtype.
     parallel = config.parallel
     layout = Layout(world_size, parallel.cp_size, train.per_device_train_batch_size,
-                    train.gradient_accumulation_steps, config.data.max_seq_len, parallel.dp_replicate)
+                    train.gradient_accumulation_steps, config.data.max_seq_len, parallel.dp_replicate,
+                    parallel.expert_parallel)
+    experts = experts_modules(hf_model)
+    # parallel.expert_parallel: the experts modules' parameters split over the ep ranks (model/expert_parallel.py).
+    split = {id(p) for module in experts for p in module.parameters(recurse=False)} if layout.ep > 1 else set()
+
+    def sized(p, ranks: int, itemsize: int) -> int:
+        """One rank's bytes of `p` sharded over `ranks` ranks (1: gathered whole), `itemsize` bytes a value unless
+        quantized. A split expert's parameter: the rank's E / ep experts, sharded over ranks / ep of them (the efsdp
+        ranks), so that a layer gathers those experts alone."""
+        if id(p) in quantized:
+            return nf4_bytes(quantized[id(p)] // ranks, nf4)
+        if id(p) in split:
+            return shard_bytes(p, math.ceil(ranks / layout.ep), itemsize, split=layout.ep)
+        return shard_bytes(p, ranks, itemsize)
+
+    # Stored as the run stores them (model.build_model): fp32 master weights, frozen ones in the compute dtype.
     stored = sum(sized(p, layout.shard, 4 if p.requires_grad or not half else 2) for p in params)
-    trained = sum(shard_bytes(p, layout.shard, 4) for p in trainable)
+    trained = sum(sized(p, layout.shard, 4) for p in trainable)
     tokens = math.ceil(layout.seq_len / layout.cp)
-    outside, per_layer = saved_activations(hf_model, layers, layout.micro_batch, tokens)
+    outside, per_layer, routed = saved_activations(hf_model, layers, layout.micro_batch, tokens)
+    if layout.ep > 1:
+        # The split forward saves what the traced one does, and the outputs its experts' ranks sent back too, kept
+        # for the routing weights' gradient (model/expert_parallel.py).
+        per_layer = [saved + pairs for saved, pairs in zip(per_layer, routed)]
     hidden = model_config.get_text_config().hidden_size
     layer_inputs = len(layers) * layout.micro_batch * tokens * hidden * compute
     without = outside + sum(per_layer)
@@ -256,10 +312,11 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
         # Every weight frozen, so stored in the compute dtype (model/build.py), the quantized ones in NF4; the shapes of
         # the policy's model (dpo.ref_model is another checkpoint of it).
         reference=sum(sized(p, layout.shard, compute) for p in params) if config.holds_reference_copy() else 0,
-        offload=parallel.cpu_offload, whole_grads=sum(p.numel() for p in trainable) * 4,
+        offload=parallel.cpu_offload, whole_grads=sum(sized(p, 1, 4) for p in trainable),
         reshard_after_forward=parallel.reshard_after_forward, prefetch=parallel.prefetch_layers,
         reshard_between=parallel.reshard_between_micro_batches, quantized=sum(quantized.values()),
-        dequantized=dequantized_bytes(max(quantized.values()), nf4) if quantized else 0)
+        dequantized=dequantized_bytes(max(quantized.values()), nf4) if quantized else 0,
+        experts=max((module.num_experts for module in experts), default=0), routed=max(routed))
 
 
 def gib(nbytes: float) -> str:
@@ -268,12 +325,15 @@ def gib(nbytes: float) -> str:
 
 def changes(config, world_size: int, model_config):
     """(what to change, the config with it, its world size), cheapest first: the resharding choices that spend memory
-    to save collectives taken back, what costs no hardware and no accuracy (checkpointing, the chunked loss), then a
-    smaller micro-batch (the global batch kept by accumulation), context parallelism (sequences split over ranks),
-    fewer HSDP replicas (each sharded over more ranks, its collectives wider), CPU offload (slower steps), more
-    ranks, adapters, and adapters on a 4-bit base (where the model's linear weights can be quantized on these
-    ranks)."""
+    to save collectives taken back, what costs no hardware and no accuracy (checkpointing, the chunked loss, and for
+    a mixture of experts expert parallelism: each layer gathers 1/N of its experts, its tokens sent to them by
+    all-to-all), then a smaller micro-batch (the global batch kept by accumulation), context parallelism (sequences
+    split over ranks), fewer HSDP replicas (each sharded over more ranks, its collectives wider), CPU offload (slower
+    steps), more ranks, adapters, and adapters on a 4-bit base (where the model's linear weights can be quantized on
+    these ranks)."""
     from llmtune.features.quantization import base_problems
+    from llmtune.model.build import meta_model
+    from llmtune.model.expert_parallel import experts_modules
 
     train, parallel = config.train, config.parallel
     memory_for_speed = {"reshard_after_forward": parallel.reshard_after_forward is not True,
@@ -288,6 +348,16 @@ def changes(config, world_size: int, model_config):
                replace(config, train=replace(train, gradient_checkpointing=True)), world_size)
     if not train.chunk_loss_size:
         yield "train.chunk_loss_size: 1024", replace(config, train=replace(train, chunk_loss_size=1024)), world_size
+    # Expert parallelism cannot share ranks with context parallelism yet. The degrees double from the recipe's while
+    # they divide the shard ranks and every layer's experts: where one does not, twice it does not either.
+    counts = {module.num_experts for module in experts_modules(meta_model(model_config, config.model))} \
+        if parallel.cp_size == 1 else set()
+    shard, ep = parallel.shard_size(world_size), parallel.expert_parallel * 2
+    while counts and shard % ep == 0 and all(count % ep == 0 for count in counts):
+        yield (f"parallel.expert_parallel: {ep} (each rank gathers {max(counts) // ep} of a layer's {max(counts)} "
+               "experts, tokens sent to them by all-to-all)",
+               replace(config, parallel=replace(parallel, expert_parallel=ep)), world_size)
+        ep *= 2
     micro = train.per_device_train_batch_size
     while micro > 1:
         micro //= 2
@@ -383,6 +453,8 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
           if plan.reference else []),
         (f"decoder layers gathered, with one gradient ({dtype})", plan.gathered),
         *([("largest quantized weight dequantized, transient", plan.dequantized)] if plan.dequantized else []),
+        *([("expert all-to-all buffers, balanced routing", plan.dispatch),
+           (f"  (all pairs to one rank's experts: {gib(plan.dispatch_worst)})", None)] if plan.dispatch else []),
         (f"embeddings, lm_head and norm, gathered ({dtype})", plan.root),
         (f"activations per micro-batch, checkpointing {checkpointing}", plan.activations),
         (f"  (checkpointing {'off' if train.gradient_checkpointing else 'on'}: {gib(plan.activations_other)})", None),
@@ -398,6 +470,9 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         *([f"quantization: nf4 (model.quantize), {plan.quantized / 1e9:.3g}B parameters of the frozen base's linear "
            "layers in 4 bits, about 0.52 bytes each with their scales"] if plan.quantized else []),
         f"layout: {config.parallel.describe(layout.world_size)}",
+        *([f"experts per rank: {plan.experts // layout.ep} of each layer's {plan.experts}, "
+           + (f"each sharded over {layout.efsdp} ranks" if layout.efsdp > 1 else "each whole on the rank")
+           + f"; a layer gathers only these {plan.experts // layout.ep}"] if layout.ep > 1 else []),
         f"batch: micro-batch {layout.micro_batch} x {layout.seq_len} tokens ({math.ceil(layout.seq_len / layout.cp)} "
         f"per rank), accumulation {layout.accumulation}; {layout.tokens_per_step:,} tokens per optimizer step",
         "per rank:",

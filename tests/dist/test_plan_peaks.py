@@ -1,11 +1,11 @@
 """`llmtune plan` against the run: the peak it predicts for a training step per rank is within 25% of the peak
 the step measures (tensor bytes, counted as benchmarks/plan_accuracy.py counts them; its table in docs/plan.md has
-more layouts), on 1 and 2 ranks, with checkpointing, with context parallelism, and with the layers kept gathered
-after forward or between micro-batches."""
+more layouts), on 1 and 2 ranks, with checkpointing, with context parallelism, with the layers kept gathered
+after forward or between micro-batches, and for a mixture of experts split over 2 ranks by expert parallelism."""
 
 import pytest
 
-from benchmarks.plan_accuracy import case_config, measure_cases, predicted, write_model
+from benchmarks.plan_accuracy import EXPERTS, case_config, measure_cases, predicted, write_model
 
 SEQ_LEN = 512
 # (overrides, ranks)
@@ -31,6 +31,17 @@ def test_predicted_peak_within_25_percent_of_measured(model_dir, measured, case)
     overrides, ranks = CASES[case]
     plan = predicted(case_config(str(model_dir), SEQ_LEN, overrides, ranks), ranks)
     assert abs(plan / measured[case] - 1) <= 0.25, (plan / 2**20, measured[case] / 2**20)
+
+
+def test_expert_parallel_peak_within_25_percent_of_measured(tmp_path):
+    """Each rank gathers half of a layer's experts and holds the tokens' all-to-all buffers (a plan that counted
+    every expert gathered and each layer's weights twice, in the activations too, was 45% above this measure)."""
+    model_dir = tmp_path / "moe"
+    write_model(model_dir, layers=2, seq_len=SEQ_LEN, experts=EXPERTS)
+    overrides = ["parallel.expert_parallel=2"]
+    [measured] = measure_cases(model_dir, SEQ_LEN, [(overrides, 2)], tmp_path)
+    plan = predicted(case_config(str(model_dir), SEQ_LEN, overrides, 2), 2)
+    assert abs(plan / measured - 1) <= 0.25, (plan / 2**20, measured / 2**20)
 
 
 def load_cases(model_dir: str, count: int) -> int:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3MoeConfig
 
 from llmtune.config import load_config
@@ -24,7 +25,8 @@ LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_
              num_key_value_heads=2)
 
 
-def real_saved_bytes(hf_model, ids) -> int:
+def real_saved(hf_model, ids) -> dict[int, int]:
+    """{storage address: bytes} of every storage autograd saves in a real forward of the decoder."""
     storages = {}
 
     def keep(tensor):
@@ -33,7 +35,14 @@ def real_saved_bytes(hf_model, ids) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         hf_model.get_decoder()(input_ids=ids, use_cache=False)
-    return sum(storages.values())
+    return storages
+
+
+def real_saved_bytes(hf_model, ids) -> int:
+    """What a real forward saves but the model's weights (which FSDP2 frees after forward; a DTensor's, its rank's
+    rows)."""
+    weights = {(p.to_local() if isinstance(p, DTensor) else p).data_ptr() for p in hf_model.parameters()}
+    return sum(nbytes for address, nbytes in real_saved(hf_model, ids).items() if address not in weights)
 
 
 @pytest.mark.parametrize("config, dtype", [
@@ -49,9 +58,17 @@ def test_meta_trace_counts_what_a_real_forward_saves(config, dtype):
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     ids = torch.randint(0, 256, (2, 256))
-    outside, per_layer = saved_activations(meta, decoder_layers(meta), 2, 256)
+    outside, per_layer, routed = saved_activations(meta, decoder_layers(meta), 2, 256)
     assert outside + sum(per_layer) == real_saved_bytes(real, ids)
     assert len(per_layer) == 2 and per_layer[0] > 0 and outside > 0
+    # The (token, expert) pairs' hidden states of each layer: 2 x 256 tokens, 2 experts each, 128 values of `dtype`.
+    pairs = 2 * 256 * 2 if isinstance(config, Qwen3MoeConfig) else 0
+    assert routed == [pairs * 128 * dtype.itemsize] * 2
+    # What the trace leaves out is every weight of the decoder but the embeddings (a lookup keeps only the ids).
+    saved = real_saved(real, ids)
+    decoder = real.get_decoder()
+    assert sum(saved[p.data_ptr()] for p in decoder.parameters() if p.data_ptr() in saved) == \
+        sum(p.nbytes for p in decoder.parameters()) - decoder.embed_tokens.weight.nbytes
 
 
 def test_a_class_without_sdpa_is_planned_with_the_eager_attention_auto_gives_it(tmp_path):
