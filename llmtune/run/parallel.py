@@ -123,12 +123,16 @@ class ParallelState:
         step on the CPU, the copies to a GPU from pinned memory) and what a layer keeps after its forward."""
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.parallel.cpu_offload \
             else OffloadPolicy()
-        mesh = self.fsdp_mesh
+        mesh, after = self.fsdp_mesh, self.parallel.reshard_after_forward
         if experts:
             mesh = self.expert_mesh["dp_replicate", "efsdp"] if self.parallel.dp_replicate > 1 \
                 else self.expert_mesh["efsdp"]
-        return {"mesh": mesh, "offload_policy": offload,
-                "reshard_after_forward": self.parallel.reshard_after_forward}
+            # reshard_after_forward n names groups of the dense layers' shard ranks (a node's GPUs); the efsdp ranks
+            # of an expert are one per ep group, across them: where n does not divide them, the experts reshard
+            # fully (their gathered share, E / ep experts, is the small one).
+            if not isinstance(after, bool) and self.expert_mesh["efsdp"].size() % after:
+                after = True
+        return {"mesh": mesh, "offload_policy": offload, "reshard_after_forward": after}
 
     def accumulate(self, model, last: bool) -> None:
         """Set `model` (FSDP2) for a micro-batch of a step; `last`: the step's last one. By default each micro-batch's
