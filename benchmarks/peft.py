@@ -62,8 +62,15 @@ def local_bytes(tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def worker(variant: str, root: Path) -> None:
-    """Under torchrun: train the variant; rank 0 writes every rank's figures to root/<variant>.json."""
+def peak_rss_bytes() -> int:
+    """The process's peak RSS so far (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(variant: str, root: Path, probe=None) -> None:
+    """Under torchrun: train the variant; rank 0 writes every rank's figures to root/<variant>.json.
+    probe(trainer) -> dict, called once the trainer is built: figures of its own that it may fill while the trainer
+    trains (from hooks), added to the rank's."""
     import torch
     import torch.distributed as dist
 
@@ -74,16 +81,21 @@ def worker(variant: str, root: Path) -> None:
     config = load_config(str(root / f"{variant}.yaml"), [], "pt", int(os.environ["WORLD_SIZE"]))
     state = ParallelState.initialize(config.parallel)
     try:
+        baseline = peak_rss_bytes()
         trainer, _ = build_trainer(config, state)
+        loaded = peak_rss_bytes()
+        figures = probe(trainer) if probe else {}
         trainer.train()
         params = list(trainer.model.parameters())
         mine = {"optimizer_bytes": sum(local_bytes(value) for per_param in trainer.optimizer.state.values()
                                        for value in per_param.values() if isinstance(value, torch.Tensor)),
                 # This rank's parameters as stored (a quantized base in its packed form).
                 "parameter_bytes": sum(local_bytes(p) for p in params),
-                # ru_maxrss is in KiB on Linux: the whole process's peak, loading and saving included.
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "device_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
+                # The whole process's peak, loading and saving included; and the peak before the build (Python,
+                # torch, llmtune, the process group) and once the model is loaded, from which a step's share shows.
+                "peak_rss_bytes": peak_rss_bytes(), "baseline_rss_bytes": baseline, "load_rss_bytes": loaded,
+                "device_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+                **figures}
         ranks = [None] * state.world_size
         dist.all_gather_object(ranks, mine)
         if state.is_main:
@@ -94,14 +106,15 @@ def worker(variant: str, root: Path) -> None:
         state.close()
 
 
-def measure(root: Path, variant: str, args, sections: dict, nproc: int = 2) -> dict:
-    """Train `variant` (its recipe sections) in a launch of `nproc` processes of its own; its figures."""
+def measure(root: Path, variant: str, args, sections: dict, nproc: int = 2, module: str = "benchmarks.peft") -> dict:
+    """Train `variant` (its recipe sections) in a launch of `nproc` processes of its own; its figures, with the
+    metrics.jsonl records of the steps after the warm-up. module: the benchmark whose --worker trains it."""
     steps = args.warmup + args.steps
     write_recipe(root, variant, args, sections)
     print(f"training {variant} ...", file=sys.stderr, flush=True)
     # As a module, from the repository: run as a file, this folder would come first on sys.path.
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                          "-m", "benchmarks.peft", "--worker", variant, str(root)], cwd=REPO, capture_output=True,
+                          "-m", module, "--worker", variant, str(root)], cwd=REPO, capture_output=True,
                          text=True)
     if run.returncode:
         sys.exit(f"the {variant} run failed:\n{run.stderr[-6000:]}")
@@ -111,25 +124,26 @@ def measure(root: Path, variant: str, args, sections: dict, nproc: int = 2) -> d
     return {**result,
             # logging_steps 1: each record's step_time_s is that one step's (data, forward/backward, optimizer).
             "step_time_s": statistics.median(r["step_time_s"] for r in records[args.warmup:]),
+            "records": records[args.warmup:],
             "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()),
             "optimizer_bytes": sum(r["optimizer_bytes"] for r in result["ranks"]),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in result["ranks"])}
 
 
-def write_model_and_data(root: Path, args) -> None:
-    """root/assets: the demo's tokenizer and corpus; root/model: a random Llama of args' shape (hidden, intermediate,
-    layers), saved as a user's pretrained model."""
+def write_model_and_data(root: Path, args, make_model=None) -> None:
+    """root/assets: the demo's tokenizer and corpus; root/model: a random model saved as a user's pretrained model,
+    make_model(vocab_size)'s (default: a Llama of args' shape: hidden, intermediate, layers)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from llmtune.demo.assets import write_demo_assets
 
     write_demo_assets(root / "assets")
+    vocab = len(AutoTokenizer.from_pretrained(root / "assets" / "tokenizer"))
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(AutoTokenizer.from_pretrained(root / "assets" / "tokenizer")), hidden_size=args.hidden,
-        intermediate_size=args.intermediate or 4 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False))
+    model = make_model(vocab) if make_model else LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate or 4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False))
     model.save_pretrained(root / "model")
 
 
