@@ -9,7 +9,8 @@ save_pretrained, so that its experts are stored one by one as on the Hub. It tra
 (benchmarks/peft.py's worker: llmtune's own trainer, pt on the demo corpus, SEQ x BATCH tokens per rank, AdamW,
 the router loss, activation checkpointing, fp32, no checkpoint), WARMUP + STEPS steps, in a torchrun launch (gloo,
 CPU) of its own per case: for each process count of --nproc, plain FSDP2 (ep 1) and every
-parallel.expert_parallel N > 1 that divides it. One process is a case too (--nproc 1 2): FSDP2 then shards nothing.
+parallel.expert_parallel N > 1 that divides it. One process is a case too (--nproc 1 2): FSDP2 then shards nothing,
+and its process has every core (torchrun gives each of several processes one thread).
 
 Per case, the largest rank's figures:
 - params: the bytes of the parameters the rank holds between steps (its FSDP2 shards); experts: those of the
@@ -19,9 +20,13 @@ Per case, the largest rank's figures:
   them): every expert of the layer under plain FSDP2, the rank's E/N under expert parallelism. FSDP2 may hold the
   next layer's gathered beside it (its prefetch).
 - load RSS, step RSS: the process's peak RSS once the model is loaded and at the end of training, minus its peak
-  before the build (Python, torch, transformers and the process group): what the run itself added.
+  before the build (Python, torch, transformers and the process group): what the run itself added. On CPU llmtune
+  keeps the memory tensors free in the heap (llmtune/run/cpu_memory.py), so this is the heap's high-water mark,
+  which blocks of many sizes (plain FSDP2's gathered layers, unsharded gradients and their flat copies) fragment:
+  more than the tensors alive at once, and varying by some hundreds of MiB from run to run.
 - step time: the mean over the STEPS steps after the WARMUP ones (metrics.jsonl's step_time_s, rank 0's: data,
-  forward and backward, optimizer). On a few shared CPU cores it moves by several percent from run to run.
+  forward and backward, optimizer). On CPU cores that other jobs share it moved by up to 2x between runs, and the
+  ratios with it: run it twice (--json keeps each step's time).
 - all-to-all: metrics.jsonl's expert_all_to_all_mib, the MiB of token states a rank sent to other ranks' experts and
   back in a step's forwards (the mean over ranks and steps; its backward sends as much again); plain FSDP2 sends
   no tokens, and all-gathers the experts' weights instead.
@@ -90,6 +95,7 @@ def case_figures(result: dict) -> dict:
             "load_rss_bytes": max(r["load_rss_bytes"] - r["baseline_rss_bytes"] for r in ranks),
             "step_rss_bytes": max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in ranks),
             "step_time_s": statistics.mean(r["step_time_s"] for r in result["records"]),
+            "step_times_s": [r["step_time_s"] for r in result["records"]],  # for the --json, to judge the noise
             "all_to_all_mib": statistics.mean(volumes) if volumes else None,
             "total_params": result["total_params"]}
 
@@ -125,11 +131,11 @@ def main() -> None:
         print(f"| {name:<20} | " + " | ".join("-".rjust(14) if row[key] is None else f"{row[key] / divisor:>14{form}}"
                                               for _, key, divisor, form in COLUMNS) + " |")
     titles = {key: title.rsplit(" ", 1)[0] for title, key, *_ in COLUMNS}  # without the unit
-    print("\nexpert parallelism / plain FSDP2 on as many processes:")
-    for (n, ep), row in figures.items():
-        if ep > 1:
-            plain = figures[n, 1]
-            print(f"  {n}, ep {ep}: " + ", ".join(f"{titles[key]} {row[key] / plain[key]:.2f}" for key in RATIOS))
+    split = [(n, ep) for n, ep in figures if ep > 1]
+    print("\nexpert parallelism / plain FSDP2 on as many processes:" if split else "")
+    for n, ep in split:
+        row, plain = figures[n, ep], figures[n, 1]
+        print(f"  {n}, ep {ep}: " + ", ".join(f"{titles[key]} {row[key] / plain[key]:.2f}" for key in RATIOS))
     if args.json:
         args.json.write_text(json.dumps([{"processes": n, "expert_parallel": ep, **row}
                                          for (n, ep), row in figures.items()], indent=1))
