@@ -189,3 +189,15 @@ def flat(state, prefix: str = "") -> dict:
     if isinstance(state, dict):
         return {key: value for name, sub in state.items() for key, value in flat(sub, f"{prefix}{name}.").items()}
     return {prefix[:-1]: state}
+
+
+def assert_loads_bitwise(written: dict, reloaded: dict, layout: str) -> None:
+    """Two flat checkpoint states (flat(saved_state(...))) hold the same keys and every value bitwise."""
+    import torch
+
+    assert reloaded.keys() == written.keys(), layout
+    for key, value in written.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(reloaded[key], value), f"{layout}: {key}"
+        else:
+            assert reloaded[key] == value, f"{layout}: {key}"

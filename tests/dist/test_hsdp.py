@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import flat, launch_cases, read_metrics, saved_state
+from tests.helpers import assert_loads_bitwise, flat, launch_cases, read_metrics, saved_state
 
 SAVED = "checkpoints/global_step_2"
 # name: (the case's overrides of the recipe, whether it only resaves the checkpoint it resumes from)
@@ -89,13 +89,7 @@ def test_checkpoint_written_by_hsdp_loads_bitwise_at_other_layouts(runs, tmp_pat
     written = flat(saved_state(runs["hsdp"] / SAVED, tmp_path))
     assert any(key.startswith("optim.state.") for key in written)
     for layout in ("at_shard4", "at_replicate4"):
-        reloaded = flat(saved_state(runs[layout] / SAVED, tmp_path))
-        assert reloaded.keys() == written.keys(), layout
-        for key, value in written.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(reloaded[key], value), f"{layout}: {key}"
-            else:
-                assert reloaded[key] == value, f"{layout}: {key}"
+        assert_loads_bitwise(written, flat(saved_state(runs[layout] / SAVED, tmp_path)), layout)
 
 
 def test_resume_at_another_layout_continues_the_curve(runs):
