@@ -10,7 +10,6 @@ replicated on every rank."""
 import math
 
 import pytest
-import torch
 import yaml
 
 from tests.helpers import assert_loads_bitwise, flat, launch_cases, read_metrics, saved_state
