@@ -1,11 +1,11 @@
 """GPU throughput of `llmtune pt`: tokens/s per GPU, MFU and peak memory of a Llama-3-shaped model trained from
 random weights (nothing downloaded), beside the figures torchtitan publishes for Llama-3.1-8B on 8 H100s.
 
-    python benchmarks/gpu.py [--model 8b|1b] [--seq 8192] [--batch 1] [--steps 20] [--warmup 5] [--nproc N]
-                             [--checkpointing on|off|both] [--compile on|off|both] [--attn auto] [--fused-kernels]
-                             [--document-mask on|off] [--out DIR]
+    python benchmarks/gpu.py [--model 8b|3b|1b] [--seq 8192] [--batch 1] [--steps 20] [--warmup 5] [--nproc N]
+                             [--checkpointing on|off|both] [--compile on|off|both] [--fp8 on|off|both] [--attn auto]
+                             [--fused-kernels] [--document-mask on|off] [--out DIR]
 
-Each configuration (activation checkpointing on/off x torch.compile on/off) is one `llmtune pt RECIPE --nproc N`
+Each configuration (activation checkpointing on/off x torch.compile on/off x float8 training on/off) is one `llmtune pt RECIPE --nproc N`
 run (torchrun underneath when N > 1) of warmup + steps optimizer steps, bf16, on packed rows of seq tokens: a
 corpus of documents of random lengths (log-uniform from 128 to 2 x seq tokens), so position_ids restart inside
 rows and, with the document mask on (llmtune's default), attention stays inside each document. From the run's
@@ -33,10 +33,12 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Llama-3.1-8B and Llama-3.2-1B as their config.json describe them (rope scaling left out: it changes no FLOP).
+# Llama-3.1-8B, Llama-3.2-3B and Llama-3.2-1B as their config.json describe them (rope scaling left out: it changes no FLOP).
 SHAPES = {
     "8b": ("Llama-3.1-8B", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                 intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)),
+    "3b": ("Llama-3.2-3B", dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                                intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
     "1b": ("Llama-3.2-1B", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                                 intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
 }
@@ -49,7 +51,7 @@ TORCHTITAN_GPUS = 8
 TORCHTITAN = [("FSDP", 5762, 82.4), ("FSDP + torch.compile", 6667, 77.0)]
 
 MIN_DOC_TOKENS = 128
-SWITCHES = {"on": (True,), "off": (False,), "both": (False, True)}  # --checkpointing, --compile
+SWITCHES = {"on": (True,), "off": (False,), "both": (False, True)}  # --checkpointing, --compile, --fp8
 
 
 def at_least(minimum: int):
@@ -63,7 +65,8 @@ def at_least(minimum: int):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--model", choices=tuple(SHAPES), help="model shape: 8b (Llama-3.1-8B) or 1b (Llama-3.2-1B); "
+    parser.add_argument("--model", choices=tuple(SHAPES), help="model shape: 8b (Llama-3.1-8B), 3b (Llama-3.2-3B) or "
+                        "1b (Llama-3.2-1B); "
                         "default 8b on more than one GPU, else 1b (the 8B's weights and AdamW state do not fit one)")
     parser.add_argument("--seq", type=at_least(2), default=8192, help="tokens per packed row (data.max_seq_len); "
                         "default %(default)s")
@@ -78,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(train.gradient_checkpointing); both runs each; default %(default)s")
     parser.add_argument("--compile", choices=tuple(SWITCHES), default="both", help="torch.compile of each decoder "
                         "layer (train.compile); both runs each; default %(default)s")
+    parser.add_argument("--fp8", choices=tuple(SWITCHES), default="off", help="float8 training of the large linear "
+                        "layers (train.fp8; needs torchao and a GPU with float8 tensor cores); both runs each; default "
+                        "%(default)s")
     parser.add_argument("--attn", default="auto", help="attention backend (model.attn_implementation); default "
                         "%(default)s: flash attention where installed, else sdpa")
     parser.add_argument("--fused-kernels", action="store_true", help="Liger's fused kernels (train.fused_kernels: "
@@ -127,15 +133,19 @@ def write_inputs(out: Path, shape: dict, args, nproc: int) -> tuple[Path, Path, 
     return model_dir, out / "assets" / "tokenizer", corpus
 
 
-def write_recipe(run_dir: Path, inputs: tuple[Path, Path, Path], args, checkpointing: bool, compiled: bool) -> Path:
+def write_recipe(run_dir: Path, inputs: tuple[Path, Path, Path], args, checkpointing: bool, compiled: bool,
+                 fp8: bool) -> Path:
     """run_dir/recipe.yaml: a pt run with one metrics record per step and nothing saved."""
     model_dir, tokenizer, corpus = inputs
     run_dir.mkdir(parents=True, exist_ok=True)
     train = {"output_dir": str(run_dir), "max_steps": args.warmup + args.steps, "logging_steps": 1,
              "per_device_train_batch_size": args.batch, "bf16": True, "gradient_checkpointing": checkpointing,
              "compile": compiled}
-    if args.fused_kernels:  # only when asked: the recipe stays valid for an llmtune without the key
+    # Only when asked: the recipe stays valid for an llmtune without the keys.
+    if args.fused_kernels:
         train["fused_kernels"] = True
+    if fp8:
+        train["fp8"] = True
     recipe = run_dir / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "model": {"config": str(model_dir), "tokenizer": str(tokenizer), "attn_implementation": args.attn},
@@ -190,9 +200,12 @@ def run_all(out: Path, args, model: str, nproc: int) -> None:
           f"per GPU, bf16, packed rows (document mask {args.document_mask}), attention {args.attn}"
           f"{', fused kernels' if args.fused_kernels else ''}; {args.steps} steps timed after {args.warmup}")
     print(f"{'configuration':<34} {'GPUs':>4} {'tokens/s/GPU':>13} {'MFU':>6} {'peak GiB':>9}")
-    for checkpointing, compiled in itertools.product(SWITCHES[args.checkpointing], SWITCHES[args.compile]):
-        label = f"checkpointing {'on' if checkpointing else 'off'}, compile {'on' if compiled else 'off'}"
-        recipe = write_recipe(out / label.replace(", ", "_").replace(" ", "_"), inputs, args, checkpointing, compiled)
+    for checkpointing, compiled, fp8 in itertools.product(SWITCHES[args.checkpointing], SWITCHES[args.compile],
+                                                          SWITCHES[args.fp8]):
+        label = f"checkpointing {'on' if checkpointing else 'off'}, compile {'on' if compiled else 'off'}" + \
+            (", fp8" if fp8 else "")
+        recipe = write_recipe(out / label.replace(", ", "_").replace(" ", "_"), inputs, args, checkpointing, compiled,
+                              fp8)
         result = measure(recipe, nproc, args.warmup)
         if "failed" in result:
             print(f"{label:<34} {nproc:>4} failed ({result['failed']})", flush=True)

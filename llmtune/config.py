@@ -325,6 +325,11 @@ class TrainConfig:
                                "scaling (as torch's GradScaler: from 65536, halved on a step whose gradients "
                                "overflow, which is skipped, doubled after 2000 good steps); for GPUs without bf16. "
                                "Not with bf16.")
+    fp8: bool = _field(False, "float8 matmuls (torchao's float8 training, rowwise scaling) in the decoder layers' "
+                              "linear layers large enough to gain (torchao's size filter; the others stay bf16), on "
+                              "GPUs with float8 tensor cores (compute capability 8.9+: H100, H200, L4, ...); needs "
+                              "train.bf16 and torchao (pip install -e \".[fp8]\"). Weights, gradients, checkpoints "
+                              "and exports stay as without it.")
     chunk_loss_size: int = _field(1024, "Tokens per chunk of the LM loss, computed from the hidden states without "
                                         "the full [tokens, vocab] logits; 0 computes the full logits.")
     fused_kernels: bool = _field(False, "Liger's fused kernels on CUDA: fused linear cross-entropy for the loss and "
@@ -393,6 +398,8 @@ class TrainConfig:
                 if not re.fullmatch(r"[\w.]+:[\w.]+", path)]
         if self.bf16 and self.fp16:
             out.append("train.fp16: and train.bf16 are both on; choose one compute precision")
+        if self.fp8 and not self.bf16:
+            out.append("train.fp8: float8 training computes in bf16 what it leaves out of float8; set train.bf16: true")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             out.append(_choice_problem("train.lr_scheduler_type", self.lr_scheduler_type,
                                        LR_SCHEDULERS + tuple(SCHEDULER_ALIASES)))

@@ -5,6 +5,7 @@ from llmtune.features.adapters import Adapters
 from llmtune.features.base import Features
 from llmtune.features.documents import PackedDocuments
 from llmtune.features.expert_parallel import ExpertParallel
+from llmtune.features.float8 import Float8Training
 from llmtune.features.freezing import Freezing
 from llmtune.features.fused_kernels import FusedKernels
 from llmtune.features.quantization import QuantizedBase
@@ -12,8 +13,8 @@ from llmtune.features.router_loss import RouterLoss
 from llmtune.features.ulysses import ContextParallel
 
 # QuantizedBase after Adapters: it quantizes what the adapters leave frozen.
-FEATURES = (ContextParallel, PackedDocuments, FusedKernels, Adapters, QuantizedBase, Freezing, RouterLoss,
-            ExpertParallel)
+FEATURES = (ContextParallel, PackedDocuments, FusedKernels, Float8Training, Adapters, QuantizedBase, Freezing,
+            RouterLoss, ExpertParallel)
 
 
 def check_features(config, model_config, world_size: int) -> None:

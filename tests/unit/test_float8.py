@@ -1,0 +1,125 @@
+"""train.fp8: which linear layers torchao's float8 training takes (the decoder layers' large enough ones, torchao's
+rowwise filter; never the lm_head), that the swap keeps every parameter's name (checkpoints and exports unchanged),
+that the swapped layers compute in float8 (on this CPU, torch's emulated float8 matmul: near the bf16 layer's
+output, not equal to it), and the one-line refusals before any process starts: a machine without float8 tensor
+cores (this CPU; an A100 faked), adapters, a model with no layer large enough, fp8 without bf16."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from transformers import LlamaConfig
+
+from llmtune.config import PeftConfig, TrainConfig
+from llmtune.features.float8 import Float8Training, float8_linears
+from llmtune.model.build import meta_model
+from llmtune.run.cli import main as cli_main
+
+# Llama-3.2-3B's layer shapes, one layer, with a vocabulary of 4096: its lm_head [4096, 3072] would pass the filter
+# were it a decoder layer's.
+LLAMA_3B = LlamaConfig(vocab_size=4096, hidden_size=3072, intermediate_size=8192, num_hidden_layers=1,
+                       num_attention_heads=24, num_key_value_heads=8)
+TINY = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                   num_key_value_heads=2)
+# torchao's rowwise filter on these shapes ([out, in]): q_proj and o_proj [3072, 3072], gate/up [8192, 3072] and
+# down [3072, 8192] are kept; k_proj and v_proj, [1024, 3072], have an out dimension of 2048 or less.
+KEPT = {f"model.layers.0.{name}" for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                             "mlp.down_proj")}
+
+
+def recipe(method: str = "none"):
+    return SimpleNamespace(train=TrainConfig(output_dir="out", bf16=True, fp8=True), peft=PeftConfig(method=method),
+                           model=SimpleNamespace(trust_remote_code=False))
+
+
+def model(config):
+    return meta_model(config, SimpleNamespace(trust_remote_code=False))
+
+
+def test_the_decoder_layers_large_linears_are_taken_and_never_the_lm_head():
+    assert set(float8_linears(model(LLAMA_3B))) == KEPT
+    assert float8_linears(model(TINY)) == {}
+
+
+def test_the_swap_takes_those_layers_and_keeps_every_parameter_name():
+    hf_model = model(LLAMA_3B)
+    names = list(hf_model.state_dict())
+    Float8Training(recipe()).build(hf_model, state=None)
+    assert list(hf_model.state_dict()) == names
+    swapped = {name for name, module in hf_model.named_modules() if type(module).__name__ == "Float8Linear"}
+    assert swapped == KEPT
+
+
+FLOAT8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not FLOAT8_GPU, reason="float8 kernels of a GPU with float8 tensor cores (compute capability 8.9+)"))])
+def test_a_swapped_layer_computes_in_float8(device):
+    """The float8 matmul (on CPU torch's emulation, on a GPU its float8 kernels) through torchao's layer: within
+    float8's rounding of the bf16 layer (e4m3 keeps 3 bits of mantissa: a few percent), and not the bf16 result."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(3072, 8192, bias=False)).to(device, torch.bfloat16)
+    float8 = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(3072, 8192, bias=False)),
+                                        config=Float8LinearConfig.from_recipe_name("rowwise")).to(device,
+                                                                                                  torch.bfloat16)
+    float8.load_state_dict(reference.state_dict())
+    inputs = torch.randn(32, 3072, dtype=torch.bfloat16, device=device)
+    expected, got = reference(inputs).float(), float8(inputs).float()
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert 1e-3 < error < 0.1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_a_machine_without_a_gpu_is_refused():
+    assert Float8Training.check(recipe(), LLAMA_3B, 1) == [
+        "train.fp8: float8 training needs a GPU with float8 tensor cores and this machine has none; set train.fp8: "
+        "false"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_the_cli_refuses_fp8_here_in_one_line_before_any_process(tiny_model, sft_file, tmp_path, capsys):
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump({
+        "model": {"name_or_path": str(tiny_model)},
+        "data": {"train_files": [str(sft_file)], "chat_template": "basic"},
+        "train": {"output_dir": str(tmp_path / "out"), "max_steps": 1, "bf16": True, "fp8": True}}))
+    code, stderr = cli_main(["sft", str(recipe_file), "--nproc", "2"]), capsys.readouterr().err
+    assert code == 2, stderr
+    assert stderr.strip().splitlines() == [
+        "llmtune: error: train.fp8: float8 training needs a GPU with float8 tensor cores and this machine has none; "
+        "set train.fp8: false"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A machine whose first GPU has the compute capability the test sets."""
+    def lend(capability: tuple[int, int], name: str) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    return lend
+
+
+def test_a_gpu_without_float8_tensor_cores_is_refused(fake_gpu):
+    fake_gpu((8, 0), "NVIDIA A100-SXM4-80GB")
+    [problem] = Float8Training.check(recipe(), LLAMA_3B, 8)
+    assert problem.startswith("train.fp8: NVIDIA A100-SXM4-80GB (compute capability 8.0) has no float8 tensor cores")
+
+
+def test_on_an_h100_adapters_and_small_models_are_refused_and_a_3b_shape_accepted(fake_gpu):
+    fake_gpu((9, 0), "NVIDIA H100 80GB HBM3")
+    assert Float8Training.check(recipe(), LLAMA_3B, 8) == []
+    [problem] = Float8Training.check(recipe("lora"), LLAMA_3B, 8)
+    assert "not peft.method lora" in problem
+    [problem] = Float8Training.check(recipe(), TINY, 8)
+    assert "none of llama's linear layers is large enough" in problem
+
+
+def test_fp8_needs_bf16():
+    assert "train.fp8: float8 training computes in bf16 what it leaves out of float8; set train.bf16: true" in \
+        TrainConfig(output_dir="out", fp8=True).problems()
