@@ -15,6 +15,7 @@ peft cannot do on a model built on the meta device and sharded, llmtune does aro
 import copy
 import json
 import re
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,6 +28,10 @@ from llmtune.model.quantize import is_quantized
 from llmtune.model.state import copy_rows, laid_out_like, whole
 
 ADAPTER = "default"  # peft's name of a model's only adapter
+# peft's conversion for transformers' fused experts adds rank and alpha patterns of its own (for gate_up_proj) to a
+# mixture-of-experts model's LoraConfig, and warns where they match no adapted module: about nothing the recipe set.
+warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match",
+                        category=RuntimeWarning)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -156,6 +161,14 @@ class Adapters(Feature):
             reason = "matches no layer of the model" if "not found in the base model" in reason else reason
             return [f"peft.target_modules: {config.peft.target_modules!r} {reason}; name layers of the model "
                     f"({', '.join(linear)}) or use all-linear"]
+        # peft adapts a mixture-of-experts layer's stacked experts (and router) parameter by parameter (its
+        # ParamWrapper), which llmtune's build, sharding and export of adapters do not serve yet.
+        wrapped = sorted({name.rpartition(".")[2] for name, layer in lora_layers(hf_model).items()
+                          if type(layer).__name__ == "ParamWrapper" and not name.endswith(".base_layer")})
+        if wrapped:
+            return [f"peft.target_modules: {config.peft.target_modules!r} reaches {', '.join(wrapped)} of "
+                    f"{type(hf_model).__name__}'s mixture-of-experts layers, whose stacked parameters peft adapts in a "
+                    f"form llmtune cannot train yet; name the linear layers to adapt ({', '.join(linear)})"]
         unmatched = [key for key in config.peft.modules_to_save if not saved_module_names(hf_model, [key])]
         if unmatched:
             return [f"peft.modules_to_save: {', '.join(unmatched)} match no module of the model; name modules such "

@@ -33,3 +33,4 @@ def test_refuses_an_expert_count_the_degree_does_not_divide():
 def test_refuses_a_model_without_experts():
     [problem] = ExpertParallel.check(recipe(2), LlamaConfig(head_dim=16, **SMALL), 2)
     assert "needs a mixture-of-experts model" in problem and "set it to 1" in problem
+

@@ -1,17 +1,19 @@
 """The adapters' pieces against peft itself, on unsharded CPU models: the merge (LoRA, DoRA, rslora, GPT-2's
 transposed Conv1D layers) equals peft's merge_and_unload; the adapter keys are those PeftModel.save_pretrained
-writes; the recipe's peft section and freezing patterns are checked."""
+writes; the recipe's peft section and freezing patterns are checked, and targets that reach a mixture-of-experts
+layer's stacked experts refused."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig
 
 from llmtune.config import PeftConfig, TrainConfig
-from llmtune.features.adapters import ADAPTER, lora_layers, merge_adapters, peft_key
+from llmtune.features.adapters import ADAPTER, Adapters, lora_layers, merge_adapters, peft_key
 from llmtune.features.freezing import trainable_names
 
 
@@ -83,3 +85,22 @@ def test_peft_section_problems(changes, problem):
 def test_a_pattern_that_is_not_a_regular_expression_is_named():
     problems = TrainConfig(output_dir="out", trainable_modules=["layers.(0"]).problems()
     assert len(problems) == 1 and problems[0].startswith("train.trainable_modules: 'layers.(0' is not a regular")
+
+
+MOE = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
+
+
+def test_lora_reaching_the_stacked_experts_is_refused_in_one_line_and_attention_targets_pass():
+    """peft's all-linear reaches a mixture-of-experts layer's stacked experts and router (its ParamWrapper), which
+    llmtune's adapters cannot train: one line naming them and the linear layers to adapt instead."""
+    def lora(targets):
+        return SimpleNamespace(train=TrainConfig(output_dir="out"), peft=PeftConfig(method="lora",
+                                                                                   target_modules=targets),
+                               model=SimpleNamespace(trust_remote_code=False))
+
+    assert Adapters.check(lora("all-linear"), MOE, 1) == [
+        "peft.target_modules: 'all-linear' reaches experts, gate of Qwen3MoeForCausalLM's mixture-of-experts layers, "
+        "whose stacked parameters peft adapts in a form llmtune cannot train yet; name the linear layers to adapt "
+        "(k_proj, o_proj, q_proj, v_proj)"]
+    assert Adapters.check(lora(["q_proj", "k_proj", "v_proj", "o_proj"]), MOE, 1) == []
