@@ -20,8 +20,9 @@ class ExpertParallel(Feature):
 
     def __init__(self, config):
         super().__init__(config)
-        self.modules = []  # the split experts modules, the trained model's (and a reference model's, which send
-        # nothing that is counted: it runs without gradients)
+        # The split experts modules: the trained model's, and a reference model's, whose forwards run without
+        # gradients and so count nothing.
+        self.modules = []
 
     @staticmethod
     def enabled(config) -> bool:

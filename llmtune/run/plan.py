@@ -333,7 +333,7 @@ def changes(config, world_size: int, model_config):
     these ranks)."""
     from llmtune.features.quantization import base_problems
     from llmtune.model.build import meta_model
-    from llmtune.model.expert_parallel import experts_modules
+    from llmtune.model.expert_parallel import expert_parallel_problem, experts_modules
 
     train, parallel = config.train, config.parallel
     memory_for_speed = {"reshard_after_forward": parallel.reshard_after_forward is not True,
@@ -349,13 +349,15 @@ def changes(config, world_size: int, model_config):
     if not train.chunk_loss_size:
         yield "train.chunk_loss_size: 1024", replace(config, train=replace(train, chunk_loss_size=1024)), world_size
     # Expert parallelism cannot share ranks with context parallelism yet. The degrees double from the recipe's while
-    # they divide the shard ranks and every layer's experts: where one does not, twice it does not either.
-    counts = {module.num_experts for module in experts_modules(meta_model(model_config, config.model))} \
-        if parallel.cp_size == 1 else set()
-    shard, ep = parallel.shard_size(world_size), parallel.expert_parallel * 2
-    while counts and shard % ep == 0 and all(count % ep == 0 for count in counts):
-        yield (f"parallel.expert_parallel: {ep} (each rank gathers {max(counts) // ep} of a layer's {max(counts)} "
-               "experts, tokens sent to them by all-to-all)",
+    # the run's own checks accept them (they divide the shard ranks and every layer's experts): where one does not,
+    # twice it does not either.
+    model = meta_model(model_config, config.model) if parallel.cp_size == 1 else None
+    experts = max((module.num_experts for module in experts_modules(model)), default=0) if model else 0
+    ep = parallel.expert_parallel * 2
+    while experts and expert_parallel_problem(model, ep) is None \
+            and replace(parallel, expert_parallel=ep).layout_problem(world_size) is None:
+        yield (f"parallel.expert_parallel: {ep} (each rank gathers {experts // ep} of a layer's {experts} experts, "
+               "tokens sent to them by all-to-all)",
                replace(config, parallel=replace(parallel, expert_parallel=ep)), world_size)
         ep *= 2
     micro = train.per_device_train_batch_size
