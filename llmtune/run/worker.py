@@ -30,7 +30,7 @@ from llmtune.run.preflight import check_run
 from llmtune.run.rank_agreement import check_ranks_agree
 from llmtune.run.summary import RunResult, run_result, run_summary
 from llmtune.tasks.objective import build_objective
-from llmtune.training.callbacks import Callbacks, CallbackState, recipe_callbacks
+from llmtune.training.callbacks import CallbackArgs, Callbacks, CallbackState, recipe_callbacks
 from llmtune.training.ema import EMA
 from llmtune.training.optim import build_optimizer, build_scheduler
 from llmtune.training.trainer import Trainer
@@ -96,8 +96,11 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     frozen = any(not param.requires_grad for param in model.parameters())
     base = base_record(config, local.model, model_config) if frozen else None
     checkpoints = CheckpointManager(output_dir, config.checkpoint, state, config, tokenizer, model.hf_model, base)
-    events = Callbacks([*recipe_callbacks(config), *callbacks], config,
-                       CallbackState(state.rank, state.world_size, total_steps),
+    events = Callbacks([*recipe_callbacks(config), *callbacks],
+                       CallbackArgs(config, total_steps, state.rank, state.world_size, state.local_rank),
+                       CallbackState(state.rank, state.world_size, total_steps, local_rank=state.local_rank,
+                                     logging_steps=config.train.logging_steps, eval_steps=config.train.eval_steps,
+                                     save_steps=config.checkpoint.save_steps),
                        {"model": model.hf_model, "optimizer": optimizer, "lr_scheduler": scheduler})
     trainer = Trainer(model, objective, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
                       config.train, total_steps, events, EMA(model, config.train.ema_decays()), test)
