@@ -91,7 +91,7 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     scheduler = build_scheduler(optimizer, config.train, total_steps)
     monitor = TrainMonitor(output_dir, config.monitor, config.train.logging_steps, total_steps,
                            flops_per_token(model.hf_model, config.data.max_seq_len), state.world_size, state.rank,
-                           {"task": config.task, **config.to_dict()}, objective.unit)
+                           {"task": config.task, **config.to_dict()}, objective.unit, objective.shown)
     # Only a run with frozen weights saves the trained part alone, and needs its base to resume.
     frozen = any(not param.requires_grad for param in model.parameters())
     base = base_record(config, local.model, model_config) if frozen else None
@@ -156,7 +156,8 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
                 plot_run(Path(config.train.output_dir))
             elif config.monitor.plots:
                 log.info("plots: draw them with: llmtune plot %s", config.train.output_dir)
-            result = run_result(Path(config.train.output_dir), trainer.step, trainer.total_steps)
+            result = run_result(Path(config.train.output_dir), trainer.step, trainer.total_steps,
+                                trainer.objective.metric_names())
             log.info("%s", run_summary(result, time.perf_counter() - started, outcome, resume))
         if outcome == "finished":  # a failed run raises on every rank: no rank waits for this
             result = state.broadcast_object(result)
