@@ -107,6 +107,7 @@ def test_ctrl_c_during_a_demo_stage_saves_exits_75_and_the_demo_goes_on_from_it(
     deadline = time.monotonic() + 300
     while not (out / "metrics.jsonl").is_file() and demo.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-3000:]
     os.killpg(demo.pid, signal.SIGINT)
     assert demo.wait(timeout=300) == 75, (tmp_path / "demo.log").read_text()[-3000:]
     log = (tmp_path / "demo.log").read_text()
