@@ -1,47 +1,93 @@
 """`llmtune demo`: generate the assets, pre-train from scratch, measure, fine-tune, measure again, then align the
 fine-tuned model on preference pairs (dpo) and read how often it prefers the right sum on held-out pairs.
 
-Runs the real CLI on the recipes in recipes/demo/, from the repository root where they live.
+Runs the real CLI on the recipes in recipes/demo/, one process (or `--nproc` launch) per stage, in the folder that
+holds runs/demo (the repository root). Ctrl-C stops a stage as it stops `llmtune pt|sft|dpo`: the stage saves a
+checkpoint and exits 75, and the demo with it; run again, the demo goes on where it stopped (stage_start).
 """
 
 import json
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from llmtune.checkpoint.folders import complete_checkpoints
 from llmtune.config import parse_overrides
 from llmtune.demo.assets import write_demo_assets
 from llmtune.demo.evaluate import exact_match
+from llmtune.errors import Preempted
 
 REPO = Path(__file__).resolve().parents[2]
 WORKDIR = Path("runs/demo")
+STAGES = ("pt", "sft", "dpo")  # each the task of the same name
+# The overrides that say how a stage starts, which the demo then leaves to the user.
+START_KEYS = ("train.overwrite_output_dir=", "checkpoint.resume_from_checkpoint=")
 
 
-def main(args: list[str]) -> int:
+def main(args: list[str], root: Path = REPO) -> int:
+    """root: the folder whose runs/demo the demo writes (the stages' working directory)."""
     overrides, nproc = parse_overrides(args)
-    # The demo starts over each time it runs: the runs of an earlier demo in runs/demo are replaced.
-    launch = ["train.overwrite_output_dir=true", *overrides, *(["--nproc", str(nproc)] if nproc else [])]
+    workdir = root / WORKDIR
     started = time.perf_counter()
-    print(f"[demo] generating data, tokenizer and model config under {REPO / WORKDIR / 'assets'}", flush=True)
-    write_demo_assets(REPO / WORKDIR / "assets")
-    eval_file = str(REPO / WORKDIR / "assets" / "data" / "sft_eval.jsonl")
+    print(f"[demo] generating data, tokenizer and model config under {workdir / 'assets'}", flush=True)
+    write_demo_assets(workdir / "assets")
+    eval_file = str(workdir / "assets" / "data" / "sft_eval.jsonl")
     accuracy = {}
-    for stage in ("pt", "sft", "dpo"):  # each the task of the same name
-        print(f"[demo] llmtune {stage} recipes/demo/{stage}.yaml {' '.join(launch)}", flush=True)
-        code = subprocess.call([sys.executable, "-m", "llmtune", stage, f"recipes/demo/{stage}.yaml", *launch],
-                               cwd=REPO)
+    for stage in STAGES:
+        code = run_stage(stage, overrides, nproc, root)
+        if code == Preempted.exit_code:
+            print(f"[demo] stopped during {stage}, its checkpoint saved: run the demo again (the same command) to go "
+                  "on from it", flush=True)
         if code:
             return code
         if stage == "dpo":
             continue
-        accuracy[stage] = exact_match(str(REPO / WORKDIR / stage / "hf"), eval_file)
+        accuracy[stage] = exact_match(str(workdir / stage / "hf"), eval_file)
         print(f"[demo] exact-match accuracy on held-out prompts after {stage}: {accuracy[stage]:.1%}", flush=True)
-    preferred = preference_accuracy(REPO / WORKDIR / "dpo" / "metrics.jsonl")
+    preferred = preference_accuracy(workdir / "dpo" / "metrics.jsonl")
     print(f"[demo] held-out exact match: before sft {accuracy['pt']:.1%}, after sft {accuracy['sft']:.1%}; held-out "
           f"pairs ranked right: before dpo {preferred[0]:.1%}, after dpo {preferred[-1]:.1%} "
           f"({time.perf_counter() - started:.0f} s in all)")
     return 0
+
+
+def run_stage(stage: str, overrides: list[str], nproc: int | None, root: Path) -> int:
+    """`llmtune STAGE recipes/demo/STAGE.yaml` in a process of its own, in root; its exit code."""
+    recipe = REPO / "recipes" / "demo" / f"{stage}.yaml"
+    if recipe.is_relative_to(root):  # run from the repository: the path as a user types it there
+        recipe = recipe.relative_to(root)
+    launch = [*stage_start(root / WORKDIR / stage, overrides), *overrides, *(["--nproc", str(nproc)] if nproc else [])]
+    print(f"[demo] llmtune {stage} {recipe} {' '.join(launch)}", flush=True)
+    return wait_for([sys.executable, "-m", "llmtune", stage, str(recipe), *launch], root)
+
+
+def stage_start(output_dir: Path, overrides: list[str]) -> list[str]:
+    """How a stage starts, as the HF Trainer's example scripts start (run_clm.py: "Checkpoint detected, resuming
+    training"): from the newest checkpoint of its output folder where it has one (a stage Ctrl-C stopped goes on; a
+    finished one, whose newest checkpoint is its last step, trains no more and exports again), else afresh (the
+    export of an earlier demo replaced). The user's train.overwrite_output_dir or checkpoint.resume_from_checkpoint
+    decides instead: train.overwrite_output_dir=true starts every stage over."""
+    if any(override.startswith(START_KEYS) for override in overrides):
+        return []
+    if complete_checkpoints(output_dir / "checkpoints"):
+        return ["checkpoint.resume_from_checkpoint=auto"]
+    return ["train.overwrite_output_dir=true"]
+
+
+def wait_for(command: list[str], cwd: Path) -> int:
+    """Run `command` and wait for its exit code. Ctrl-C on a terminal signals the whole foreground process group: the
+    stage saves and exits 75 (train.save_on_signals), so the demo waits for it rather than being interrupted (and
+    killing it) itself. A handler of its own, not SIG_IGN: the stage starts with SIGINT's default action, so that a
+    Ctrl-C before training still interrupts it (130). Where SIGINT is ignored already, it stays so."""
+    held = signal.getsignal(signal.SIGINT)
+    if held is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        return subprocess.call(command, cwd=cwd)
+    finally:
+        signal.signal(signal.SIGINT, held)
 
 
 def preference_accuracy(metrics: Path) -> list[float]:

@@ -92,11 +92,14 @@ def memory_gib() -> tuple[float, float]:
 
 class TrainMonitor:
     """recipe: the resolved recipe, for the trackers (their runs' config); unit: what the step's samples are
-    (samples_per_s, or a task's own: pairs_per_s)."""
+    (samples_per_s, or a task's own: pairs_per_s); shown: the task's metrics that the console's lines show after the
+    loss (Objective.shown)."""
 
     def __init__(self, output_dir: Path, monitor_cfg, logging_steps: int, total_steps: int, flops_token: float,
-                 world_size: int, rank: int, recipe: dict | None = None, unit: str = "samples"):
+                 world_size: int, rank: int, recipe: dict | None = None, unit: str = "samples",
+                 shown: tuple[str, ...] = ()):
         self.unit = unit
+        self.shown = shown
         self.logging_steps = logging_steps
         self.total_steps = total_steps
         self.flops_token = flops_token
@@ -205,8 +208,9 @@ class TrainMonitor:
         if "loss" not in record:  # an evaluation alone
             self.console.line(f"step {record['step']}/{self.total_steps}{evals}")
             return
+        shown = "".join(f" {key} {record[key]:.4f}" for key in self.shown if key in record)
         self.console.line(f"step {record['step']}/{self.total_steps} epoch {record['epoch']:.2f} loss "
-                          f"{record['loss']:.4f}{evals} lr {record['lr']:.3e} grad_norm {record['grad_norm']:.3f} "
+                          f"{record['loss']:.4f}{shown}{evals} lr {record['lr']:.3e} grad_norm {record['grad_norm']:.3f} "
                           f"tokens/s {record['tokens_per_s']:.0f} mem {record['mem_gib']:.2f} GiB skipped "
                           f"{record['skipped_steps']}")
 

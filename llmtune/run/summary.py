@@ -23,24 +23,31 @@ class RunResult:
     eval_loss: float | None  # the last evaluation's
     best_eval_loss: float | None
     test_loss: float | None  # the test split's (data.test_files), evaluated once when training ended
+    metrics: dict  # the task's own metrics (dpo's rewards/margins, ...) of the last logged training record
+    eval_metrics: dict  # every eval_ value of the last evaluation (eval_loss, eval_rewards/accuracies, ...)
     checkpoint: Path | None  # the newest complete checkpoint
     export: Path | None  # output_dir/hf: the HF folder (adapter runs: merged, when checkpoint.export_merged)
     adapter: Path | None  # output_dir/adapter: the adapter folder of a run that trained adapters
 
 
-def run_result(output_dir: Path, step: int, total_steps: int) -> RunResult:
-    """step: the last optimizer step taken (a stop can come between two logged records)."""
+def run_result(output_dir: Path, step: int, total_steps: int, task_metrics: tuple[str, ...]) -> RunResult:
+    """step: the last optimizer step taken (a stop can come between two logged records); task_metrics: the names of
+    the task's own metrics (Objective.metric_names)."""
     metrics = output_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     evals = [record["eval_loss"] for record in records if "eval_loss" in record]
     tests = [record["test_loss"] for record in records if "test_loss" in record]
-    losses = [record["loss"] for record in records if "loss" in record]  # not in an evaluation's own record
+    trained = [record for record in records if "loss" in record]  # not an evaluation's own record
+    losses = [record["loss"] for record in trained]
+    last_eval = next((record for record in reversed(records) if "eval_loss" in record), {})
     checkpoints = complete_checkpoints(output_dir / "checkpoints")
     # Export folders appear whole or not at all (llmtune/atomic.py).
     hf, adapter = (output_dir / name if (output_dir / name).is_dir() else None for name in EXPORTS)
     return RunResult(output_dir, step, total_steps, sum(record.get("input_tokens", 0) for record in records),
                      losses[-1] if losses else None, evals[-1] if evals else None,
                      min(evals) if evals else None, tests[-1] if tests else None,
+                     {key: value for key, value in (trained[-1] if trained else {}).items() if key in task_metrics},
+                     {key: value for key, value in last_eval.items() if key.startswith("eval_")},
                      checkpoints[-1] if checkpoints else None, hf, adapter)
 
 

@@ -30,7 +30,7 @@ from llmtune.run.preflight import check_run
 from llmtune.run.rank_agreement import check_ranks_agree
 from llmtune.run.summary import RunResult, run_result, run_summary
 from llmtune.tasks.objective import build_objective
-from llmtune.training.callbacks import Callbacks, CallbackState, recipe_callbacks
+from llmtune.training.callbacks import CallbackArgs, Callbacks, CallbackState, recipe_callbacks
 from llmtune.training.ema import EMA
 from llmtune.training.optim import build_optimizer, build_scheduler
 from llmtune.training.trainer import Trainer
@@ -91,13 +91,16 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     scheduler = build_scheduler(optimizer, config.train, total_steps)
     monitor = TrainMonitor(output_dir, config.monitor, config.train.logging_steps, total_steps,
                            flops_per_token(model.hf_model, config.data.max_seq_len), state.world_size, state.rank,
-                           {"task": config.task, **config.to_dict()}, objective.unit)
+                           {"task": config.task, **config.to_dict()}, objective.unit, objective.shown)
     # Only a run with frozen weights saves the trained part alone, and needs its base to resume.
     frozen = any(not param.requires_grad for param in model.parameters())
     base = base_record(config, local.model, model_config) if frozen else None
     checkpoints = CheckpointManager(output_dir, config.checkpoint, state, config, tokenizer, model.hf_model, base)
-    events = Callbacks([*recipe_callbacks(config), *callbacks], config,
-                       CallbackState(state.rank, state.world_size, total_steps),
+    events = Callbacks([*recipe_callbacks(config), *callbacks],
+                       CallbackArgs(config, total_steps, state.rank, state.world_size, state.local_rank),
+                       CallbackState(state.rank, state.world_size, total_steps, local_rank=state.local_rank,
+                                     logging_steps=config.train.logging_steps, eval_steps=config.train.eval_steps,
+                                     save_steps=config.checkpoint.save_steps),
                        {"model": model.hf_model, "optimizer": optimizer, "lr_scheduler": scheduler})
     trainer = Trainer(model, objective, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
                       config.train, total_steps, events, EMA(model, config.train.ema_decays()), test)
@@ -153,7 +156,8 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
                 plot_run(Path(config.train.output_dir))
             elif config.monitor.plots:
                 log.info("plots: draw them with: llmtune plot %s", config.train.output_dir)
-            result = run_result(Path(config.train.output_dir), trainer.step, trainer.total_steps)
+            result = run_result(Path(config.train.output_dir), trainer.step, trainer.total_steps,
+                                trainer.objective.metric_names())
             log.info("%s", run_summary(result, time.perf_counter() - started, outcome, resume))
         if outcome == "finished":  # a failed run raises on every rank: no rank waits for this
             result = state.broadcast_object(result)

@@ -33,6 +33,7 @@ class DPO(PreferenceObjective):
     divisors = ("pairs", "chosen_tokens", "label_tokens")
     metrics = tuple((name, "pairs") for name in METRICS)
     samples = unit = "pairs"
+    shown = ("rewards/margins", "rewards/accuracies")
 
     def __init__(self, dpo_cfg, reference, state, precompute=None):
         super().__init__(dpo_cfg, reference, state, precompute)

@@ -22,6 +22,8 @@ from llmtune.tasks.objective import Terms
 from llmtune.tasks.preference import PreferenceObjective, whole_sums
 from llmtune.tasks.reference import sequence_count
 
+MARGINS = "rewards/margins"
+
 
 def kto_losses(logratio: torch.Tensor, desirable: torch.Tensor, z0: float, cfg) -> torch.Tensor:
     """Each example's loss from its completion's log-ratio (policy - reference), its label (1.0 desirable, 0.0 not)
@@ -35,15 +37,27 @@ class KTO(PreferenceObjective):
     counts = ("examples", "desirable", "undesirable")
     divisors = ("examples", "label_tokens")
     # TRL's names: rewards and log-probabilities of the desirable (chosen) and undesirable (rejected) examples, and
-    # kl, the reference point z0.
+    # kl, the reference point z0; summary adds the margin, as TRL's KTOTrainer logs it.
     metrics = (("rewards/chosen", "desirable"), ("rewards/rejected", "undesirable"), ("logps/chosen", "desirable"),
                ("logps/rejected", "undesirable"), ("kl", "examples"))
     samples = unit = "examples"
+    shown = ("rewards/chosen", "rewards/rejected", "kl")
 
     def __init__(self, cfg, reference, state, precompute=None):
         super().__init__(cfg, reference, state, precompute)
         self.z0 = 0.0
         self.references: list[torch.Tensor] = []  # the reference's values of the micro-batches `begin` saw, in order
+
+    def metric_names(self) -> tuple[str, ...]:
+        return (*super().metric_names(), MARGINS)
+
+    def summary(self, loss_sums: torch.Tensor, metric_sums: torch.Tensor, totals: torch.Tensor) -> dict[str, float]:
+        """Objective.summary, and TRL's rewards/margins: the desirable examples' mean reward less the undesirable
+        ones', where the values had both."""
+        values = super().summary(loss_sums, metric_sums, totals)
+        if "rewards/chosen" in values and "rewards/rejected" in values:
+            values[MARGINS] = values["rewards/chosen"] - values["rewards/rejected"]
+        return values
 
     def count(self, inputs: dict, batch, cp_rank: int) -> list[float]:
         desirable = float(batch.sequences["desirable"][0::2].sum())

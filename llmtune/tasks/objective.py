@@ -37,13 +37,15 @@ class Objective:
     """A task's loss and metrics (subclasses per task; the registry names them). Class attributes:
     counts: the objective's own counts, after BASE_COUNTS; divisors: the count that divides each loss term;
     metrics: (name, count that divides it) of each metric; samples: the count metrics.jsonl's samples_per_s reads,
-    and unit: its name there (pairs_per_s)."""
+    and unit: its name there (pairs_per_s); shown: the metrics the console's lines show after the loss (those TRL's
+    trainer of the task is read by)."""
 
     counts: tuple[str, ...] = ()
     divisors: tuple[str, ...] = ("label_tokens",)
     metrics: tuple[tuple[str, str], ...] = ()
     samples: str = "rows"
     unit: str = "samples"
+    shown: tuple[str, ...] = ()
 
     def count(self, inputs: dict, batch, cp_rank: int) -> list[float]:
         """This micro-batch's values of `counts` (inputs: as the model gets them, after the features' transform)."""
@@ -61,6 +63,10 @@ class Objective:
         """The built splits (data/manager.build_data's hook), with any column the objective reads from its
         micro-batches added; `collate` makes micro-batches of their rows."""
         return splits
+
+    def metric_names(self) -> tuple[str, ...]:
+        """The names of the metrics `summary` gives besides the loss: the task's own in metrics.jsonl."""
+        return tuple(name for name, _ in self.metrics)
 
     def sizes(self) -> list[int]:
         """The lengths of Terms.loss and Terms.metrics."""

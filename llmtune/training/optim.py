@@ -29,19 +29,24 @@ def group_sizes(optimizer: torch.optim.AdamW) -> dict[str, tuple[int, int]]:
 
 
 def build_scheduler(optimizer, train_cfg, total_steps: int) -> LambdaLR:
-    """transformers' own schedules, so that a recipe's curve is the one an HF Trainer user gets for the same names:
+    """transformers' own schedules, so that a recipe's curve is the one an HF Trainer user gets for the same names
+    (schedule)."""
+    name, warmup, kwargs = schedule(train_cfg, total_steps)
+    return get_scheduler(name, optimizer, warmup, total_steps, kwargs)
+
+
+def schedule(train_cfg, total_steps: int) -> tuple[str, int, dict]:
+    """The recipe's schedule as transformers names it: (lr_scheduler_type, warm-up steps, lr_scheduler_kwargs).
     constant_with_warmup, linear (to 0), cosine_with_min_lr (to min_lr_ratio) and warmup_stable_decay (transformers'
     WSD: its warm-up starts from min_lr_ratio, its decay takes the last decay_steps to min_lr_ratio)."""
     warmup = train_cfg.warmup_steps or math.ceil(train_cfg.warmup_ratio * total_steps)
     kind = train_cfg.lr_scheduler_type
     if kind == "constant":
-        return get_scheduler("constant_with_warmup", optimizer, warmup)
+        return "constant_with_warmup", warmup, {}
     if kind == "linear":
-        return get_scheduler("linear", optimizer, warmup, total_steps)
+        return "linear", warmup, {}
     if kind == "cosine":
-        return get_scheduler("cosine_with_min_lr", optimizer, warmup, total_steps,
-                              {"min_lr_rate": train_cfg.min_lr_ratio})
+        return "cosine_with_min_lr", warmup, {"min_lr_rate": train_cfg.min_lr_ratio}
     decay = train_cfg.decay_steps if train_cfg.decay_steps >= 1 else math.ceil(train_cfg.decay_steps * total_steps)
-    return get_scheduler("warmup_stable_decay", optimizer, warmup, total_steps,
-                         {"num_decay_steps": int(decay), "decay_type": train_cfg.decay_type,
-                          "min_lr_ratio": train_cfg.min_lr_ratio})
+    return "warmup_stable_decay", warmup, {"num_decay_steps": int(decay), "decay_type": train_cfg.decay_type,
+                                           "min_lr_ratio": train_cfg.min_lr_ratio}

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from llmtune.errors import Preempted, TrainingStopped
 from llmtune.model.build import reshard
 from llmtune.monitor.metrics import StepRecord
-from llmtune.training.callbacks import TrainerControl
+from llmtune.training.callbacks import TrainerControl, hf_log_entries
 from llmtune.training.loss_scale import LossScale
 from llmtune.training.stop_signals import StopSignals
 
@@ -150,6 +150,9 @@ class Trainer:
             self.stop_for(signal.Signals(signal_number).name)
 
     def _on_log(self, record: dict) -> None:
+        # Into the log history before on_log, as the HF Trainer adds it: a callback's edit of the record reaches
+        # metrics.jsonl, not the history.
+        self.callbacks.state.log_history += hf_log_entries(record)
         self.callbacks("on_log", logs=record)
 
     def _evaluate(self) -> dict:
@@ -182,7 +185,8 @@ class Trainer:
         return {"step": self.step, "global_batch": self.data.global_batch, "skipped_in_a_row": self.skipped_in_a_row,
                 "skipped_steps": self.monitor.skipped_steps, "data": self.data.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "features": self.features.state_dict(),
-                "callbacks": self.callbacks.state_dict(), "loss_scale": self.loss_scale.state_dict()}
+                "callbacks": self.callbacks.state_dict(), "loss_scale": self.loss_scale.state_dict(),
+                "log_history": self.callbacks.state.log_history}
 
     def tensor_state(self) -> dict:
         """Sharded tensors besides model and optimizer that a checkpoint holds (DCP, loaded in place): the moving
@@ -196,6 +200,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.features.load_state_dict(state["features"])
         self.callbacks.load_state_dict(state.get("callbacks", []))  # none in checkpoints written before callbacks
+        self.callbacks.state.log_history = state.get("log_history", [])  # none in those written before it
         self.last_eval = state.get("eval_metrics", {})
         self.loss_scale.load_state_dict(state.get("loss_scale", {}))
         if "ema" in state.get("missing_tensors", ()):

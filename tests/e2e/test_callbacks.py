@@ -1,11 +1,16 @@
 """Callbacks on one process, through llmtune.train with instances: the HF Trainer's events in its order with what
-each carries; the control (a record, a stop) acted on; on_log's edit reaching metrics.jsonl; a callback's state in
-every checkpoint and back on resume (on_load); the built-in early stopping; a callback that raises stops the run with
-its name, the last checkpoint kept. (Ranks agreeing: tests/dist/test_callback_ranks.py.)"""
+each carries; the control (a record, a stop) acted on; on_log's edit reaching metrics.jsonl; callbacks written for
+the HF Trainer (transformers' TrainerCallback, its TensorBoardCallback) reading TrainingArguments' names and
+log_history; a callback's state and the log history in every checkpoint and back on resume (on_load); the built-in
+early stopping; a callback that raises stops the run with its name, the last checkpoint kept. (Ranks agreeing:
+tests/dist/test_callback_ranks.py.)"""
 
 import json
+import os
 
 import pytest
+from transformers import TrainerCallback
+from transformers.integrations import TensorBoardCallback
 
 import llmtune
 from llmtune.errors import TrainingStopped
@@ -55,6 +60,19 @@ class Recorder(Callback):
         self.saved.append(checkpoint)
 
 
+class WritesItsLog(TrainerCallback):
+    """Written for the HF Trainer: a line under args.output_dir at each on_log, from TrainingArguments' names and the
+    TrainerState's log_history."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero:
+            with open(os.path.join(args.output_dir, "hf_callback.jsonl"), "a") as f:
+                f.write(json.dumps({"step": state.global_step, "history": state.log_history, "args": [
+                    args.learning_rate, args.max_steps, args.per_device_train_batch_size,
+                    args.gradient_accumulation_steps, args.logging_steps, args.eval_steps, args.save_steps,
+                    args.report_to, args.lr_scheduler_type, args.eval_strategy, args.seed]}) + "\n")
+
+
 for _name in set(EVENTS) - set(vars(Recorder)):
     setattr(Recorder, _name, lambda self, args, state, control, _name=_name, **kwargs:
             self.events.append((_name, state.step)))
@@ -63,7 +81,8 @@ for _name in set(EVENTS) - set(vars(Recorder)):
 def test_events_come_in_the_hf_trainers_order_with_what_they_carry(tiny_model, sft_file, tmp_path):
     recorder = Recorder()
     out = tmp_path / "run"
-    llmtune.train("sft", recipe(tiny_model, sft_file, out), callbacks=[recorder], eval_steps=2)
+    llmtune.train("sft", recipe(tiny_model, sft_file, out), callbacks=[recorder, WritesItsLog(), TensorBoardCallback()],
+                  eval_steps=2)
     micro_steps = lambda k: [("on_step_begin", k - 1), ("on_substep_end", k - 1), ("on_pre_optimizer_step", k - 1),
                              ("on_optimizer_step", k - 1), ("on_step_end", k)]
     expected = [("on_init_end", 0), ("on_train_begin", 0), ("on_epoch_begin", 0),
@@ -82,6 +101,28 @@ def test_events_come_in_the_hf_trainers_order_with_what_they_carry(tiny_model, s
     assert {"model", "optimizer", "lr_scheduler"} <= recorder.kwargs
     assert recorder.args_output_dir == str(out)
 
+    lines = [json.loads(line) for line in (out / "hf_callback.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert lines[0]["args"] == [2e-3, 4, 2, 2, 3, 2, 2, [], "cosine_with_min_lr", "steps", 42]
+    history = lines[-1]["history"]
+    assert all(line["history"] == history[:len(line["history"])] for line in lines), "the history grows by records"
+    assert [(entry["step"], "loss" in entry, "eval_loss" in entry) for entry in history] == [
+        (1, True, False), (2, True, False), (2, False, True), (3, True, False), (4, True, False), (4, False, True)], \
+        "an evaluation is an entry of its own, as the HF Trainer logs it"
+    training = [entry for entry in history if "loss" in entry]
+    assert [(e["loss"], e["learning_rate"], e["grad_norm"], e["epoch"]) for e in training] == \
+        [(r["loss"], r["lr"], r["grad_norm"], r["epoch"]) for r in records.values()]
+    assert [e["eval_loss"] for e in history if "eval_loss" in e] == [records[2]["eval_loss"], records[4]["eval_loss"]]
+    assert not any("lr" in entry or "seen_by_callback" in entry for entry in history), \
+        "HF's names; added to the history before on_log's edits, as HF adds it"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(next((out / "runs").iterdir())), size_guidance={"scalars": 0})
+    board.Reload()
+    assert [(e.step, round(e.value, 5)) for e in board.Scalars("train/loss")] == \
+        [(step, round(r["loss"], 5)) for step, r in records.items()], "transformers' TensorBoardCallback ran as written"
+
 
 class Counter(Callback):
     """Counts the steps it has seen (its state); stops training at stop_at; remembers what on_load got."""
@@ -95,6 +136,7 @@ class Counter(Callback):
 
     def on_load(self, args, state, control, checkpoint=None, **kwargs):
         self.loaded = (checkpoint, state.step, self.count)
+        self.history = list(state.log_history)
 
     def state_dict(self):
         return {"count": self.count}
@@ -105,7 +147,8 @@ class Counter(Callback):
 
 def test_a_stop_asked_by_a_callback_saves_and_exports_and_its_state_resumes(tiny_model, sft_file, tmp_path):
     out = tmp_path / "run"
-    result = llmtune.train("sft", recipe(tiny_model, sft_file, out, max_steps=8), callbacks=[Counter(stop_at=3)])
+    result = llmtune.train("sft", recipe(tiny_model, sft_file, out, max_steps=8, logging_steps=1),
+                           callbacks=[Counter(stop_at=3)])
     assert (result.steps, result.total_steps) == (3, 8)
     assert result.checkpoint == out / "checkpoints" / "global_step_3", "the stop saved the step it ended at"
     assert result.export == out / "hf"
@@ -118,6 +161,8 @@ def test_a_stop_asked_by_a_callback_saves_and_exports_and_its_state_resumes(tiny
                   resume_from_checkpoint=str(checkpoint))
     assert resumed.loaded == (checkpoint, 2, 2), "on_load after the state came back"
     assert resumed.count == 4
+    assert [(entry["step"], entry["loss"]) for entry in resumed.history] == \
+        [(r["step"], r["loss"]) for r in read_metrics(out)[:2]], "the log history of the steps before the checkpoint"
 
 
 def test_early_stopping_stops_after_patience_evaluations_without_improvement(tiny_model, sft_file, tmp_path):

@@ -9,6 +9,7 @@ import math
 import pytest
 
 import llmtune
+from llmtune.tasks.dpo import METRICS
 from llmtune.training.callbacks import Callback
 from tests.helpers import add_to_hub_cache, read_metrics
 
@@ -105,12 +106,16 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_bitwise_and_exports(tiny_mo
 
 def test_a_reference_of_other_weights_gives_rewards_from_the_first_step(tiny_model, tiny_qwen2, pairs_file, tmp_path):
     """dpo.ref_model names the reference's weights: another model's log-probabilities, so the first step's rewards
-    are not 0."""
+    are not 0. Also: the console's line shows the margin and accuracy, the result carries the task's metrics."""
     out = tmp_path / "other"
-    llmtune.train("dpo", recipe(tiny_model, pairs_file, out, train={"max_steps": 1},
-                                dpo={"ref_model": str(tiny_qwen2)}))
+    result = llmtune.train("dpo", recipe(tiny_model, pairs_file, out, train={"max_steps": 1},
+                                         dpo={"ref_model": str(tiny_qwen2)}))
     first = read_metrics(out)[0]
     assert first["rewards/chosen"] != 0.0 and abs(first["loss"] - math.log(2)) > 1e-3
+    assert (f"step 1/1 epoch {first['epoch']:.2f} loss {first['loss']:.4f} rewards/margins "
+            f"{first['rewards/margins']:.4f} rewards/accuracies {first['rewards/accuracies']:.4f} lr ") \
+        in (out / "train.log").read_text()
+    assert result.metrics == {name: first[name] for name in METRICS} and result.eval_metrics == {}
 
 
 def test_a_mixture_of_experts_adds_its_router_loss_over_the_labelled_tokens(assets, pairs_file, tmp_path):

@@ -77,8 +77,24 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_and_evaluates(tiny_model, e
     whole, part = tmp_path / "whole", tmp_path / "part"
     for out, callbacks, resume in ((whole, [], None), (part, [StopAt(2)], None), (part, [], "auto")):
         run = recipe(tiny_model, examples_file, out, train={"max_steps": 4, "eval_steps": 2}, **sections)
-        llmtune.train("kto", {**run, "data": data}, callbacks=callbacks, resume_from_checkpoint=resume)
+        result = llmtune.train("kto", {**run, "data": data}, callbacks=callbacks, resume_from_checkpoint=resume)
     expected, got = ([(r["step"], r.get("loss"), r.get("eval_loss"), r.get("eval_kl")) for r in read_metrics(out)]
                      for out in (whole, part))
     assert len(expected) == 4 and got == expected
     assert all(r["eval_loss"] > 0 for r in read_metrics(whole) if "eval_loss" in r)
+
+    # What the run shows: TRL's margin, the console's rewards and kl, the result's last metrics.
+    records = read_metrics(part)
+    both = [r for r in records if "rewards/rejected" in r]
+    assert both and all(r["rewards/margins"] == r["rewards/chosen"] - r["rewards/rejected"] for r in both)
+    assert all("rewards/margins" not in r for r in records if "loss" in r and r not in both)
+    log = (part / "train.log").read_text()
+    for r in records:
+        shown = "".join(f" {key} {r[key]:.4f}" for key in ("rewards/chosen", "rewards/rejected", "kl") if key in r)
+        after = "eval_loss" if "eval_loss" in r else "lr"
+        assert f"step {r['step']}/4 epoch {r['epoch']:.2f} loss {r['loss']:.4f}{shown} {after} " in log
+    names = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl", "rewards/margins")
+    assert result.metrics == {name: records[-1][name] for name in names if name in records[-1]}
+    assert "kl" in result.metrics
+    assert result.eval_metrics == {key: value for key, value in records[-1].items() if key.startswith("eval_")}
+    assert {"eval_loss", "eval_kl", "eval_rewards/margins"} <= set(result.eval_metrics)

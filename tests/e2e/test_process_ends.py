@@ -1,10 +1,12 @@
 """How a command ends when its user ends it: Ctrl-C before training exits 130 with one line and leaves nothing
-half-written; a reader of stdout that goes away (`| head`) ends it quietly."""
+half-written; Ctrl-C during a demo stage saves, exits 75, and the demo run again goes on from there; a reader of
+stdout that goes away (`| head`) ends it quietly."""
 
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 import yaml
 
 from llmtune.run.cli import main as cli_main
-from tests.helpers import REPO
+from tests.helpers import REPO, read_metrics
 
 
 @pytest.fixture
@@ -73,6 +75,58 @@ def test_ctrl_c_before_the_first_step_exits_130_without_a_traceback(tmp_path, re
     assert process.returncode == 130, err[-2000:]
     assert err.strip().splitlines()[-1] == "llmtune: interrupted (Ctrl-C)" and "Traceback" not in err, err
     assert not (tmp_path / "out" / "checkpoints").exists() and not (tmp_path / "out" / "hf").exists()
+
+
+# One stage of `llmtune demo` as the demo runs it (demo/run.run_stage: the stage's own process, which the demo waits
+# for), with runs/demo under the folder argv[1], ended as `llmtune` ends.
+DEMO_STAGE = ("import sys; from pathlib import Path; from llmtune.demo.run import run_stage; "
+              "from llmtune.run.process_exit import run_and_exit; "
+              "run_and_exit(lambda: run_stage('pt', sys.argv[2:], None, Path(sys.argv[1])))")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_demo_stage_saves_exits_75_and_the_demo_goes_on_from_it(tmp_path, assets):
+    """SIGINT to the demo's process group after the first logged step, as a terminal sends Ctrl-C to the demo and its
+    stage alike: the demo waits while the stage saves, and both exit 75. Run again, the stage goes on from that
+    checkpoint; once more, finished, it trains no more."""
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "assets").symlink_to(assets)
+    out = tmp_path / "runs" / "demo" / "pt"
+    small = ["train.global_batch_size=2", "train.per_device_train_batch_size=2", "train.logging_steps=1",
+             "data.max_seq_len=64", "monitor.plots=false"]
+
+    def demo_stage(*overrides: str) -> subprocess.Popen:
+        # SIGINT's default action in the demo whatever this process's is (see the test above); a session of its own,
+        # so that the signal to its group reaches the demo and its stage, not the tests.
+        with open(tmp_path / "demo.log", "a") as log:
+            return subprocess.Popen([sys.executable, "-c", DEMO_STAGE, str(tmp_path), *small, *overrides], cwd=REPO,
+                                    stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    demo = demo_stage("train.max_steps=1000")
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").is_file() and demo.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-3000:]
+    os.killpg(demo.pid, signal.SIGINT)
+    assert demo.wait(timeout=300) == 75, (tmp_path / "demo.log").read_text()[-3000:]
+    log = (tmp_path / "demo.log").read_text()
+    assert "SIGINT received: saving a checkpoint" in log and "llmtune: stopped by SIGINT after step" in log
+    stopped = int((out / "checkpoints" / "latest").read_text().removeprefix("global_step_"))
+    assert stopped >= 1 and not (out / "hf").exists()
+    before = read_metrics(out)[:stopped]
+
+    assert demo_stage(f"train.max_steps={stopped + 2}").wait(timeout=300) == 0, \
+        (tmp_path / "demo.log").read_text()[-3000:]
+    assert "checkpoint.resume_from_checkpoint=auto" in (tmp_path / "demo.log").read_text()
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, stopped + 3))
+    assert records[:stopped] == before, "it went on from the checkpoint: the steps before it were not trained again"
+    assert (out / "hf" / "model.safetensors").is_file()
+
+    finished = (out / "metrics.jsonl").read_text()
+    assert demo_stage(f"train.max_steps={stopped + 2}").wait(timeout=300) == 0
+    assert (out / "metrics.jsonl").read_text() == finished, "a finished stage trains no more"
 
 
 @pytest.mark.parametrize("command", [["sft", "--help"],

@@ -46,6 +46,7 @@ def test_the_result_is_the_runs_records(api_run):
     assert result.tokens == sum(r["input_tokens"] for r in records) > 0
     assert result.loss == records[-1]["loss"]
     assert (result.eval_loss, result.best_eval_loss) == (evals[-1], min(evals))
+    assert (result.metrics, result.eval_metrics) == ({}, {"eval_loss": evals[-1]}), "sft has no metrics of its own"
     assert result.checkpoint == out / "checkpoints" / "global_step_6", "checkpoint.save_steps=3 saved at 3 and 6"
     assert (out / "checkpoints" / "global_step_3").is_dir()
     assert result.export == out / "hf" and (out / "hf" / "config.json").is_file()

@@ -1,15 +1,18 @@
 """The pieces of callbacks and save-best without a run: the control a callback returns or sets, a raising callback's
 message, the agreement's outcome, state by class, early stopping's count, importing train.callbacks entries, the
-best checkpoint's folder of hard links, and the recipe keys (HF's load_best_model_at_end and metric_for_best_model
-included)."""
+best checkpoint's folder of hard links, the recipe keys (HF's load_best_model_at_end and metric_for_best_model
+included), and the callbacks' args against the HF TrainingArguments of the same run."""
+
+import json
 
 import pytest
+from transformers import EarlyStoppingCallback, TrainingArguments
 
 from llmtune.checkpoint.best import BEST, better, keep_as_best
 from llmtune.config import load_config
 from llmtune.errors import TrainingStopped, UserError
-from llmtune.training.callbacks import (Callback, Callbacks, CallbackState, EarlyStopping, TrainerControl,
-                                        import_callback, recipe_callbacks)
+from llmtune.training.callbacks import (Callback, CallbackArgs, Callbacks, CallbackState, EarlyStopping,
+                                        TrainerControl, hf_log_entries, import_callback, recipe_callbacks)
 
 
 class OneRank:
@@ -171,3 +174,46 @@ def test_the_best_checkpoint_is_a_folder_of_hard_links_swapped_in_whole(tmp_path
     assert (best / "trainer_state.json").read_text() == "four"
     assert (best / "extra_state" / "rank_0.pt").stat().st_ino == (second / "extra_state" / "rank_0.pt").stat().st_ino
     assert sorted(p.name for p in tmp_path.iterdir()) == [BEST, "global_step_2", "global_step_4"], "nothing left over"
+
+
+# A run as the HF Trainer's arguments give it, each name also a recipe key llmtune reads (its own or an alias).
+HF_RUN = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "per_device_eval_batch_size": 16,
+          "learning_rate": 3e-4, "lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+          "warmup_steps": 0.1, "weight_decay": 0.01, "adam_beta2": 0.95, "max_grad_norm": 0.5,
+          "label_smoothing_factor": 0.1, "num_train_epochs": 2.0, "logging_steps": 5, "eval_steps": 50,
+          "load_best_model_at_end": True, "metric_for_best_model": "eval_loss", "report_to": "tensorboard",
+          "run_name": "r", "seed": 3, "gradient_checkpointing": True, "torch_compile": True,
+          "dataloader_num_workers": 2, "dataloader_persistent_workers": True, "full_determinism": True}
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
+def test_callback_args_answer_the_training_arguments_names_as_the_hf_trainer_holds_them(tmp_path):
+    hf = TrainingArguments(output_dir=str(tmp_path / "out"), eval_strategy="steps", save_strategy="steps",
+                           save_steps=50, save_total_limit=2, project="p", **HF_RUN)
+    config = load_config(recipe(tmp_path, HF_RUN, {"save_steps": 50, "save_total_limit": 2}, {"val_ratio": 0.1}),
+                         ["monitor.project=p"], "sft", 1)
+    args = CallbackArgs(config, total_steps=100)
+    compared = [name for name in args.values if hasattr(hf, name)]
+    assert len(compared) >= 40
+    assert {name: (getattr(args, name), type(getattr(args, name))) for name in compared} == \
+        {name: (getattr(hf, name), type(getattr(hf, name))) for name in compared}
+    assert (args.max_steps, args.report_to, args.push_to_hub, args.train_batch_size) == (-1, ["tensorboard"], False, 4)
+    assert (args.train.output_dir, args.task, args.checkpoint.save_steps) == (str(tmp_path / "out"), "sft", 50), \
+        "the recipe's sections still read"
+    with pytest.raises(AttributeError, match="'output_dri' is neither a recipe section nor a TrainingArguments name"):
+        args.output_dri
+    as_dict = json.loads(args.to_json_string())
+    assert as_dict["eval_strategy"] == "steps" and as_dict["train"]["learning_rate"] == 3e-4
+    assert {key: value for key, value in hf.to_dict().items() if key in compared} == \
+        {key: value for key, value in as_dict.items() if key in compared}
+    assert all(type(value) in (bool, int, float, str) for value in args.to_sanitized_dict().values())
+    EarlyStoppingCallback(2).on_train_begin(args, CallbackState(0, 1, 100), TrainerControl()), \
+        "its checks of the arguments pass"
+
+
+def test_a_record_enters_the_log_history_as_the_hf_trainer_logs_it():
+    record = {"step": 4, "epoch": 0.5, "loss": 2.0, "lr": 1e-3, "grad_norm": 0.7, "tokens": 96, "eval_loss": 2.1}
+    assert hf_log_entries(record) == [
+        {"loss": 2.0, "learning_rate": 1e-3, "grad_norm": 0.7, "tokens": 96, "epoch": 0.5, "step": 4},
+        {"eval_loss": 2.1, "epoch": 0.5, "step": 4}]
+    assert hf_log_entries({"step": 0, "epoch": 0.0, "eval_loss": 3.0}) == [{"eval_loss": 3.0, "epoch": 0.0, "step": 0}]
