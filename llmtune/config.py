@@ -709,14 +709,16 @@ class MonitorConfig:
                 f"{world_size - 1}); name ranks below {world_size}"] if missing else []
 
 
+BETA_HELP = ("The strength of the preference: a response's reward is beta x (its log-probability under the policy - "
+             "under the reference) (TRL's beta, LLaMA-Factory's pref_beta).")
+
+
 @dataclass
 class PreferenceConfig:
     """The keys the preference tasks share (dpo's section, kto's), each task's section its subclass."""
 
     section: typing.ClassVar[str] = ""
-    beta: float = _field(0.1, "The strength of the preference: a response's reward is beta x (its log-probability "
-                              "under the policy - under the reference) (TRL's beta, LLaMA-Factory's pref_beta); "
-                              "dpo's orpo: the weight of the odds-ratio term.")
+    beta: float = _field(0.1, BETA_HELP)
     reference: str = _field("model", "The reference model: model (a frozen copy of the starting weights, sharded "
                                      "like the policy; ref_model names another), adapter_off (with peft adapters: "
                                      "the policy with its adapters off, no copy) or precomputed (its log-probabilities "
@@ -759,6 +761,7 @@ class PreferenceConfig:
 @dataclass
 class DPOConfig(PreferenceConfig):
     section: typing.ClassVar[str] = "dpo"
+    beta: float = _field(0.1, BETA_HELP + " orpo: the weight of the odds-ratio term.")
     loss_type: list[str] = _field(["sigmoid"], "The pair loss: sigmoid (DPO; cDPO with label_smoothing), robust, "
                                                "hinge, ipo (on per-token log-probabilities), simpo (no reference, "
                                                "length-normalised, margin simpo_gamma), orpo (no reference: odds "

@@ -20,7 +20,7 @@ USAGE = f"""llmtune {NAMES} RECIPE [--key VALUE ...] [section.key=VALUE ...] [--
        llmtune plot OUTPUT_DIR
        llmtune plan RECIPE [--nproc N | --nnodes M --nproc-per-node N] [--device-memory GiB] [--task {NAMES}]
                [section.key=VALUE ...]
-       llmtune demo
+       llmtune demo [--nproc N] [section.key=VALUE ...]
        llmtune {NAMES} --help    every recipe key, its default and its meaning"""
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 

@@ -175,6 +175,20 @@ def test_recipe_reference_page_lists_every_field():
         "docs/recipe.md is stale: python docs/recipe_table.py"
 
 
+def test_running_page_names_every_task_llmtune_train_takes():
+    from llmtune.tasks.registry import TASKS
+
+    sentence = (REPO / "docs" / "running.md").read_text().partition("`task` is ")[2].partition(";")[0]
+    assert [task for task in TASKS if f'`"{task}"`' not in sentence] == []
+
+
+def test_recipe_reference_introduction_names_every_section():
+    from llmtune.config import SECTIONS
+
+    introduction = (REPO / "docs" / "recipe.md").read_text().partition("| key |")[0]
+    assert [section for section in SECTIONS if f"`{section}`" not in introduction] == []
+
+
 def test_expert_parallel_below_one_is_refused():
     from llmtune.config import ParallelConfig
     assert any("parallel.expert_parallel: 0" in p for p in ParallelConfig(expert_parallel=0).problems())

@@ -43,6 +43,17 @@ def test_help_lists_every_recipe_key_with_its_default_and_help(task, words, caps
         assert listed == (target.partition(".")[0] in task_sections(task)), alias
 
 
+def test_the_usage_gives_every_commands_options(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "llmtune demo [--nproc N] [section.key=VALUE ...]" in capsys.readouterr().out
+
+
+def test_beta_speaks_of_orpo_in_dpo_alone():
+    helps = {section: help for section, key, _, help in recipe_keys() if key == "beta"}
+    assert "orpo" in helps["dpo"] and "orpo" not in helps["kto"], "orpo is a dpo.loss_type"
+
+
 def test_flat_keys_name_their_section(tmp_path):
     overrides, nproc = parse_overrides(["--learning_rate", "2e-5", "max_steps=3", "--cp_size=2", "--nproc", "2",
                                         "--resume_from_checkpoint", "auto", "data.max_seq_len=128"])
