@@ -35,10 +35,11 @@ train:
 Any key can be overridden on the command line as `--key value` or `key=value` where no other section has
 a key of that name (`--learning_rate 2e-5`), else as `--section.key value` or `section.key=value`; a later
 override wins, and a misspelt key gets the closest names. `llmtune.train` takes the same keys as keyword
-arguments ([running.md](running.md#from-python-llmtunetrain)). The HF Trainer's and LLaMA-Factory's names
-(`model_name_or_path`, `cutoff_len`, `lr`, ...) are read as llmtune's, and the run's `config.yaml` holds
-llmtune's name ([from-other-trainers.md](from-other-trainers.md)). `llmtune sft --help` prints the same keys,
-defaults and meanings. Unknown keys, wrong types and inconsistent batch settings are reported together before
+arguments ([running.md](running.md#from-python-llmtunetrain)). Other trainers' names (the HF Trainer's
+`torch_compile`, LLaMA-Factory's `cutoff_len`, TRL's `rpo_alpha`, ...) are read as llmtune's, and the run's
+`config.yaml` holds llmtune's name ([from-other-trainers.md](from-other-trainers.md)); a command-line override wins
+over the recipe's value under either name. `llmtune sft --help` prints the same keys, defaults and meanings, and
+every other trainer's name it reads. Unknown keys, wrong types and inconsistent batch settings are reported together before
 anything starts.
 
 """

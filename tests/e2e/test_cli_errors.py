@@ -52,7 +52,7 @@ def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
 # model built on the meta device), else in_process.
 @pytest.mark.parametrize("changes, overrides, expected, process", [
     ({"train__learnig_rate": 1e-4}, [],
-     "train.learnig_rate: unknown key in section 'train'; did you mean 'learning_rate'?", False),
+     "train.learnig_rate: unknown key in section 'train'; did you mean 'train.learning_rate'?", False),
     ({}, ["train.per_device_train_batch_size=two"], "train.per_device_train_batch_size: 'two' is neither a number of samples nor auto",
      False),
     ({"data__train_files": ["no/such/file.jsonl"]}, [], "data.train_files: 'no/such/file.jsonl' matches no data file",

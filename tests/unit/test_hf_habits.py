@@ -162,14 +162,29 @@ def test_report_to_none_is_no_tracker(tmp_path, value):
 
 def test_an_hf_name_and_llmtunes_with_different_values_are_refused(tmp_path):
     recipe = write_recipe(tmp_path, train={"torch_compile": True, "compile": False, "warmup_steps": 0.1,
-                                           "warmup_ratio": 0.2})
+                                           "warmup_ratio": 0.2}, peft={"lora_target": "all",
+                                                                       "target_modules": "all-linear"})
     with pytest.raises(UserError) as err:
         load_config(recipe, [], "sft", 1)
     assert str(err.value).splitlines() == [
-        f"{recipe}: train.torch_compile is train.compile (its HF name), which is also given with another value; "
-        "keep one",
+        f"{recipe}: train.torch_compile is the HF Trainer's name for train.compile, which is also given with another "
+        "value; keep one",
+        f"{recipe}: peft.lora_target is LLaMA-Factory's name for peft.target_modules, which is also given with "
+        "another value; keep one",
         f"{recipe}: train.warmup_steps 0.1 is a ratio, and train.warmup_ratio is also given with another value; "
         "keep one"]
+
+
+@pytest.mark.parametrize("recipe_keys, override, key, value", [
+    ({"peft": {"lora_target": "all"}}, "peft.target_modules=all-linear", "peft.target_modules", "all-linear"),
+    ({"peft": {"target_modules": ["q_proj"]}}, "peft.lora_target=v_proj", "peft.target_modules", "v_proj"),
+    ({"train": {"report_to": "tensorboard"}}, "monitor.report_to=wandb", "monitor.report_to", ["wandb"]),
+    ({"train": {"lr_scheduler_kwargs": {"min_lr_rate": 0.1}}}, "train.min_lr_ratio=0.2", "train.min_lr_ratio", 0.2),
+])
+def test_an_override_wins_over_the_recipes_value_under_another_name(tmp_path, recipe_keys, override, key, value):
+    config = load_config(write_recipe(tmp_path, **recipe_keys), [override, "peft.method=lora"], "sft", 1)
+    section, name = key.split(".")
+    assert getattr(getattr(config, section), name) == value
 
 
 @pytest.mark.parametrize("given, method", [("full", "none"), ("lora", "lora")])
