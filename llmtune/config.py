@@ -934,9 +934,11 @@ def qualified(key: str, task: str) -> str:
     return next(iter(names[key]))
 
 
-def load_config(recipe: str | Path | dict, overrides: list[str], task: str, world_size: int) -> Config:
+def load_config(recipe: str | Path | dict, overrides: list[str], task: str, world_size: int,
+                task_flag: bool = False) -> Config:
     """Read the recipe (a YAML file's path, or its mapping as a dict), apply `section.key=value` overrides, check types
-    and cross-field rules.
+    and cross-field rules. task_flag: the command took the task from its --task option (llmtune data and plan, sft
+    unless given), which is then the fix for another task's section.
 
     Raises UserError listing every problem found (one per line).
     """
@@ -976,7 +978,7 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
     if config.checkpoint.export_ema and not config.train.ema_decays():
         problems.append("checkpoint.export_ema: there is no moving average to export; set train.ema_decay")
     problems.extend(config.monitor.rank_problems(world_size))
-    problems.extend(_task_problems(config, provided))
+    problems.extend(_task_problems(config, provided, task_flag))
     problems.extend(_quantize_problems(config))
     if problems:
         raise UserError("\n".join(problems))
@@ -1232,12 +1234,13 @@ def pair_length(config: Config) -> int:
     return config.preference().max_length or config.data.max_seq_len // 2
 
 
-def _task_problems(config: Config, provided: set[str]) -> list[str]:
+def _task_problems(config: Config, provided: set[str], task_flag: bool) -> list[str]:
     """The task's own section, given to another task; the keys that do not apply to the task."""
     section = TASKS[config.task].section
-    out = [f"{name}: this section is for llmtune {name}, not {config.task}; leave it out of a {config.task} recipe"
-           for name in sorted({key.partition(".")[0] for key in provided} & {t.section for t in TASKS.values()})
-           if name != section]
+    owners = {entry.section: task for task, entry in TASKS.items() if entry.section}
+    out = [f"{name}: this section is for llmtune {owners[name]}, not {config.task}; "
+           + (f"pass --task {owners[name]}" if task_flag else f"leave it out of a {config.task} recipe")
+           for name in sorted({key.partition(".")[0] for key in provided} & set(owners)) if name != section]
     preference = config.preference()
     if preference is None:
         return out
