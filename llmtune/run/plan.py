@@ -501,11 +501,17 @@ def plan_recipe(recipe: str, overrides: list[str], task: str, world_size: int, d
     load_config's (the command's --task)."""
     from llmtune.config import AUTO, load_config
     from llmtune.features.registry import check_features
+    from llmtune.hub import fetch, model_config_repo
     from llmtune.model.build import check_model, load_model_config
 
     config = load_config(recipe, overrides, task, world_size, task_flag)
+    model = config.model
+    # Through llmtune's fetch, which fails at once where the Hub cannot be reached: transformers' download of the
+    # config retries it for a minute.
+    if repo := model_config_repo(model.name_or_path, model.revision, model.trust_remote_code):
+        model = replace(model, name_or_path=str(fetch(repo, "model.name_or_path")), revision=None)
     try:
-        model_config = load_model_config(config.model)
+        model_config = load_model_config(model)
     except (OSError, ValueError) as err:
         raise UserError(f"model: cannot read the config of {config.model.name_or_path or config.model.config} "
                         f"({str(err).splitlines()[0]})") from None
