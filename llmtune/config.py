@@ -30,42 +30,46 @@ REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "wsd")
 DECAY_TYPES = ("linear", "cosine", "1-sqrt")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
-# Names that users of the HF Trainer, TRL and LLaMA-Factory write, read as llmtune's; config.yaml holds llmtune's.
+# Names that users of other trainers write, read as llmtune's (config.yaml holds llmtune's), by whose names they are.
 # A key of the train section may also be written in lr_scheduler_kwargs, as transformers takes it.
-KEY_ALIASES = {
-    "train.torch_compile": "train.compile",
-    "train.label_smoothing_factor": "train.label_smoothing",
-    "train.full_determinism": "train.deterministic",
-    "train.min_lr_rate": "train.min_lr_ratio",
-    "train.num_decay_steps": "train.decay_steps",
-    "train.report_to": "monitor.report_to",
-    "train.metric_for_best_model": "checkpoint.best_metric",
-    "train.greater_is_better": "checkpoint.greater_is_better",
-    "train.run_name": "monitor.run_name",
-    "monitor.wandb_project": "monitor.project",
-    "train.dataloader_num_workers": "data.num_workers",
-    "train.dataloader_pin_memory": "data.pin_memory",
-    "train.dataloader_prefetch_factor": "data.prefetch_factor",
-    "train.dataloader_persistent_workers": "data.persistent_workers",
-    # LLaMA-Factory's names.
-    "model.model_name_or_path": "model.name_or_path",
-    "data.cutoff_len": "data.max_seq_len",
-    "train.lr": "train.learning_rate",
-    "peft.finetuning_type": "peft.method",
-    "peft.lora_rank": "peft.r",
-    "peft.lora_alpha": "peft.alpha",
-    "peft.lora_dropout": "peft.dropout",
-    "peft.lora_target": "peft.target_modules",
-    "dpo.pref_beta": "dpo.beta",
-    "dpo.pref_loss": "dpo.loss_type",
-    "dpo.pref_ftx": "dpo.sft_weight",
-    "dpo.dpo_label_smoothing": "dpo.label_smoothing",
-    "kto.pref_beta": "kto.beta",
-    "kto.kto_chosen_weight": "kto.desirable_weight",
-    "kto.kto_rejected_weight": "kto.undesirable_weight",
-    # TRL's name.
-    "dpo.rpo_alpha": "dpo.sft_weight",
+ALIASES_BY_ORIGIN = {
+    "the HF Trainer's": {
+        "train.torch_compile": "train.compile",
+        "train.label_smoothing_factor": "train.label_smoothing",
+        "train.full_determinism": "train.deterministic",
+        "train.min_lr_rate": "train.min_lr_ratio",
+        "train.num_decay_steps": "train.decay_steps",
+        "train.report_to": "monitor.report_to",
+        "train.metric_for_best_model": "checkpoint.best_metric",
+        "train.greater_is_better": "checkpoint.greater_is_better",
+        "train.run_name": "monitor.run_name",
+        "train.dataloader_num_workers": "data.num_workers",
+        "train.dataloader_pin_memory": "data.pin_memory",
+        "train.dataloader_prefetch_factor": "data.prefetch_factor",
+        "train.dataloader_persistent_workers": "data.persistent_workers",
+    },
+    "LLaMA-Factory's": {
+        "model.model_name_or_path": "model.name_or_path",
+        "data.cutoff_len": "data.max_seq_len",
+        "peft.finetuning_type": "peft.method",
+        "peft.lora_rank": "peft.r",
+        "peft.lora_alpha": "peft.alpha",
+        "peft.lora_dropout": "peft.dropout",
+        "peft.lora_target": "peft.target_modules",
+        "dpo.pref_beta": "dpo.beta",
+        "dpo.pref_loss": "dpo.loss_type",
+        "dpo.pref_ftx": "dpo.sft_weight",
+        "dpo.dpo_label_smoothing": "dpo.label_smoothing",
+        "kto.pref_beta": "kto.beta",
+        "kto.kto_chosen_weight": "kto.desirable_weight",
+        "kto.kto_rejected_weight": "kto.undesirable_weight",
+    },
+    "TRL's": {"dpo.rpo_alpha": "dpo.sft_weight"},
+    "torchtune's": {"train.lr": "train.learning_rate"},  # its optimizer's lr
+    "llmtune's earlier": {"monitor.wandb_project": "monitor.project"},
 }
+KEY_ALIASES = {alias: target for names in ALIASES_BY_ORIGIN.values() for alias, target in names.items()}
+ALIAS_ORIGINS = {alias: origin for origin, names in ALIASES_BY_ORIGIN.items() for alias in names}
 SCHEDULER_ALIASES = {"constant_with_warmup": "constant", "cosine_with_min_lr": "cosine", "warmup_stable_decay": "wsd"}
 # LLaMA-Factory's finetuning_type values, as peft.method reads them; its freeze (the last layers trained) is llmtune's
 # train.trainable_modules, a choice of parameters rather than a method.
@@ -709,14 +713,16 @@ class MonitorConfig:
                 f"{world_size - 1}); name ranks below {world_size}"] if missing else []
 
 
+BETA_HELP = ("The strength of the preference: a response's reward is beta x (its log-probability under the policy - "
+             "under the reference) (TRL's beta, LLaMA-Factory's pref_beta).")
+
+
 @dataclass
 class PreferenceConfig:
     """The keys the preference tasks share (dpo's section, kto's), each task's section its subclass."""
 
     section: typing.ClassVar[str] = ""
-    beta: float = _field(0.1, "The strength of the preference: a response's reward is beta x (its log-probability "
-                              "under the policy - under the reference) (TRL's beta, LLaMA-Factory's pref_beta); "
-                              "dpo's orpo: the weight of the odds-ratio term.")
+    beta: float = _field(0.1, BETA_HELP)
     reference: str = _field("model", "The reference model: model (a frozen copy of the starting weights, sharded "
                                      "like the policy; ref_model names another), adapter_off (with peft adapters: "
                                      "the policy with its adapters off, no copy) or precomputed (its log-probabilities "
@@ -759,6 +765,7 @@ class PreferenceConfig:
 @dataclass
 class DPOConfig(PreferenceConfig):
     section: typing.ClassVar[str] = "dpo"
+    beta: float = _field(0.1, BETA_HELP + " orpo: the weight of the odds-ratio term.")
     loss_type: list[str] = _field(["sigmoid"], "The pair loss: sigmoid (DPO; cDPO with label_smoothing), robust, "
                                                "hinge, ipo (on per-token log-probabilities), simpo (no reference, "
                                                "length-normalised, margin simpo_gamma), orpo (no reference: odds "
@@ -927,9 +934,11 @@ def qualified(key: str, task: str) -> str:
     return next(iter(names[key]))
 
 
-def load_config(recipe: str | Path | dict, overrides: list[str], task: str, world_size: int) -> Config:
+def load_config(recipe: str | Path | dict, overrides: list[str], task: str, world_size: int,
+                task_flag: bool = False) -> Config:
     """Read the recipe (a YAML file's path, or its mapping as a dict), apply `section.key=value` overrides, check types
-    and cross-field rules.
+    and cross-field rules. task_flag: the command took the task from its --task option (llmtune data and plan, sft
+    unless given), which is then the fix for another task's section.
 
     Raises UserError listing every problem found (one per line).
     """
@@ -943,6 +952,7 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
         if not sep or not dot or not name:
             problems.append(f"override {item!r}: write overrides as section.key=value, e.g. train.learning_rate=3e-5")
             continue
+        _drop_other_names(raw, KEY_ALIASES.get(key, key))
         raw.setdefault(section, {})
         if isinstance(raw[section], dict):
             raw[section][name] = yaml.safe_load(value) if value else None
@@ -955,7 +965,7 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
             problems.append(f"{recipe}: section {section!r} must be a mapping of key: value")
     for section, cls in SECTIONS.items():
         values = raw.get(section) if isinstance(raw.get(section), dict) else {}
-        sections[section] = _build_section(section, cls, values, problems)
+        sections[section] = _build_section(section, cls, values, task, problems)
     if problems:
         raise UserError("\n".join(problems))
     config = Config(task=task, **sections)
@@ -968,15 +978,29 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
     if config.checkpoint.export_ema and not config.train.ema_decays():
         problems.append("checkpoint.export_ema: there is no moving average to export; set train.ema_decay")
     problems.extend(config.monitor.rank_problems(world_size))
-    problems.extend(_task_problems(config, provided))
+    problems.extend(_task_problems(config, provided, task_flag))
     problems.extend(_quantize_problems(config))
     if problems:
         raise UserError("\n".join(problems))
     return config
 
 
+def _drop_other_names(raw: dict, target: str) -> None:
+    """The recipe's value of `target` (section.key) under any of its names taken out, for an override to replace:
+    the command line wins over the recipe whichever names the two use (lora_target: all in the recipe,
+    peft.target_modules=all-linear on the command line)."""
+    for name in (target, *(alias for alias, aliased in KEY_ALIASES.items() if aliased == target)):
+        section, _, key = name.partition(".")
+        values = raw.get(section)
+        if isinstance(values, dict):
+            values.pop(key, None)
+            kwargs = values.get("lr_scheduler_kwargs") if section == "train" else None
+            if isinstance(kwargs, dict):
+                kwargs.pop(key, None)
+
+
 def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
-    """Rewrite in place, as llmtune's, the names that users bring from the HF Trainer and LLaMA-Factory:
+    """Rewrite in place, as llmtune's, the names that users bring from other trainers (ALIASES_BY_ORIGIN):
     KEY_ALIASES, the train keys in lr_scheduler_kwargs, SCHEDULER_ALIASES, FINETUNING_TYPES, peft.method qlora,
     warmup_steps below 1 (a ratio) and report_to none."""
     sections = {name: values for name, values in raw.items() if isinstance(values, dict)}
@@ -996,8 +1020,10 @@ def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
         if not isinstance(values, dict):
             continue
         if target_key in values and values[target_key] != value:
-            problems.append(f"{recipe}: {name} is {target_section}.{target_key} (its HF name), which is also given "
-                            "with another value; keep one")
+            target = f"{target_section}.{target_key}"
+            origin = ALIAS_ORIGINS.get(f"{section}.{key}")
+            problems.append(f"{recipe}: {name} is {f'{origin} name for {target}' if origin else target}, which is "
+                            "also given with another value; keep one")
         values[target_key] = value
     peft = raw.get("peft") if isinstance(raw.get("peft"), dict) else {}
     if peft.get("method") == QLORA:
@@ -1070,13 +1096,13 @@ def _read_recipe(recipe: str | Path | dict) -> dict:
     return raw
 
 
-def _build_section(section: str, cls, values: dict, problems: list[str]):
+def _build_section(section: str, cls, values: dict, task: str, problems: list[str]):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
-            problems.append(f"{section}.{key}: unknown key in section {section!r}{_closest(key, fields)}")
+            problems.append(_unknown_key(section, key, task, fields))
             continue
         ok, converted = _coerce(value, hints[key])
         if ok:
@@ -1084,6 +1110,24 @@ def _build_section(section: str, cls, values: dict, problems: list[str]):
         else:
             problems.append(f"{section}.{key}: {value!r} is not a valid {_type_name(hints[key])}")
     return cls(**kwargs)
+
+
+def _unknown_key(section: str, key: str, task: str, fields) -> str:
+    """A key its section lacks, answered with where it is: the same name in another section of the task's recipe (or
+    another trainer's name for one, KEY_ALIASES), in another task's section, else the closest names of every
+    section."""
+    here = f"{section}.{key}: unknown key in section {section!r}"
+    names = key_names(task)
+    if key in names:
+        return f"{here}; did you mean {' or '.join(repr(name) for name in sorted(names[key]))}?"
+    elsewhere = [f"llmtune {owner} ({target})" for owner, entry in TASKS.items() if entry.section and owner != task
+                 for target in sorted(key_names(owner).get(key, ())) if target.startswith(f"{entry.section}.")]
+    if elsewhere:
+        return f"{here}; it belongs to {' and '.join(elsewhere)}, not to {task}"
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+    if close:
+        return f"{here}; did you mean {' or '.join(repr(name) for name in sorted(names[close[0]]))}?"
+    return f"{here}; valid: {', '.join(fields)}"
 
 
 def _coerce(value, hint) -> tuple[bool, object]:
@@ -1190,12 +1234,13 @@ def pair_length(config: Config) -> int:
     return config.preference().max_length or config.data.max_seq_len // 2
 
 
-def _task_problems(config: Config, provided: set[str]) -> list[str]:
+def _task_problems(config: Config, provided: set[str], task_flag: bool) -> list[str]:
     """The task's own section, given to another task; the keys that do not apply to the task."""
     section = TASKS[config.task].section
-    out = [f"{name}: this section is for llmtune {name}, not {config.task}; leave it out of a {config.task} recipe"
-           for name in sorted({key.partition(".")[0] for key in provided} & {t.section for t in TASKS.values()})
-           if name != section]
+    owners = {entry.section: task for task, entry in TASKS.items() if entry.section}
+    out = [f"{name}: this section is for llmtune {owners[name]}, not {config.task}; "
+           + (f"pass --task {owners[name]}" if task_flag else f"leave it out of a {config.task} recipe")
+           for name in sorted({key.partition(".")[0] for key in provided} & set(owners)) if name != section]
     preference = config.preference()
     if preference is None:
         return out
@@ -1288,9 +1333,9 @@ def recipe_help(task: str) -> str:
         # Not broken at hyphens: "blank-line" split over two lines reads as two words.
         lines += textwrap.wrap(help, width=110, initial_indent="      ", subsequent_indent="      ",
                                break_on_hyphens=False)
-    lines += ["", "names of the HF Trainer and LLaMA-Factory, also read (config.yaml holds llmtune's):"]
-    lines += [f"  {alias} (--{alias.partition('.')[2]}) = {target}" for alias, target in KEY_ALIASES.items()
-              if target.partition(".")[0] in task_sections(task)]
+    lines += ["", "names of other trainers, also read (config.yaml holds llmtune's):"]
+    lines += [f"  {alias} (--{alias.partition('.')[2]}) = {target} ({ALIAS_ORIGINS[alias]} name)"
+              for alias, target in KEY_ALIASES.items() if target.partition(".")[0] in task_sections(task)]
     lines += ["  lr_scheduler_type: " + ", ".join(f"{hf} = {ours}" for hf, ours in SCHEDULER_ALIASES.items()),
               "  train.lr_scheduler_kwargs: {min_lr_rate, num_decay_steps, decay_type} = the train keys above",
               "  train.warmup_steps below 1 = train.warmup_ratio; monitor.report_to: none = []",

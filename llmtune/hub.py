@@ -79,6 +79,13 @@ def model_repo(text: str | None, revision: str | None = None, trust_remote_code:
     return HubRepo(text, "model", revision, files + CODE_FILES if trust_remote_code else files)
 
 
+def model_config_repo(text: str | None, revision: str | None = None, trust_remote_code: bool = False) -> HubRepo | None:
+    """The Hub repository model.name_or_path names, with the files its config is read from alone (the config files,
+    and its code where the recipe trusts it): `llmtune plan`, which reads no weight."""
+    repo = model_repo(text, revision, trust_remote_code)
+    return replace(repo, files=PIN_FILES["model"] + (CODE_FILES if trust_remote_code else ())) if repo else None
+
+
 def dataset_source(text: str, key: str) -> HubDataset | None:
     """The Hub dataset a data source names, or None for a local one. Git refs and repo ids hold no ':', so
     the first two split the source; a name that ends like a data file is a local file, missing or not. The
@@ -112,8 +119,10 @@ def _problem(err: Exception, repo: HubRepo) -> str:
     if isinstance(err, IncompleteSnapshotError):
         return f"is only partly in the Hub cache, and {offline}; fetch it once with network access"
     if isinstance(err, LocalEntryNotFoundError):
+        then = "" if constants.is_offline_mode() else \
+            " (HF_HUB_OFFLINE=1 then reads it from the cache, asking the Hub nothing)"
         return (f"is neither a local path nor in the Hub cache {constants.HF_HUB_CACHE}, and {offline}; fetch it "
-                "once with network access, or correct the name")
+                f"once with network access{then}, name a local path instead, or correct the name")
     if isinstance(err, GatedRepoError):
         return "is gated; accept its conditions on its Hub page and log in (hf auth login, or HF_TOKEN)"
     if isinstance(err, RepositoryNotFoundError):

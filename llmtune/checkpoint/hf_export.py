@@ -13,10 +13,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers.core_model_loading import revert_weight_conversion
 
-from llmtune.atomic import write_folder
+from llmtune.atomic import save_tensors, write_folder
 from llmtune.config import parse_size
 from llmtune.features.adapters import Adapters, merge_adapters
 from llmtune.features.base import Features
@@ -59,7 +58,7 @@ def write_hf_folder(chunks: Iterable[dict[str, torch.Tensor]], model, generation
         shard, size, total = {}, 0, 0
 
         def save() -> None:
-            save_file(shard, partial / f"shard-{len(shards) + 1}", metadata={"format": "pt"})
+            save_tensors(shard, partial / f"shard-{len(shards) + 1}", metadata={"format": "pt"})
             shards.append(list(shard))
             shard.clear()
 

@@ -42,7 +42,7 @@ from llmtune.tasks.registry import CONVERSATIONS, DOCUMENTS, PAIRS, TASKS, UNPAI
 log = logging.getLogger(__name__)
 
 # Bump when a change to the transforms changes their output, so old caches are not reused.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 # Settings that do not change the built datasets, left out of the cache key. (data.streaming does: a
 # streaming run's entry holds its validation and test splits only.)
 NOT_IN_KEY = ("shuffle", "shuffle_buffer", "num_proc", "cache_dir", "document_mask")
@@ -75,6 +75,8 @@ class DataStats:
     val_samples: int
     test_samples: int
     desirable: int = 0  # kto: the examples kept that are labelled desirable (the others are undesirable)
+    # pt: the tokens of the last, shorter block of each packing window, dropped (data.pt_remainder: drop)
+    dropped_tail_tokens: int = 0
 
     def summary(self) -> str:
         rows, unit = TASKS[self.task].rows, unit_name(self.task)
@@ -82,7 +84,8 @@ class DataStats:
         if rows == UNPAIRED:
             counted += f" ({self.desirable} desirable, {self.samples - self.desirable} undesirable)"
         if rows == DOCUMENTS:
-            kept = f"{self.rows} rows of up to {self.max_seq_len} tokens"
+            kept = (f"{self.rows} rows of up to {self.max_seq_len} tokens ({self.dropped_tail_tokens} tokens of the "
+                    "last, partial rows dropped)")
         elif self.rows != self.samples:
             kept = f"{counted} packed into {self.rows} rows of up to {self.max_seq_len} tokens"
         else:
@@ -169,22 +172,25 @@ def canonical_rows(source: Source, task: str, data_cfg, streaming: bool):
 
 
 def tokenize_source(rows, form: str, tokenizer, data_cfg, source: Source, pair_limits: PairLimits | None):
-    """Canonical rows of `source` -> input_ids, labels (and position_ids for pt blocks and pairs); samples and pairs
-    keep a status column."""
+    """Canonical rows of `source` -> (input_ids, labels (and position_ids for pt blocks and pairs); samples and pairs
+    keep a status column, the tokens of pt's documents that no block holds: the last, shorter block of each packing
+    window, dropped)."""
     if form == "text":
         docs = pretrain.tokenize_documents(rows, tokenizer, map_options(rows, data_cfg.num_proc, "tokenize"))
-        # A stream cannot be checked without reading it.
-        if isinstance(docs, datasets.Dataset) and not pretrain.has_text_tokens(docs, tokenizer):
+        # A stream cannot be checked or counted without reading it.
+        streamed = not isinstance(docs, datasets.Dataset)
+        if not streamed and not pretrain.has_text_tokens(docs, tokenizer):
             raise UserError(f"{source.key}: the tokenizer in {tokenizer.name_or_path} produced no tokens for the "
                             f"documents of {source.pattern}; set model.tokenizer to one made for this text, or check "
                             "the file")
-        return pretrain.pack_documents(docs, data_cfg.max_seq_len, data_cfg.pt_remainder,
-                                       map_options(rows, data_cfg.num_proc, "pack"))
+        blocks = pretrain.pack_documents(docs, data_cfg.max_seq_len, data_cfg.pt_remainder,
+                                         map_options(rows, data_cfg.num_proc, "pack"))
+        return blocks, 0 if streamed else pretrain.token_count(docs) - pretrain.token_count(blocks)
     if form in ROWS_FORMS[PAIRS]:
         return preference.tokenize_pairs(rows, tokenizer, data_cfg, pair_limits,
-                                         map_options(rows, data_cfg.num_proc, "tokenize"), source.pattern)
+                                         map_options(rows, data_cfg.num_proc, "tokenize"), source.pattern), 0
     return sft.tokenize_examples(rows, tokenizer, data_cfg, map_options(rows, data_cfg.num_proc, "tokenize"),
-                                 source.pattern)
+                                 source.pattern), 0
 
 
 def mix(parts: list[datasets.Dataset], weights: list[float], seed: int) -> datasets.Dataset:
@@ -242,30 +248,34 @@ def padded_efficiency(lengths: np.ndarray, batch_size: int, seed: int) -> float:
 
 def tokenized_sources(sources: list[Source], task: str, tokenizer, data_cfg, streaming: bool,
                       pair_limits: PairLimits | None = None):
-    """(one tokenized dataset per source, whether they are samples rather than packed pt blocks)."""
+    """(one tokenized dataset per source, whether they are samples rather than packed pt blocks, the tokens of pt's
+    documents the blocks dropped)."""
     canonical = [canonical_rows(source, task, data_cfg, streaming) for source in sources]
     kinds = {form == "text" for _, form in canonical}
     if len(kinds) > 1:
         raise UserError(f"{sources[0].key}: raw text and pre-tokenized sources cannot be mixed in one run; "
                         "tokenize the text sources too, or train on them separately")
-    return [tokenize_source(rows, form, tokenizer, data_cfg, source, pair_limits)
-            for source, (rows, form) in zip(sources, canonical)], kinds == {False}
+    tokenized = [tokenize_source(rows, form, tokenizer, data_cfg, source, pair_limits)
+                 for source, (rows, form) in zip(sources, canonical)]
+    return [part for part, _ in tokenized], kinds == {False}, sum(dropped for _, dropped in tokenized)
 
 
 def build_split(sources: list[Source], weights: list[float], task: str, tokenizer, data_cfg, seed: int,
                 pair_limits: PairLimits | None):
+    """(the split's rows, the count of each status of its samples, the tokens of pt's documents the blocks
+    dropped)."""
     if TASKS[task].rows == UNPAIRED:
         # An example's KL completion is another example's of the split, whichever source it came from.
         examples = mix([canonical_rows(source, task, data_cfg, False)[0] for source in sources], weights, seed)
-        return count_statuses(unpaired.tokenize_examples(examples, tokenizer, data_cfg, pair_limits,
-                                                         map_options(examples, data_cfg.num_proc, "tokenize")))
-    parts, _ = tokenized_sources(sources, task, tokenizer, data_cfg, False, pair_limits)
-    return count_statuses(mix(parts, weights, seed))
+        return *count_statuses(unpaired.tokenize_examples(examples, tokenizer, data_cfg, pair_limits,
+                                                          map_options(examples, data_cfg.num_proc, "tokenize"))), 0
+    parts, _, dropped = tokenized_sources(sources, task, tokenizer, data_cfg, False, pair_limits)
+    return *count_statuses(mix(parts, weights, seed)), dropped
 
 
 def build_stream(task: str, data_cfg, tokenizer, seed: int) -> datasets.IterableDataset:
     """The streaming pipeline: the same transforms, applied lazily as samples are read."""
-    parts, samples = tokenized_sources(split_sources(data_cfg, task, "train"), task, tokenizer, data_cfg, True)
+    parts, samples, _ = tokenized_sources(split_sources(data_cfg, task, "train"), task, tokenizer, data_cfg, True)
     weights = data_cfg.mix_weights
     stream = datasets.interleave_datasets(parts, probabilities=[w / sum(weights) for w in weights], seed=seed,
                                           stopping_strategy="all_exhausted") if weights and len(parts) > 1 \
@@ -294,16 +304,18 @@ def build_held_out(split: str, task: str, data_cfg, tokenizer, seed: int,
     sources = split_sources(data_cfg, task, split)
     if not sources:
         return None
-    held_out, _ = build_split(sources, [], task, tokenizer, data_cfg, seed, pair_limits)
+    held_out, _, _ = build_split(sources, [], task, tokenizer, data_cfg, seed, pair_limits)
     return packed_split(held_out, task, data_cfg)
 
 
 def build_datasets(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairLimits | None = None):
     """(train, validation or None, counts of truncated and dropped samples), built from scratch. `pair_limits`: those
     of a task whose rows are built as pairs (PairLimits.of)."""
-    train, statuses = build_split(split_sources(data_cfg, task, "train"), data_cfg.mix_weights, task, tokenizer,
-                                  data_cfg, seed, pair_limits)
+    train, statuses, dropped_tail = build_split(split_sources(data_cfg, task, "train"), data_cfg.mix_weights, task,
+                                                tokenizer, data_cfg, seed, pair_limits)
     too_long, no_labels = statuses.get(sft.TOO_LONG, 0), statuses.get(sft.NO_LABELS, 0)
+    if not len(train) and dropped_tail:
+        raise pretrain.no_block_error(dropped_tail, data_cfg.max_seq_len)
     if not len(train) and too_long and not no_labels:
         raise UserError(f"data: every one of the {too_long} samples is longer than data.max_seq_len="
                         f"{data_cfg.max_seq_len}; raise data.max_seq_len")
@@ -322,7 +334,7 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairL
         split = train.train_test_split(test_size=max(1, round(len(train) * data_cfg.val_ratio)), seed=seed)
         train, val = split["train"], packed_split(split["test"], task, data_cfg)
     counts = {"truncated": statuses.get(sft.TRUNCATED, 0), "dropped_too_long": too_long,
-              "dropped_no_labels": no_labels, "fully_labelled": every_token}
+              "dropped_no_labels": no_labels, "fully_labelled": every_token, "dropped_tail_tokens": dropped_tail}
     return packed_split(train, task, data_cfg), val, counts
 
 

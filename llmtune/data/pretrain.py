@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from llmtune.data.packing import PACK_WINDOW, concatenate
+from llmtune.errors import UserError
 
 
 def tokenize_documents(rows: datasets.Dataset, tokenizer, map_kw: dict) -> datasets.Dataset:
@@ -51,3 +52,22 @@ def pack_documents(docs: datasets.Dataset, max_seq_len: int, remainder: str, map
         return rows
 
     return docs.map(pack, batched=True, batch_size=PACK_WINDOW, remove_columns=["input_ids"], **map_kw)
+
+
+def token_count(rows: datasets.Dataset) -> int:
+    """The tokens of rows just tokenized or packed (their table is flat: no indices mapping), on the Arrow column."""
+    return int(pc.sum(pc.list_value_length(rows.data.column("input_ids"))).as_py() or 0)
+
+
+def no_block_error(tokens: int, max_seq_len: int) -> UserError:
+    """A corpus of `tokens` of which data.pt_remainder: drop left no block of max_seq_len: the cause, and the fixes."""
+    if tokens < max_seq_len:
+        cause = f"the corpus holds {tokens} tokens, fewer than one row of data.max_seq_len={max_seq_len}"
+        shorter = f"set data.max_seq_len to {tokens} or less"
+    else:
+        cause = (f"the corpus's {tokens} tokens fill no row of data.max_seq_len={max_seq_len} in any packing window "
+                 f"(documents are packed {PACK_WINDOW:,} at a time)")
+        shorter = "lower data.max_seq_len"
+    return UserError(f"data.train_files: {cause}, and the last, partial row of each window is dropped "
+                     f"(data.pt_remainder: drop); {shorter}, add text, or set data.pt_remainder: pad to train on the "
+                     "partial row")

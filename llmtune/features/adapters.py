@@ -240,8 +240,7 @@ class Adapters(Feature):
         modules trained in full, under peft's keys (a module tied to another, the embeddings and the lm_head, under
         both names, so that peft's separate copies both take the trained values), with the adapter_config.json that
         names them and the run's base model, and the tokenizer. Every rank calls it (the adapters are gathered)."""
-        from llmtune.atomic import write_folder
-        from safetensors.torch import save_file
+        from llmtune.atomic import save_tensors, write_folder
 
         gathered: dict[int, str] = {}  # parameter -> the key it was saved under first
         tensors = {}
@@ -266,8 +265,8 @@ class Adapters(Feature):
         config.inference_mode = True
 
         def fill(folder: Path) -> None:
-            save_file({key: tensor.contiguous() for key, tensor in tensors.items()}, folder / ADAPTER_WEIGHTS,
-                      metadata={"format": "pt"})
+            save_tensors({key: tensor.contiguous() for key, tensor in tensors.items()}, folder / ADAPTER_WEIGHTS,
+                         metadata={"format": "pt"})
             config.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
 

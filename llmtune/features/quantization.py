@@ -15,39 +15,47 @@ import torch
 from llmtune.features.adapters import Adapters, saved_module_names
 from llmtune.features.base import Feature
 from llmtune.model.build import decoder_layers, meta_model
-from llmtune.model.quantize import GROUP, quantize_weights, quantized_linears, splits, storage_dtype
+from llmtune.model.quantize import GROUP, frozen_linears, quantize_weights, quantized_linears, splits, storage_dtype
 
 FIX = "set model.quantize: none (LoRA on the unquantized base)"
+# Why a quantized weight must hold whole groups, for the messages.
+GROUPS = f"whole groups of {GROUP} values (NF4 scales blocks of 64 values and quantizes those scales in groups of 256)"
 
 
 def planned_linears(config, model_config) -> dict[str, torch.nn.Linear]:
-    """The linear layers a run of `config` quantizes, on a meta-device model without adapters: the decoder layers'
-    linears but the modules peft trains in full."""
+    """The frozen linear layers of a run of `config`, on a meta-device model without adapters: the decoder layers'
+    linears but the modules peft trains in full (those of whole groups are quantized)."""
     hf_model = meta_model(model_config, config.model)
     hf_model.requires_grad_(False)
     for name in saved_module_names(hf_model, Adapters(config).modules_to_save()):
         hf_model.get_submodule(name).requires_grad_(True)
-    return quantized_linears(hf_model, decoder_layers(hf_model))
+    return frozen_linears(hf_model, decoder_layers(hf_model))
 
 
 def base_problems(config, model_config, world_size: int) -> list[str]:
     """Why the model's base cannot be held in NF4 on world_size ranks: it has no linear layer to quantize (GPT-2's
-    Conv1D layers), or weights that do not split over the ranks a copy is sharded over, named in one line with the
-    fix."""
+    Conv1D layers) or none of whole groups, or quantized weights that do not split over the ranks a copy is sharded
+    over, named in one line with what works."""
     ranks = config.parallel.shard_size(world_size)
-    planned = planned_linears(config, model_config)
-    if not planned:
+    frozen = {name: linear.weight.shape for name, linear in planned_linears(config, model_config).items()}
+    if not frozen:
         return [f"model.quantize: nf4 quantizes the linear layers (torch.nn.Linear) of the decoder layers, and "
                 f"{model_config.model_type}'s have none (GPT-2's, for one, are Conv1D); {FIX}"]
-    bad = {name: linear.weight.shape for name, linear in planned.items() if not splits(linear.weight.shape, ranks)}
+    planned = {name: shape for name, shape in frozen.items() if splits(shape, 1)}
+    if not planned:
+        name, shape = max(frozen.items(), key=lambda item: item[1].numel())
+        return [f"model.quantize: nf4 holds a weight in {GROUPS}, and no linear weight of {model_config.model_type}'s "
+                f"decoder layers has a multiple of {GROUP} values (the largest, {name}.weight, {list(shape)}, has "
+                f"{shape.numel()}); {FIX}"]
+    bad = {name: shape for name, shape in planned.items() if not splits(shape, ranks)}
     if not bad:
         return []
     name, shape = next(iter(bad.items()))
     more = f" and {len(bad) - 1} more weights" if len(bad) > 1 else ""
+    works = [str(n) for n in range(1, ranks) if all(splits(weight, n) for weight in planned.values())]
     return [f"model.quantize: nf4 cannot hold {name}.weight (shape {list(shape)}){more} sharded over {ranks} rank(s): "
-            f"each rank's equal share of a weight's rows (FSDP2's) must hold whole groups of {GROUP} values (NF4 "
-            f"scales blocks of 64 values and quantizes those scales in groups of 256); run on a number of ranks "
-            f"that splits every linear weight so, or {FIX}"]
+            f"each rank's equal share of a weight's rows (FSDP2's) must hold {GROUPS}; shard each copy of the model "
+            f"over {' or '.join(works)} rank(s) (the world size / parallel.dp_replicate), or {FIX}"]
 
 
 class QuantizedBase(Feature):

@@ -8,7 +8,9 @@ group of SCALER_BLOCK scales against its own factor and the mean of every scale 
 quantization). That mean makes a rank's own rows, quantized alone, come out other than the same rows of the whole
 tensor quantized: so every weight is quantized whole, and each rank keeps its rows of the result (set_rows). The
 4-bit values a layer gathers are then those of the whole tensor quantized, on any number of ranks; the rows of a
-rank must hold whole groups of GROUP values, which `splits` checks before a run.
+rank must hold whole groups of GROUP values, which `splits` checks before a run. A weight that is no whole number of
+groups (a tiny model's k_proj of 64 x 128) torchao cannot quantize at these block sizes on any number of ranks: it
+stays frozen in the compute dtype.
 
 llmtune imports torchao's NF4 module when a run quantizes, on first use (transformers imports torchao itself wherever it
 is installed).
@@ -56,17 +58,23 @@ def storage_dtype(half: str | None) -> torch.dtype:
     return torch.bfloat16 if half == "bf16" else torch.float32
 
 
-def quantized_linears(hf_model, layers: list[nn.Module]) -> dict[str, nn.Linear]:
-    """The linear layers whose weights are quantized, by name: those of the decoder layers that stay frozen (not an
-    adapter, not a module trained in full). Embeddings, norms, the lm_head and biases keep the compute dtype."""
+def frozen_linears(hf_model, layers: list[nn.Module]) -> dict[str, nn.Linear]:
+    """The linear layers of the decoder layers that stay frozen (not an adapter, not a module trained in full), by
+    name."""
     inside = {id(module) for layer in layers for module in layer.modules()}
     return {name: module for name, module in hf_model.named_modules()
             if type(module) is nn.Linear and id(module) in inside and not module.weight.requires_grad}
 
 
+def quantized_linears(hf_model, layers: list[nn.Module]) -> dict[str, nn.Linear]:
+    """The linear layers whose weights are quantized, by name: the frozen ones of whole groups. Embeddings, norms,
+    the lm_head and biases keep the compute dtype."""
+    return {name: module for name, module in frozen_linears(hf_model, layers).items() if splits(module.weight.shape, 1)}
+
+
 def splits(shape: torch.Size, ranks: int) -> bool:
-    """Whether a weight of `shape` can be held in NF4 sharded over `ranks`: FSDP2 splits dim 0 in equal shares (NF4
-    has no padding), each of which must hold whole groups."""
+    """Whether a weight of `shape` can be held in NF4 sharded over `ranks` (1: whole): FSDP2 splits dim 0 in equal
+    shares (NF4 has no padding), each of which must hold whole groups."""
     return shape[0] % ranks == 0 and shape.numel() % (GROUP * ranks) == 0
 
 

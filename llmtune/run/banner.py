@@ -1,14 +1,15 @@
 """The start banner: what a run is about to do, a block of lines that rank 0 logs once the run is built, before its
 first step (through logging, so that output_dir/train.log holds it too): the data (its rows, named in the task's
-unit) and the optimizer steps, the global batch and the layout, the parameters (those held in nf4) and their
-weight-decay groups, the precision, the attention backend the model resolved, and the peak memory per rank that
-`llmtune plan` computes for this layout."""
+unit) and the optimizer steps, the global batch and the layout, the parameters (those held in nf4, and the frozen
+linear weights nf4 cannot hold) and their weight-decay groups, the precision, the attention backend the model
+resolved, and the peak memory per rank that `llmtune plan` computes for this layout."""
 
 import logging
 from dataclasses import dataclass
 
 from llmtune.data.manager import StreamingDataManager
-from llmtune.model.quantize import is_quantized
+from llmtune.model.build import decoder_layers
+from llmtune.model.quantize import GROUP, frozen_linears, is_quantized
 from llmtune.run.plan import gib, plan_memory
 from llmtune.training.optim import group_sizes
 
@@ -35,6 +36,7 @@ class Banner:
     attention: str
     peak: str  # the plan's peak per rank, or why there is none
     quantized: int = 0  # parameters held in nf4 (model.quantize), whole-model count
+    kept: int = 0  # model.quantize: those of the frozen linear weights nf4 cannot hold (not whole groups)
 
     def lines(self) -> list[str]:
         if self.rows is None:
@@ -52,7 +54,9 @@ class Banner:
             f"layout {self.layout}",
             f"parameters {self.params:,}, trainable {self.trainable:,} (weight decay: {self.decay[1]:,} in "
             f"{self.decay[0]} tensors; no decay: {self.no_decay[1]:,} in {self.no_decay[0]})"
-            + (f"; {self.quantized:,} frozen in nf4 (model.quantize)" if self.quantized else ""),
+            + (f"; {self.quantized:,} frozen in nf4 (model.quantize)" if self.quantized else "")
+            + (f", {self.kept:,} frozen in the compute dtype (linear weights of no whole number of {GROUP:,}-value "
+               "groups, which nf4 cannot hold)" if self.kept else ""),
             f"precision {self.precision}, attention {self.attention}",
             f"planned peak memory {self.peak}",
         ]
@@ -104,7 +108,9 @@ def start_banner(trainer, config, model_config, world_size: int) -> Banner:
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
         peak=planned_peak(config, model_config, world_size),
-        quantized=sum(p.numel() for p in params if is_quantized(p)))
+        quantized=sum(p.numel() for p in params if is_quantized(p)),
+        kept=sum(linear.weight.numel() for linear in frozen_linears(model.hf_model, decoder_layers(model.hf_model))
+                 .values() if not is_quantized(linear.weight)) if config.model.quantize != "none" else 0)
 
 
 def log_start(trainer, config, model_config, world_size: int) -> None:

@@ -20,7 +20,7 @@ USAGE = f"""llmtune {NAMES} RECIPE [--key VALUE ...] [section.key=VALUE ...] [--
        llmtune plot OUTPUT_DIR
        llmtune plan RECIPE [--nproc N | --nnodes M --nproc-per-node N] [--device-memory GiB] [--task {NAMES}]
                [section.key=VALUE ...]
-       llmtune demo
+       llmtune demo [--nproc N] [section.key=VALUE ...]
        llmtune {NAMES} --help    every recipe key, its default and its meaning"""
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
@@ -96,7 +96,7 @@ def data_command(args: list[str]) -> int:
     from llmtune.config import AUTO, load_config
     from llmtune.run.inputs import check_inputs, fetch_hub_inputs, local_inputs
 
-    config = load_config(recipe, overrides, task, world_size=1)
+    config = load_config(recipe, overrides, task, world_size=1, task_flag=True)
     # Imported after the checks above: datasets and transformers take seconds to import.
     from llmtune.data.preview import check_previewable, preview
     from llmtune.monitor.console import configure_logging
@@ -162,7 +162,7 @@ def plan_command(args: list[str]) -> int:
     world_size = nproc or int(nnodes or 1) * int(per_node or 1)
     from llmtune.run.plan import plan_recipe
 
-    print(plan_recipe(recipe, overrides, task, world_size, device_gib, nproc or int(per_node or 1)))
+    print(plan_recipe(recipe, overrides, task, world_size, device_gib, nproc or int(per_node or 1), task_flag=True))
     return 0
 
 

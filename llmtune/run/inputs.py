@@ -169,11 +169,13 @@ def check_output_dir(train_cfg, resume: str | None) -> None:
                             f"and checkpoint.resume_from_checkpoint: {resume} goes on from one of them; keep one of "
                             "the two")
         return
-    if not held or (goes_on and complete_checkpoints(out / "checkpoints")):
+    saved = complete_checkpoints(out / "checkpoints")
+    if not held or (goes_on and saved):
         return
     ways = "set train.overwrite_output_dir: true to start over (it removes them first), or choose another " \
            "train.output_dir"
-    if not goes_on:
+    # auto goes on from a complete checkpoint alone: offered where there is one.
+    if not goes_on and saved:
         ways = f"set checkpoint.resume_from_checkpoint: auto to go on from it, {ways}"
     raise UserError(f"train.output_dir: {out} holds {' and '.join(held)} of an earlier run, which this run would mix "
                     f"with its own; {ways}")

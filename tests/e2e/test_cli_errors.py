@@ -11,6 +11,7 @@ torchrun (two_process_refusals)."""
 import functools
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 import yaml
 
 from llmtune.run.cli import main as cli_main
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, free_port, run_cli
 
 
 def write_recipe(folder, tiny_model, sft_file, **changes) -> str:
@@ -52,7 +53,7 @@ def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
 # model built on the meta device), else in_process.
 @pytest.mark.parametrize("changes, overrides, expected, process", [
     ({"train__learnig_rate": 1e-4}, [],
-     "train.learnig_rate: unknown key in section 'train'; did you mean 'learning_rate'?", False),
+     "train.learnig_rate: unknown key in section 'train'; did you mean 'train.learning_rate'?", False),
     ({}, ["train.per_device_train_batch_size=two"], "train.per_device_train_batch_size: 'two' is neither a number of samples nor auto",
      False),
     ({"data__train_files": ["no/such/file.jsonl"]}, [], "data.train_files: 'no/such/file.jsonl' matches no data file",
@@ -128,6 +129,26 @@ def test_missing_recipe_file():
     assert result.returncode == 2
     assert result.stderr.strip() == ("llmtune: error: no_such_recipe.yaml: recipe file not found; "
                                      "pass the path of a YAML recipe")
+
+
+def test_plan_of_a_hub_id_the_hub_cannot_give_fails_at_once_naming_the_cache(tmp_path):
+    """Without network (the Hub's address a closed local port) and without the config in the cache, transformers'
+    download of the config retried the Hub for a minute (its warnings on stderr) before failing; llmtune's fetch asks
+    once."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": "org/uncached"}, "data": {"train_files": ["t.jsonl"]},
+                                    "train": {"output_dir": str(tmp_path / "out")}}))
+    cache = tmp_path / "hf" / "hub"
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": None,
+           "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    started = time.monotonic()
+    result = run_cli("plan", str(path), env=env, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"llmtune: error: model.name_or_path: org/uncached (revision main) is neither a local path nor in the Hub "
+        f"cache {cache}, and the Hub cannot be reached; fetch it once with network access (HF_HUB_OFFLINE=1 then reads "
+        "it from the cache, asking the Hub nothing), name a local path instead, or correct the name")
+    assert time.monotonic() - started < 60, "no retries"
 
 
 def test_recipe_errors_are_found_before_torch_is_imported(tmp_path, recipe):

@@ -76,6 +76,13 @@ def test_a_recipes_problem_is_refused_before_any_process_starts(tmp_path, tiny_m
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["data", "plan"])
+def test_a_dpo_recipe_read_as_sfts_by_data_or_plan_is_answered_with_task_dpo(tmp_path, tiny_model, capsys, command):
+    """Those commands read a recipe as sft's unless --task says otherwise: the section stays, the task is named."""
+    recipe = write_recipe(tmp_path, tiny_model, [pairs_file(tmp_path)], task_section={"beta": 0.2})
+    one_line(in_process(capsys, command, recipe), "dpo: this section is for llmtune dpo, not sft; pass --task dpo")
+
+
 # name: (the bad row, the task, the recipe's sections, the error after the data file's name)
 ROW_REFUSALS = {
     "missing_chosen": ({"prompt": PROMPT, "rejected": REJECTED}, "dpo", {},

@@ -1,8 +1,11 @@
 """pt from scratch (tied embeddings), in this process: the exported HF folder loads with from_pretrained and
-gives the trained model's logits; the run writes its resolved config and metrics."""
+gives the trained model's logits; the run writes its resolved config and metrics. Every exported file (the HF folder
+and the adapter folder) has the permissions the umask gives."""
 
 import dataclasses
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -79,3 +82,24 @@ def test_run_writes_resolved_config_and_metrics(trained):
     assert resolved["train"]["max_steps"] == 3 and resolved["train"]["learning_rate"] == 1e-2
     assert resolved["data"]["format"] == "auto"
     assert [m["step"] for m in read_metrics(output_dir)] == [2, 3]
+
+
+def test_every_exported_file_has_the_umasks_permissions(tiny_model, sft_file, tmp_path):
+    """safetensors writes its files readable by their owner alone; a model shared on a cluster must not be."""
+    recipe = {"model": {"name_or_path": str(tiny_model)},
+              "data": {"train_files": [str(sft_file)], "chat_template": "basic", "max_seq_len": 64},
+              "train": {"output_dir": str(tmp_path), "per_device_train_batch_size": 2},
+              "peft": {"method": "lora", "r": 4}, "checkpoint": {"export_merged": True}}
+    config = load_config(recipe, [], "sft", world_size=1)
+    state = ParallelState.initialize()
+    previous = os.umask(0o022)
+    try:
+        trainer, tokenizer = build_trainer(config, state)
+        export_trained(trainer.model.hf_model, tokenizer, tmp_path, config.checkpoint, state, trainer.features)
+    finally:
+        os.umask(previous)
+        state.close()
+    modes = {path.relative_to(tmp_path): stat.S_IMODE(path.stat().st_mode)
+             for folder in ("hf", "adapter") for path in (tmp_path / folder).iterdir()}
+    assert {"hf/model.safetensors", "adapter/adapter_model.safetensors"} <= {str(path) for path in modes}
+    assert {str(path): oct(mode) for path, mode in modes.items() if mode != 0o644} == {}

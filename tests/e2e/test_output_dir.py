@@ -119,6 +119,11 @@ def test_an_export_without_checkpoints_is_not_started_over_by_auto(tmp_path, tin
     assert cli_main(["sft", path]) == 0
     exported = (out / "hf" / "model.safetensors").read_bytes()
     capsys.readouterr()
+    # Run again as it was: auto, which would be refused in turn, is not offered.
+    assert cli_main(["sft", path]) == 2
+    err = capsys.readouterr().err
+    assert "an export (hf/)" in err and "train.overwrite_output_dir: true" in err and "another train.output_dir" in err
+    assert "resume_from_checkpoint" not in err, "no checkpoint to go on from"
     assert cli_main(["sft", path, "--resume_from_checkpoint", "auto"]) == 2
     err = capsys.readouterr().err
     assert "an export (hf/)" in err and "train.overwrite_output_dir: true" in err

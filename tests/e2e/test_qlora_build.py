@@ -5,9 +5,12 @@
   packed values and scales), the adapters fp32 master weights (FSDP2 computes them in bf16), and AdamW holds the
   adapters alone;
 - a dpo run's reference copy (dpo.reference: model) is quantized as the policy's base: at step 0, where the policy
-  is its reference, the rewards are exactly 0 and the loss ln 2.
+  is its reference, the rewards are exactly 0 and the loss ln 2;
+- the demo's model, whose k_proj and v_proj are half a group of NF4, trains on one process, those two in the compute
+  dtype and the rest in nf4, as the start banner says.
 The 2-process runs (layout, resume, export, memory per rank when sharded) are tests/dist/test_qlora.py's."""
 
+import logging
 import math
 
 import pytest
@@ -120,3 +123,19 @@ def test_a_dpo_reference_copy_is_quantized_as_the_policys_base(nf4_llama, assets
     first = read_metrics(tmp_path / "out")[0]
     assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0
     assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_the_demos_model_trains_on_one_process_with_the_weights_nf4_cannot_hold_unquantized(assets, tmp_path,
+                                                                                             caplog):
+    caplog.set_level(logging.INFO, logger="llmtune")
+    result = llmtune.train("pt", {
+        "model": {"config": assets / "model", "tokenizer": assets / "tokenizer"},
+        "data": {"train_files": [assets / "data" / "pt.jsonl"], "max_seq_len": 64},
+        "train": {"output_dir": tmp_path / "out", "max_steps": 1, "per_device_train_batch_size": 2},
+        "peft": {"method": "qlora", "r": 4}, "checkpoint": {"export_hf": False}, "monitor": {"plots": False}})
+    assert result.steps == 1 and math.isfinite(result.loss)
+    # 2 layers: q_proj and o_proj of 128 x 128, gate_proj, up_proj and down_proj of 512 x 128 in nf4; k_proj and
+    # v_proj of 64 x 128 (half of NF4's group of 16,384 values) not.
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("start: parameters "))
+    assert f"; {2 * (2 * 128 * 128 + 3 * 512 * 128):,} frozen in nf4 (model.quantize), {2 * 2 * 64 * 128:,} frozen " \
+           "in the compute dtype" in line

@@ -35,7 +35,30 @@ def test_defaults_overrides_and_numbers_written_as_strings(tmp_path):
 def test_unknown_key_names_section_and_closest_key(tmp_path):
     with pytest.raises(UserError) as err:
         load_config(write_recipe(tmp_path, train={"learning_rat": 1e-4}), [], "sft", 1)
-    assert str(err.value) == "train.learning_rat: unknown key in section 'train'; did you mean 'learning_rate'?"
+    assert str(err.value) == "train.learning_rat: unknown key in section 'train'; did you mean 'train.learning_rate'?"
+
+
+@pytest.mark.parametrize("task, key, answer", [
+    ("sft", "save_steps", "did you mean 'checkpoint.save_steps'?"),
+    ("dpo", "beta", "did you mean 'dpo.beta'?"),
+    ("dpo", "loss_type", "did you mean 'dpo.loss_type'?"),
+    ("dpo", "max_length", "did you mean 'dpo.max_length'?"),
+    ("sft", "save_total_limit", "did you mean 'checkpoint.save_total_limit'?"),
+    ("sft", "beta", "it belongs to llmtune dpo (dpo.beta) and llmtune kto (kto.beta), not to sft"),
+    ("sft", "pref_beta", "it belongs to llmtune dpo (dpo.beta) and llmtune kto (kto.beta), not to sft"),
+])
+def test_a_key_in_the_wrong_section_is_sent_to_the_section_that_has_it(tmp_path, task, key, answer):
+    """Matched within its own section alone, train.save_steps suggested max_steps, train.beta adam_beta2,
+    train.loss_type lr_scheduler_type, train.max_length max_steps, train.save_total_limit save_on_signals."""
+    with pytest.raises(UserError) as err:
+        load_config(write_recipe(tmp_path, train={key: 1}), [], task, 1)
+    assert str(err.value) == f"train.{key}: unknown key in section 'train'; {answer}"
+
+
+def test_another_trainers_name_in_the_wrong_section_is_sent_to_llmtunes_key(tmp_path):
+    with pytest.raises(UserError) as err:
+        load_config(write_recipe(tmp_path, peft={"cutoff_len": 1024}), [], "sft", 1)
+    assert str(err.value) == "peft.cutoff_len: unknown key in section 'peft'; did you mean 'data.max_seq_len'?"
 
 
 def test_unknown_section_and_override_key_are_reported_together(tmp_path):
@@ -45,7 +68,7 @@ def test_unknown_section_and_override_key_are_reported_together(tmp_path):
         load_config(recipe, ["data.max_seq_lenn=4"], "sft", 1)
     lines = str(err.value).splitlines()
     assert any("unknown section 'trian'; did you mean 'train'?" in line for line in lines)
-    assert any(line.startswith("data.max_seq_lenn:") and "'max_seq_len'" in line for line in lines)
+    assert any(line.startswith("data.max_seq_lenn:") and "'data.max_seq_len'" in line for line in lines)
 
 
 @pytest.mark.parametrize("key, value, expected", [
@@ -173,6 +196,20 @@ def test_recipe_reference_page_lists_every_field():
     spec.loader.exec_module(generator)
     assert (REPO / "docs" / "recipe.md").read_text() == generator.page(), \
         "docs/recipe.md is stale: python docs/recipe_table.py"
+
+
+def test_running_page_names_every_task_llmtune_train_takes():
+    from llmtune.tasks.registry import TASKS
+
+    sentence = (REPO / "docs" / "running.md").read_text().partition("`task` is ")[2].partition(";")[0]
+    assert [task for task in TASKS if f'`"{task}"`' not in sentence] == []
+
+
+def test_recipe_reference_introduction_names_every_section():
+    from llmtune.config import SECTIONS
+
+    introduction = (REPO / "docs" / "recipe.md").read_text().partition("| key |")[0]
+    assert [section for section in SECTIONS if f"`{section}`" not in introduction] == []
 
 
 def test_expert_parallel_below_one_is_refused():

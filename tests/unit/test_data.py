@@ -37,17 +37,20 @@ def state():
     state.close()
 
 
-def test_pt_blocks_restart_positions_and_mask_labels_at_document_starts(tmp_path, tokenizer):
-    docs = [{"text": f"The sum of {i} and {i + 1} is {2 * i + 1}."} for i in range(40)]
+def test_pt_blocks_restart_positions_and_mask_labels_at_document_starts(tmp_path, tokenizer, state):
+    # 639 tokens: 39 blocks of 16, and 15 left over.
+    docs = [{"text": f"The sum of {i} and {i + 1} is {2 * i + 1}."} for i in range(39)]
     data = config(tmp_path, [write_jsonl(tmp_path / "pt.jsonl", docs)], max_seq_len=16)
-    train, _, _ = build_datasets("pt", data, tokenizer, seed=0)
+    train, _, _, stats = load_or_build("pt", data, tokenizer, 0, 4, state)
     stream, starts = [], []
     for doc in tokenizer([d["text"] for d in docs])["input_ids"]:
         starts.append(len(stream))
         stream += doc + [tokenizer.eos_token_id]
     assert all(len(row) == 16 for row in train["input_ids"]), "pt_remainder drop keeps full blocks only"
     flat = [t for row in train["input_ids"] for t in row]
-    assert flat == stream[:len(flat)] and len(stream) - len(flat) < 16
+    assert flat == stream[:len(flat)] and 0 < len(stream) - len(flat) < 16
+    assert stats.summary().startswith(f"{len(train)} rows of up to 16 tokens ({len(stream) - len(flat)} tokens of the "
+                                      "last, partial rows dropped), ")
     positions = [p for row in train["position_ids"] for p in row]
     labels = [t for row in train["labels"] for t in row]
     for i in range(len(flat)):
@@ -55,9 +58,24 @@ def test_pt_blocks_restart_positions_and_mask_labels_at_document_starts(tmp_path
         # A document cut by a block boundary goes on from position 0 in the next block.
         assert positions[i] == i - max(doc_start, i - i % 16)
         assert labels[i] == (IGNORE_INDEX if i == doc_start else flat[i])
-    padded, _, _ = build_datasets("pt", config(tmp_path, data.train_files, max_seq_len=16, pt_remainder="pad"),
-                                  tokenizer, seed=0)
-    assert [t for row in padded["input_ids"] for t in row] == stream
+    padded, _, counts = build_datasets("pt", config(tmp_path, data.train_files, max_seq_len=16, pt_remainder="pad"),
+                                       tokenizer, seed=0)
+    assert [t for row in padded["input_ids"] for t in row] == stream and counts["dropped_tail_tokens"] == 0
+
+
+def test_a_pt_corpus_shorter_than_one_row_is_refused_with_its_length_and_the_fixes(tmp_path, tokenizer):
+    texts = [LINES[0], LINES[1]]
+    tokens = sum(len(ids) + 1 for ids in tokenizer(texts)["input_ids"])  # each document ends with EOS
+    files = [write_jsonl(tmp_path / "short.jsonl", [{"text": text} for text in texts])]
+    with pytest.raises(UserError) as err:
+        build_datasets("pt", config(tmp_path, files, max_seq_len=64), tokenizer, 0)
+    assert str(err.value) == (
+        f"data.train_files: the corpus holds {tokens} tokens, fewer than one row of data.max_seq_len=64, and the last, "
+        f"partial row of each window is dropped (data.pt_remainder: drop); set data.max_seq_len to {tokens} or less, "
+        "add text, or set data.pt_remainder: pad to train on the partial row")
+    for changes in ({"max_seq_len": tokens}, {"max_seq_len": 64, "pt_remainder": "pad"}):
+        train, _, counts = build_datasets("pt", config(tmp_path, files, **changes), tokenizer, 0)
+        assert (len(train), counts["dropped_tail_tokens"]) == (1, 0), changes
 
 
 LINES = ["The sum of 1 and 2 is 3.", "The sum of 2 and 3 is 5.", "The sum of 3 and 4 is 7."]

@@ -43,6 +43,17 @@ def test_help_lists_every_recipe_key_with_its_default_and_help(task, words, caps
         assert listed == (target.partition(".")[0] in task_sections(task)), alias
 
 
+def test_the_usage_gives_every_commands_options(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "llmtune demo [--nproc N] [section.key=VALUE ...]" in capsys.readouterr().out
+
+
+def test_beta_speaks_of_orpo_in_dpo_alone():
+    helps = {section: help for section, key, _, help in recipe_keys() if key == "beta"}
+    assert "orpo" in helps["dpo"] and "orpo" not in helps["kto"], "orpo is a dpo.loss_type"
+
+
 def test_flat_keys_name_their_section(tmp_path):
     overrides, nproc = parse_overrides(["--learning_rate", "2e-5", "max_steps=3", "--cp_size=2", "--nproc", "2",
                                         "--resume_from_checkpoint", "auto", "data.max_seq_len=128"])
@@ -151,14 +162,29 @@ def test_report_to_none_is_no_tracker(tmp_path, value):
 
 def test_an_hf_name_and_llmtunes_with_different_values_are_refused(tmp_path):
     recipe = write_recipe(tmp_path, train={"torch_compile": True, "compile": False, "warmup_steps": 0.1,
-                                           "warmup_ratio": 0.2})
+                                           "warmup_ratio": 0.2}, peft={"lora_target": "all",
+                                                                       "target_modules": "all-linear"})
     with pytest.raises(UserError) as err:
         load_config(recipe, [], "sft", 1)
     assert str(err.value).splitlines() == [
-        f"{recipe}: train.torch_compile is train.compile (its HF name), which is also given with another value; "
-        "keep one",
+        f"{recipe}: train.torch_compile is the HF Trainer's name for train.compile, which is also given with another "
+        "value; keep one",
+        f"{recipe}: peft.lora_target is LLaMA-Factory's name for peft.target_modules, which is also given with "
+        "another value; keep one",
         f"{recipe}: train.warmup_steps 0.1 is a ratio, and train.warmup_ratio is also given with another value; "
         "keep one"]
+
+
+@pytest.mark.parametrize("recipe_keys, override, key, value", [
+    ({"peft": {"lora_target": "all"}}, "peft.target_modules=all-linear", "peft.target_modules", "all-linear"),
+    ({"peft": {"target_modules": ["q_proj"]}}, "peft.lora_target=v_proj", "peft.target_modules", "v_proj"),
+    ({"train": {"report_to": "tensorboard"}}, "monitor.report_to=wandb", "monitor.report_to", ["wandb"]),
+    ({"train": {"lr_scheduler_kwargs": {"min_lr_rate": 0.1}}}, "train.min_lr_ratio=0.2", "train.min_lr_ratio", 0.2),
+])
+def test_an_override_wins_over_the_recipes_value_under_another_name(tmp_path, recipe_keys, override, key, value):
+    config = load_config(write_recipe(tmp_path, **recipe_keys), [override, "peft.method=lora"], "sft", 1)
+    section, name = key.split(".")
+    assert getattr(getattr(config, section), name) == value
 
 
 @pytest.mark.parametrize("given, method", [("full", "none"), ("lora", "lora")])

@@ -100,9 +100,11 @@ RESPONSE = SimpleNamespace(headers={}, status_code=404, request=None, url="https
 
 @pytest.mark.parametrize("error, offline, problem", [
     (LocalEntryNotFoundError("not cached"), True, "is neither a local path nor in the Hub cache {cache}, and "
-     "HF_HUB_OFFLINE=1 forbids a download; fetch it once with network access, or correct the name"),
+     "HF_HUB_OFFLINE=1 forbids a download; fetch it once with network access, name a local path instead, or correct "
+     "the name"),
     (LocalEntryNotFoundError("not cached"), False, "is neither a local path nor in the Hub cache {cache}, and the Hub "
-     "cannot be reached; fetch it once with network access, or correct the name"),
+     "cannot be reached; fetch it once with network access (HF_HUB_OFFLINE=1 then reads it from the cache, asking the "
+     "Hub nothing), name a local path instead, or correct the name"),
     (IncompleteSnapshotError("partial", snapshot_path="/x"), True, "is only partly in the Hub cache, and "
      "HF_HUB_OFFLINE=1 forbids a download; fetch it once with network access"),
     (GatedRepoError("403", response=RESPONSE), False, "is gated; accept its conditions on its Hub page and log in "

@@ -73,15 +73,31 @@ def check(tmp_path, folder, world_size: int, *overrides: str) -> list[str]:
     return QuantizedBase.check(config, AutoConfig.from_pretrained(folder), world_size)
 
 
-def test_weights_that_do_not_split_into_whole_groups_per_rank_are_refused_by_name(tmp_path, nf4_llama, tiny_model):
+def test_weights_that_do_not_split_into_whole_groups_per_rank_are_refused_by_name(tmp_path, nf4_llama):
     assert check(tmp_path, nf4_llama, 1) == [] and check(tmp_path, nf4_llama, 2) == []
     (problem,) = check(tmp_path, nf4_llama, 4)
     assert problem.startswith("model.quantize: nf4 cannot hold model.layers.0.self_attn.k_proj.weight (shape "
                               "[128, 256]) and 3 more weights sharded over 4 rank(s): each rank's equal share")
-    assert f"whole groups of {GROUP} values" in problem and problem.endswith("or set model.quantize: none (LoRA on the "
-                                                                             "unquantized base)")
+    assert f"whole groups of {GROUP} values" in problem
+    assert problem.endswith("; shard each copy of the model over 1 or 2 rank(s) (the world size / "
+                            "parallel.dp_replicate), or set model.quantize: none (LoRA on the unquantized base)")
+
+
+def test_on_one_rank_only_weights_of_no_whole_group_stay_unquantized(tmp_path, assets, tiny_model):
+    """The demo's k_proj and v_proj (64 x 128: half a group) torchao cannot quantize at QLoRA's block sizes on any
+    number of ranks: they stay in the compute dtype, and the rest is quantized; one rank no longer asks for another
+    number of ranks. A model none of whose weights is a whole number of groups is refused, with what trains it."""
+    demo = AutoConfig.from_pretrained(assets / "model")
+    config = load_config(write(tmp_path, assets / "model"), [], "sft", 1)
+    frozen = quantization.planned_linears(config, demo)
+    held = {name.rpartition(".")[2] for name, linear in frozen.items() if linear.weight.numel() % GROUP == 0}
+    assert held == {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert QuantizedBase.check(config, demo, 1) == []
     (problem,) = check(tmp_path, tiny_model, 1)
-    assert "model.layers.0.self_attn.q_proj.weight (shape [32, 32]) and 13 more weights sharded over 1 rank(s)" in problem
+    assert problem == (f"model.quantize: nf4 holds a weight in whole groups of {GROUP} values (NF4 scales blocks of 64 "
+                       "values and quantizes those scales in groups of 256), and no linear weight of llama's decoder "
+                       "layers has a multiple of 16384 values (the largest, model.layers.0.mlp.gate_proj.weight, "
+                       "[64, 32], has 2048); set model.quantize: none (LoRA on the unquantized base)")
 
 
 def test_a_model_without_linear_layers_to_quantize_is_refused(tmp_path, bare_tokenizer):
