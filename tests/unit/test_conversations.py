@@ -349,4 +349,5 @@ def test_every_token_labelled_is_counted_and_refused_when_it_is_every_sample_unl
     config = DataConfig(train_files=[str(path)], packing=False, max_seq_len=8, truncation="drop",
                         cache_dir=str(tmp_path / "c"))
     _, _, counts = build_datasets("sft", config, chat_tokenizer, 0)
-    assert counts == {"truncated": 0, "dropped_too_long": 1, "dropped_no_labels": 0, "fully_labelled": 2}
+    assert counts == {"truncated": 0, "dropped_too_long": 1, "dropped_no_labels": 0, "fully_labelled": 2,
+                      "dropped_tail_tokens": 0}
