@@ -33,6 +33,16 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
                           capture_output=True, text=True, timeout=timeout)
 
 
+class StopAt:
+    """A callback (llmtune's need no base class) that stops training after optimizer step `step`."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.step == self.step
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
