@@ -16,8 +16,9 @@ finished and the next stage starts; one that crashes inside an item starts again
               run) beside benchmarks/plain_fsdp_loop.py on the same model and tokens
   memory   d. the chunked loss against full logits and Liger's fused linear cross-entropy, T=8192, V=151,936
               (benchmarks/chunk_loss.py)
-  compile  c. the speed stage's run with torch.compile, then with float8 too (a GPU of sm_89 or later)
-Every run of the runs, speed and compile stages also gives d: `llmtune plan`'s peak for its recipe beside the run's
+  extra    c. the speed stage's run with torch.compile, then with float8 too (a GPU of sm_89 or later); torchtitan's
+              llama3 trainer on the same shape and corpus, where torchtitan is installed
+Every run of the runs, speed and extra stages also gives d: `llmtune plan`'s peak for its recipe beside the run's
 torch.cuda.max_memory_allocated.
 
 OUT (default device_proof/) holds device_proof.md (one table per part, a to d), device_proof.json (the same, for
@@ -63,11 +64,11 @@ class Stage:
 
 STAGES = (
     Stage("env", "a", 10, "the machine and its packages"),
-    Stage("tests", "b", 45, "the suite's CUDA tests (pytest -m cuda)"),
-    Stage("runs", "b", 140, "one-process runs of tiny models on their CUDA paths"),
+    Stage("tests", "b", 40, "the suite's CUDA tests (pytest -m cuda)"),
+    Stage("runs", "b", 130, "one-process runs of tiny models on their CUDA paths"),
     Stage("speed", "c", 100, "Llama-3.2-1B shape, seq 8192, bf16 + activation checkpointing, beside the plain loop"),
-    Stage("memory", "d", 35, "the chunked loss against full logits and Liger's fused loss"),
-    Stage("compile", "c", 120, "the speed run with torch.compile, then float8 too"),
+    Stage("memory", "d", 30, "the chunked loss against full logits and Liger's fused loss"),
+    Stage("extra", "c", 140, "the speed run with torch.compile, then float8 too; torchtitan where installed"),
 )
 
 

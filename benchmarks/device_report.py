@@ -52,17 +52,17 @@ def correctness(stages: dict) -> list[str]:
 
 def speed(stages: dict) -> list[str]:
     rows = []
-    for name in ("speed", "compile"):
+    for name in ("speed", "extra"):
         for r in stages.get(name, {}).get("rows", []):
             mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else None
             rows.append([r["name"], r["status"], cell(r.get("tokens_per_s"), 0), mfu, r.get("peak_gib"),
-                         r.get("reason")])
-    lines = [stage_line(name, stages[name]) for name in ("speed", "compile") if name in stages]
-    return [*lines, "", *table(["configuration", "status", "tokens/s/GPU", "MFU", "peak GiB", "reason"], rows)]
+                         r.get("reason") or r.get("note")])
+    lines = [stage_line(name, stages[name]) for name in ("speed", "extra") if name in stages]
+    return [*lines, "", *table(["configuration", "status", "tokens/s/GPU", "MFU", "peak GiB", "reason, note"], rows)]
 
 
 def memory(stages: dict) -> list[str]:
-    """The plan beside every run that has both figures (the runs, speed and compile stages), then the loss cases."""
+    """The plan beside every run that has both figures (the runs, speed and extra stages), then the loss cases."""
     planned = []
     for name, stage in stages.items():
         for r in stage["rows"]:

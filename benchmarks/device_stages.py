@@ -1,9 +1,10 @@
 """The work of benchmarks/device_proof.py's stages, each run in a process of its own (`run_stage`): env (a), tests (b),
-speed and compile (c), memory (d); the runs stage (b) is benchmarks/device_runs.py. Each item's result goes to the
+speed and extra (c), memory (d); the runs stage (b) is benchmarks/device_runs.py. Each item's result goes to the
 stage's Results as it ends."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,30 +141,35 @@ class Speed:
         return {"tokens_per_s": result["tokens_per_gpu"], "mfu": result["mfu"],
                 "planned_gib": planned_gib(recipe, "pt"), "peak_gib": result["mem_gib"] if self.cuda else None}
 
+    def job(self, command: list[str], log: Path) -> str:
+        """The output of `command`, the one process of its job (torchrun's variables set here: torchrun would only
+        add its start-up), also written to `log`; Failed with its last lines if it fails."""
+        from tests.helpers import free_port
+
+        job = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port())}
+        with log.open("w") as f:
+            done = subprocess.run(command, cwd=REPO, env={**os.environ, **job}, stdout=f, stderr=subprocess.STDOUT)
+        if done.returncode:
+            raise Failed(f"exit {done.returncode}:\n{last_lines(log.read_text())}")
+        return log.read_text()
+
     def plain(self) -> dict:
-        """benchmarks/plain_fsdp_loop.py (bf16, activation checkpointing) as the one process of its job (torchrun's
-        variables set here: torchrun would only add its start-up); its MFU counted as llmtune's monitor counts it."""
+        """benchmarks/plain_fsdp_loop.py (bf16, activation checkpointing); its MFU counted as llmtune's monitor
+        counts it."""
         import statistics
 
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from llmtune.monitor.metrics import flops_per_token, peak_tflops
-        from tests.helpers import free_port
 
         model, tokenizer, corpus = self.inputs
         args = self.args
-        log = self.folder / "plain.log"
-        job = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port())}
-        with log.open("w") as f:
-            done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plain_fsdp_loop.py"), str(model),
-                                   str(tokenizer), str(corpus), str(args.seq), str(args.batch),
-                                   str(args.warmup + args.steps), str(args.warmup), "--bf16", "--checkpointing"],
-                                  cwd=REPO, env={**os.environ, **job}, stdout=f, stderr=subprocess.STDOUT)
-        if done.returncode:
-            raise Failed(f"exit {done.returncode}:\n{last_lines(log.read_text())}")
-        result = json.loads(next(line for line in reversed(log.read_text().splitlines()) if line.startswith("{")))
+        output = self.job([sys.executable, str(REPO / "benchmarks" / "plain_fsdp_loop.py"), str(model), str(tokenizer),
+                           str(corpus), str(args.seq), str(args.batch), str(args.warmup + args.steps),
+                           str(args.warmup), "--bf16", "--checkpointing"], self.folder / "plain.log")
+        result = json.loads(next(line for line in reversed(output.splitlines()) if line.startswith("{")))
         tokens_per_s = result["tokens_per_step"] / statistics.median(result["step_times_s"])
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
@@ -172,6 +178,46 @@ class Speed:
                 "mfu": flops_per_token(meta, args.seq) * tokens_per_s / (peak * 1e12) if peak else None,
                 "peak_gib": result["peak_gib"]}
 
+    def torchtitan(self) -> dict:
+        """torchtitan's llama3 trainer, where installed (it is optional), on the same shape (a flavor of its own),
+        corpus (its c4_test loader reads a folder of JSON lines), steps, bf16 and full activation checkpointing;
+        tokens/s, MFU and memory as its log gives them."""
+        import importlib.util
+        import shutil
+        import statistics
+
+        if not self.cuda:
+            raise Skipped(f"{NO_CUDA}: torchtitan trains on a GPU")
+        if importlib.util.find_spec("torchtitan") is None:
+            raise Skipped("torchtitan is not installed (optional: the plain loop is the reference)")
+        shape, args = self.shape, self.args
+        data = self.folder / "titan_data"
+        data.mkdir(exist_ok=True)
+        shutil.copy(self.inputs[2], data / "corpus.jsonl")
+        # torchtitan's FFN width: 8/3 x dim, times ffn_dim_multiplier, rounded up to multiple_of: 8,192 for
+        # Llama-3.2-1B's 2,048 (its intermediate_size). Its output layer is never tied to the embeddings.
+        flavor = (f"TransformerModelArgs(dim={shape['hidden_size']}, n_layers={shape['num_hidden_layers']}, "
+                  f"n_heads={shape['num_attention_heads']}, n_kv_heads={shape['num_key_value_heads']}, "
+                  f"vocab_size={shape['vocab_size']}, ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000)")
+        code = ("from torchtitan.models.llama3 import TransformerModelArgs, llama3_args\n"
+                f"llama3_args['llmtune_proof'] = {flavor}\n"
+                "from torchtitan.train import Trainer, main\n"
+                "main(Trainer)\n")
+        output = self.job([sys.executable, "-c", code, "--model.name=llama3", "--model.flavor=llmtune_proof",
+                           f"--model.hf_assets_path={self.inputs[1]}", "--training.dataset=c4_test",
+                           f"--training.dataset_path={data}", f"--training.seq_len={args.seq}",
+                           f"--training.local_batch_size={args.batch}", f"--training.steps={args.warmup + args.steps}",
+                           "--lr_scheduler.warmup_steps=1", "--activation_checkpoint.mode=full",
+                           "--metrics.log_freq=1", "--metrics.disable_color_printing",
+                           f"--job.dump_folder={self.folder / 'titan'}"], self.folder / "torchtitan.log")
+        steps = [(int(m[1]), float(m[2]), float(m[3].replace(",", "")), float(m[4])) for m in re.finditer(
+            r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%", output)]
+        timed = [step for step in steps if step[0] > args.warmup]
+        if not timed:
+            raise Failed(f"no step after the warm-up in torchtitan's log:\n{last_lines(output)}")
+        return {"tokens_per_s": statistics.median(s[2] for s in timed), "mfu": statistics.median(s[3] for s in timed)
+                / 100, "peak_gib": max(s[1] for s in timed), "note": "peak: torchtitan's max reserved memory"}
+
 
 def speed_stage(results: Results, work: Path, dry_run: bool) -> None:
     speed = Speed(work, dry_run)
@@ -179,7 +225,8 @@ def speed_stage(results: Results, work: Path, dry_run: bool) -> None:
     results.run("plain FSDP2 loop: bf16, activation checkpointing", speed.plain)
 
 
-def compile_stage(results: Results, work: Path, dry_run: bool) -> None:
+def extra_stage(results: Results, work: Path, dry_run: bool) -> None:
+    """c, the rest: the speed stage's llmtune run with torch.compile, then with float8 too; torchtitan beside it."""
     speed = Speed(work, dry_run)
 
     def compiled(fp8: bool) -> dict:
@@ -194,6 +241,7 @@ def compile_stage(results: Results, work: Path, dry_run: bool) -> None:
 
     results.run("llmtune: bf16, activation checkpointing, torch.compile", lambda: compiled(False))
     results.run("llmtune: bf16, activation checkpointing, torch.compile, float8", lambda: compiled(True))
+    results.run("torchtitan: bf16, full activation checkpointing", speed.torchtitan)
 
 
 def memory_stage(results: Results, work: Path, dry_run: bool) -> None:
@@ -235,7 +283,7 @@ def runs_stage(results: Results, work: Path, dry_run: bool) -> None:
 
 
 WORK = {"env": env_stage, "tests": tests_stage, "runs": runs_stage, "speed": speed_stage, "memory": memory_stage,
-        "compile": compile_stage}
+        "extra": extra_stage}
 
 
 def run_stage(name: str, work: Path, dry_run: bool) -> None:

@@ -24,8 +24,9 @@ CUDA_ONLY = {
              "sft flash_attention_3", "sft flex_attention", "sft Liger fused kernels", "pt float8 twin (bf16)",
              "pt float8", "sft torch.compile"},
     "memory": {"loss: Liger fused linear cross-entropy"},
-    "compile": {"llmtune: bf16, activation checkpointing, torch.compile",
-                "llmtune: bf16, activation checkpointing, torch.compile, float8"},
+    "extra": {"llmtune: bf16, activation checkpointing, torch.compile",
+              "llmtune: bf16, activation checkpointing, torch.compile, float8",
+              "torchtitan: bf16, full activation checkpointing"},
 }
 
 
