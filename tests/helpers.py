@@ -33,6 +33,37 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
                           capture_output=True, text=True, timeout=timeout)
 
 
+class StopAt:
+    """A callback (llmtune's need no base class) that stops training after optimizer step `step`."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.step == self.step
+
+
+def train_and_export(config, then):
+    """A run of the loaded recipe `config` as the worker wires it, in this process with the trained model at hand:
+    trained, exported to its output_dir, then then(trainer, tokenizer, state) before the process group closes.
+    Returns what `then` returns."""
+    from llmtune.checkpoint.hf_export import export_trained
+    from llmtune.run.inputs import check_inputs
+    from llmtune.run.parallel import ParallelState
+    from llmtune.run.worker import build_trainer
+
+    state = ParallelState.initialize()
+    try:
+        check_inputs(config)
+        trainer, tokenizer = build_trainer(config, state)
+        trainer.train()
+        export_trained(trainer.model.hf_model, tokenizer, Path(config.train.output_dir), config.checkpoint, state,
+                       trainer.features)
+        return then(trainer, tokenizer, state)
+    finally:
+        state.close()
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 

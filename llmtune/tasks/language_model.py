@@ -1,8 +1,6 @@
 """pt and sft: the summed cross-entropy of the labelled tokens (and the features' terms, a router's load-balancing
 loss), divided by the step's labelled tokens: the mean over every labelled token of the step on every rank."""
 
-import torch
-
 from llmtune.tasks.objective import Objective, Terms
 
 

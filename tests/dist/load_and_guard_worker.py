@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from llmtune.config import load_config

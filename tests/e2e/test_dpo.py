@@ -9,9 +9,7 @@ import math
 import pytest
 
 import llmtune
-from llmtune.tasks.dpo import METRICS
-from llmtune.training.callbacks import Callback
-from tests.helpers import add_to_hub_cache, read_metrics
+from tests.helpers import StopAt, add_to_hub_cache, read_metrics
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -28,14 +26,6 @@ def pairs_file(assets, tmp_path_factory):
     path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
-
-
-class StopAt(Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.step == self.step
 
 
 def recipe(model, pairs, out, train=None, **sections) -> dict:

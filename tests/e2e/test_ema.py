@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 
 import llmtune
 from llmtune.training.callbacks import Callback
-from tests.helpers import read_metrics
+from tests.helpers import StopAt, read_metrics
 
 DECAYS = [0.5, 0.9]
 
@@ -70,14 +70,6 @@ def test_the_exported_averages_are_those_of_the_weights_after_every_step(tiny_mo
     assert load_file(plain / "hf" / "model.safetensors").keys() == load_file(out / "hf" / "model.safetensors").keys()
     assert all(load_file(plain / "hf" / "model.safetensors")[name].equal(tensor)
                for name, tensor in load_file(out / "hf" / "model.safetensors").items()), "the weights came back"
-
-
-class StopAt(Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.step == self.step
 
 
 def test_a_resumed_run_keeps_the_same_averages(tiny_model, sft_file, tmp_path):

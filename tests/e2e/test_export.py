@@ -14,10 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.config import load_config
-from llmtune.run.inputs import check_inputs
 from llmtune.run.parallel import ParallelState
 from llmtune.run.worker import build_trainer
-from tests.helpers import read_metrics
+from tests.helpers import read_metrics, train_and_export
 
 
 @pytest.fixture(scope="module")
@@ -34,20 +33,16 @@ def trained(assets, tmp_path_factory):
         "checkpoint": {"export_dtype": "fp32", "max_shard_size": "200KB"},
     }))
     config = load_config(str(recipe), [], "pt", world_size=1)
-    state = ParallelState.initialize()
-    try:
-        check_inputs(config)
-        trainer, tokenizer = build_trainer(config, state)
-        trainer.train()
-        export_trained(trainer.model.hf_model, tokenizer, output_dir, config.checkpoint, state, trainer.features)
+
+    def bf16_export_and_logits(trainer, tokenizer, state):
         bf16 = dataclasses.replace(config.checkpoint, export_dtype="bf16", max_shard_size="5GB")
         export_trained(trainer.model.hf_model, tokenizer, output_dir / "bf16", bf16, state, trainer.features)
         input_ids = torch.tensor([tokenizer("The sum of 12 and 30 is 42. 7 + 8 = 15.")["input_ids"]])
         trainer.model.eval()
         with torch.no_grad():
-            logits = trainer.model(input_ids.to(state.device)).cpu()
-    finally:
-        state.close()
+            return trainer.model(input_ids.to(state.device)).cpu(), input_ids
+
+    logits, input_ids = train_and_export(config, bf16_export_and_logits)
     return output_dir, logits, input_ids
 
 

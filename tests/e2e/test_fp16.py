@@ -10,8 +10,7 @@ import pytest
 import llmtune
 from llmtune.errors import UserError
 from llmtune.training import loss_scale
-from llmtune.training.callbacks import Callback
-from tests.helpers import read_metrics
+from tests.helpers import StopAt, read_metrics
 
 
 def recipe(tiny_model, sft_file, output_dir, **train) -> dict:
@@ -43,14 +42,6 @@ def test_fp16_follows_fp32_and_skips_overflowing_steps_halving_the_scale(tiny_mo
         [2.0**(24 - len(skipped))]
     assert records[-1]["skipped_steps"] == len(skipped)
     assert all(math.isfinite(r["loss"]) for r in records), "the forward never overflowed: only scaled gradients"
-
-
-class StopAt(Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.step == self.step
 
 
 def test_a_resumed_fp16_run_scales_and_trains_as_the_uninterrupted_one(tiny_model, sft_file, tmp_path, monkeypatch):

@@ -6,7 +6,6 @@ being equal (the float8 layers computed); it checkpoints, and a resumed run cont
 the bf16 run's names, dtypes and shapes."""
 
 import pytest
-import torch
 import yaml
 from safetensors import safe_open
 from transformers import LlamaForCausalLM

@@ -8,8 +8,7 @@ import json
 import pytest
 
 import llmtune
-from tests.e2e.test_dpo import StopAt
-from tests.helpers import read_metrics
+from tests.helpers import StopAt, read_metrics
 
 
 @pytest.fixture(scope="session")

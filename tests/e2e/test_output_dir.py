@@ -10,7 +10,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
 import yaml
 
 from llmtune.checkpoint.manager import resolve_resume

@@ -54,8 +54,8 @@ def test_the_swap_takes_those_layers_and_keeps_every_parameter_name():
 FLOAT8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not FLOAT8_GPU, reason="float8 kernels of a GPU with float8 tensor cores (compute capability 8.9+)"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not FLOAT8_GPU, reason="float8 kernels of a GPU with float8 tensor cores (compute capability 8.9+)")])])
 def test_a_swapped_layer_computes_in_float8(device):
     """The float8 matmul (on CPU torch's emulation, on a GPU its float8 kernels) through torchao's layer: within
     float8's rounding of the bf16 layer (e4m3 keeps 3 bits of mantissa: a few percent), and not the bf16 result."""

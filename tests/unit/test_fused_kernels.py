@@ -68,6 +68,7 @@ def loss_and_grads(hf_model, options: LossOptions, input_ids, labels) -> dict[st
     return {"loss": loss.detach(), **{name: param.grad for name, param in hf_model.named_parameters()}}
 
 
+@pytest.mark.cuda
 @needs_cuda_and_liger
 @pytest.mark.parametrize("softcap", [None, 1.0])
 def test_fused_kernels_give_the_reference_loss_and_gradients(llama_module_restored, softcap):
@@ -96,6 +97,7 @@ def test_fused_kernels_give_the_reference_loss_and_gradients(llama_module_restor
         assert_within_bf16_error(fused[name], reference[name], exact[name], name)
 
 
+@pytest.mark.cuda
 @needs_cuda_and_liger
 def test_the_fused_loss_alone_in_evaluation_with_lm_head_alone_trained_and_without_labels():
     torch.manual_seed(0)

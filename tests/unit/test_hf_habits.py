@@ -4,7 +4,6 @@ overrides (and their errors), the HF names of keys and schedules read as llmtune
 import dataclasses
 import importlib.metadata
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

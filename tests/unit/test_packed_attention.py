@@ -191,6 +191,7 @@ def flash_attention_missing() -> bool:
     return not (torch.cuda.is_available() and is_flash_attn_2_available())
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(flash_attention_missing(), reason="flash attention's varlen kernels need a CUDA device and "
                                                       "flash-attn")
 def test_flash_attention_on_packed_rows_equals_every_document_alone_on_cuda():
