@@ -12,6 +12,10 @@ from typing import Callable
 NO_CUDA = "no CUDA"
 RESULTS_ENV = "DEVICE_PROOF_RESULTS"  # the tests stage's results file, for the pytest hooks below
 FAILURE_LINES = 12
+# A CUDA error such as an illegal memory access leaves the process's CUDA context unusable: every later item of the
+# stage would fail on it (seen on the first GPU: one item's error failed the 11 after it). The item is reported and
+# the stage's process ends with this code, for the parent to start it again after the item.
+CONTEXT_LOST = 3
 
 
 class Skipped(Exception):
@@ -56,12 +60,23 @@ class Results:
             row = {"status": "skipped", "reason": str(skip)}
         except Failed as failure:
             row = {"status": "failed", "reason": str(failure), **failure.numbers}
-        except Exception:  # noqa: BLE001 - any error of an item is that item's failure, reported, never the stage's
-            row = {"status": "failed", "reason": last_lines(traceback.format_exc())}
+        except Exception as error:  # noqa: BLE001 - any error of an item is that item's failure, never the stage's
+            row = {"status": "failed", "reason": last_lines(traceback.format_exc()), "lost": context_lost(error)}
+        lost = row.pop("lost", False)
         row = {"name": name, **row, "seconds": round(time.monotonic() - started, 1)}
         self.write("ended", row)
         self.rows[name] = row
+        if lost:
+            os._exit(CONTEXT_LOST)
         return row
+
+
+def context_lost(error: Exception) -> bool:
+    """Whether the error left CUDA unusable in this process (torch.AcceleratorError: an illegal memory access, a
+    device-side assert), rather than failing one call."""
+    import torch
+
+    return isinstance(error, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(error)
 
 
 def read_events(path: Path) -> list[dict]:
