@@ -57,6 +57,10 @@ def main() -> None:
     site = venv / "site"
     shutil.rmtree(site, ignore_errors=True)
     run(python, *INSTALL, site, *download(REPO / ".whl"))
+    # The bytecode the machine's first import writes beside the sources (--no-compile installs none). Without it,
+    # where PYTHONDONTWRITEBYTECODE is set, every process compiles torchao anew and prints its SyntaxWarning (an
+    # invalid escape in a docstring) on stderr, which the tests that read a refusal's stderr whole count.
+    run(python, "-W", "ignore", "-m", "compileall", "-q", site, stdout=subprocess.DEVNULL)
     # Activated: bin/llmtune, which the tests run, takes the active environment's python3, else the repository's .venv.
     env = {**os.environ, "PYTHONPATH": str(site), "VIRTUAL_ENV": str(venv),
            "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
