@@ -4,8 +4,8 @@
 
 The lent machine (PyTorch 2.11.0+cu130, Python 3.12.3, transformers 5.17.0, huggingface_hub 1.33.0, numpy 2.5.2,
 ...: the pip list its image holds) reaches no package registry: what it lacks travels beside the repository, 48 MiB
-at most, and is installed there into a folder on PYTHONPATH without pip resolving anything (--no-deps), so that
-nothing the image holds is replaced. Each wheel below is pinned, with why that version; the script downloads the
+at most, and is installed there into a folder put first on PYTHONPATH, pip resolving nothing (--no-deps), so that
+pip replaces nothing the image holds: the folder shadows the image's transformers and fsspec alone. Each wheel below is pinned, with why that version; the script downloads the
 missing ones for CPython 3.12 on x86-64 Linux, removes every other file from the folder (two versions of a package
 stop the install), prints each wheel's size and the total, and the line that installs them on the device. Exits 1
 when the total is over the limit.
@@ -26,11 +26,9 @@ PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation
             *(arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                               "manylinux2014_x86_64", "manylinux1_x86_64") for arg in ("--platform", tag))]
 
-# What the machine's image holds, read from its pip list: the side environment pins these (mirror_env.py), and
-# the carried wheels below shadow two of them (transformers; fsspec, which datasets pins). Its other packages
-# (pandas, pyarrow, fsspec, psutil, pyyaml, tqdm, protobuf, tensorboard, matplotlib, requests, httpx, aiohttp,
-# xxhash, filelock, packaging, jinja2, regex, rich, einops, pillow, typing-extensions, pytest) are there at versions
-# nobody has read; the side environment takes PyPI's newest.
+# What the machine's image holds, read from its pip list: the side environment pins these (mirror_env.py). Its
+# other packages (UNPINNED_ON_DEVICE, and fsspec, which torch brings) are there at versions nobody has read; the
+# side environment takes PyPI's newest.
 ON_DEVICE = {
     "torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0", "tokenizers": "0.23.2",
     "huggingface_hub": "1.33.0", "safetensors": "0.8.0", "accelerate": "1.15.0", "numpy": "2.5.2",
@@ -45,7 +43,7 @@ CARRIED = {
     # The machine's 5.17 lacks what llmtune calls (activation_checkpointing_enable, 5.23) and the mark it finds a
     # mixture of experts' experts by (_is_expert_parallel): its MoE runs fail there.
     "transformers": ("5.24.0", "llmtune takes transformers >=5.23; the version CI runs"),
-    # llmtune's data (data/files.py reads every source through it)
+    # llmtune's data (data/sources.py reads every source through it)
     "datasets": ("5.2.0", "llmtune's data; the version CI runs"),
     "dill": ("0.4.1", "datasets 5.2.0 takes dill <0.4.2"),
     "multiprocess": ("0.70.19", "datasets 5.2.0 takes multiprocess <0.70.20"),
