@@ -15,6 +15,7 @@ from llmtune.config import PeftConfig, TrainConfig
 from llmtune.features.float8 import Float8Training, float8_linears
 from llmtune.model.build import meta_model
 from llmtune.run.cli import main as cli_main
+from tests.helpers import needs_cpu_float8
 
 # Llama-3.2-3B's layer shapes, one layer, with a vocabulary of 4096: its lm_head [4096, 3072] would pass the filter
 # were it a decoder layer's.
@@ -54,8 +55,10 @@ def test_the_swap_takes_those_layers_and_keeps_every_parameter_name():
 FLOAT8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not FLOAT8_GPU, reason="float8 kernels of a GPU with float8 tensor cores (compute capability 8.9+)")])])
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_cpu_float8()),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not FLOAT8_GPU, reason="float8 kernels of a GPU with float8 tensor cores (compute capability 8.9+)")])])
 def test_a_swapped_layer_computes_in_float8(device):
     """The float8 matmul (on CPU torch's emulation, on a GPU its float8 kernels) through torchao's layer: within
     float8's rounding of the bf16 layer (e4m3 keeps 3 bits of mantissa: a few percent), and not the bf16 result."""
