@@ -87,9 +87,9 @@ def planned_peak(config, model_config, world_size: int) -> str:
     return f"{gib(plan.peak)} per rank (llmtune plan's estimate for this layout)"
 
 
-def start_banner(trainer, config, model_config, world_size: int) -> Banner:
+def start_banner(trainer, config, world_size: int, peak: str) -> Banner:
     """The banner of a built (and, if it resumes, restored) trainer. config: the recipe as the run reads it (Hub ids
-    fetched); model_config: the model's transformers config."""
+    fetched); peak: planned_peak's line, made before the model was built."""
     data, model = trainer.data, trainer.model
     stream = isinstance(data, StreamingDataManager)
     # A DTensor's numel is the whole parameter's: the counts are the model's on any number of ranks.
@@ -107,12 +107,12 @@ def start_banner(trainer, config, model_config, world_size: int) -> Banner:
         dp=world_size // config.parallel.cp_size, layout=config.parallel.describe(world_size),
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
-        peak=planned_peak(config, model_config, world_size),
+        peak=peak,
         quantized=sum(p.numel() for p in params if is_quantized(p)),
         kept=sum(linear.weight.numel() for linear in frozen_linears(model.hf_model, decoder_layers(model.hf_model))
                  .values() if not is_quantized(linear.weight)) if config.model.quantize != "none" else 0)
 
 
-def log_start(trainer, config, model_config, world_size: int) -> None:
-    for line in start_banner(trainer, config, model_config, world_size).lines():
+def log_start(trainer, config, world_size: int, peak: str) -> None:
+    for line in start_banner(trainer, config, world_size, peak).lines():
         log.info("start: %s", line)

@@ -21,7 +21,7 @@ from llmtune.model.build import base_record, build_model, check_vocab, load_mode
 from llmtune.monitor.console import TRAIN_LOG, close_train_log, configure_logging, open_train_log
 from llmtune.monitor.metrics import TrainMonitor, flops_per_token
 from llmtune.monitor.plots import plot_run
-from llmtune.run.banner import log_start
+from llmtune.run.banner import log_start, planned_peak
 from llmtune.run.cpu_memory import keep_freed_memory
 from llmtune.run.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
 from llmtune.run.micro_batch import agree_micro_batch
@@ -77,6 +77,10 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     tokenizer = recipe_tokenizer(config.task, local.model, config.data.chat_template)
     model_config = load_model_config(local.model)
     check_vocab(model_config, tokenizer)
+    # The banner's plan traces a model of the family on meta tensors: before the features build the run's model,
+    # which may patch the family's modeling module for the whole process (Liger replaces its RoPE and RMSNorm by
+    # Triton kernels, which launched on meta tensors crashed the first CUDA run with fused kernels).
+    peak = planned_peak(local, model_config, state.world_size) if state.is_main else None
     features = enabled_features(config)
     model = build_model(model_config, local.model, config.train, state, features)
     # The task's loss and metrics, and any extra model it needs (a reference); its hook may add to the data.
@@ -107,7 +111,7 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     trainer.built()
     checkpoints.restore(trainer)
     if state.is_main:
-        log_start(trainer, local, model_config, state.world_size)
+        log_start(trainer, local, state.world_size, peak)
     return trainer, tokenizer
 
 

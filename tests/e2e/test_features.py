@@ -6,6 +6,7 @@ summed loss; its state travels in every checkpoint and comes back on resume; its
 end-of-training and the offline export."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -137,3 +138,34 @@ def test_build_transform_loss_terms_state_and_export(recipe, tmp_path, monkeypat
     assert cli_main(["export", str(out / "checkpoints" / "global_step_3"), str(tmp_path / "offline")]) == 0
     assert (tmp_path / "offline" / "toy.json").read_text() == (out / "hf" / "toy.json").read_text()
 
+
+
+def test_the_banners_plan_is_made_before_a_feature_patches_the_models_family(recipe, monkeypatch, caplog):
+    """A feature may patch the family's modeling module for the whole process (train.fused_kernels: Liger replaces
+    Llama's RoPE by a Triton kernel). The banner's plan traces the family on meta tensors, where such a kernel
+    launched by the GPU crashed CUDA: the plan is made before the features build the run's model."""
+    from transformers.models.llama import modeling_llama
+
+    class PatchesTheFamily(Feature):
+        name = "patches_the_family"
+
+        @staticmethod
+        def enabled(config) -> bool:
+            return True
+
+        def build(self, hf_model, state):
+            rope = modeling_llama.apply_rotary_pos_emb
+
+            def kernel(q, k, *args, **kwargs):
+                if q.is_meta:
+                    raise RuntimeError("a kernel launched on meta tensors")
+                return rope(q, k, *args, **kwargs)
+
+            monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", kernel)
+
+    monkeypatch.setattr(registry, "FEATURES", (*registry.FEATURES, PatchesTheFamily))
+    caplog.set_level(logging.INFO, logger="llmtune")
+    train(recipe, "train.max_steps=1", "checkpoint.save_steps=0", "checkpoint.export_hf=false")
+    peak = next(line for line in caplog.messages if line.startswith("start: planned peak memory"))
+    assert "per rank (llmtune plan's estimate" in peak, peak
+    assert modeling_llama.apply_rotary_pos_emb.__name__ == "kernel", "the feature patched the family"
