@@ -333,8 +333,10 @@ def float8(runs: Runs, twin: bool) -> dict:
     if not folder.exists():
         save_tiny_model(folder, LlamaForCausalLM, runs.tokenizer, **FP8_LLAMA)
     name = "pt float8 twin (bf16)" if twin else "pt float8"
+    # tests/e2e/test_fp8_run.py's learning rate: at the other runs' 5e-3 this model's loss jumps from 6.2 to 16 at
+    # step 2 (seen on the first GPU, in bf16 too), and float8's rounding then moves the chaotic steps after it by 4%.
     _, numbers = runs.train("pt", runs.recipe(name, "pt", model={"name_or_path": str(folder)},
-                                              train={"fp8": not twin}))
+                                              train={"fp8": not twin, "learning_rate": 1e-4}))
     return numbers if twin else runs.within(numbers, "pt float8 twin (bf16)", FP8_TOLERANCE)
 
 
