@@ -102,7 +102,8 @@ def test_the_markdown_has_a_table_per_part_naming_every_item(dry_run, report):
 
 
 def test_a_stage_crashed_in_an_item_goes_on_after_it_and_one_out_of_time_keeps_what_it_finished(tmp_path):
-    """A stand-in stage: item a passes, b ends its process, c outlasts the budget."""
+    """A stand-in stage: item a passes, b ends its process, lost meets a CUDA error that leaves the process's CUDA
+    unusable (its process ends, the next item runs in a new one), c outlasts the budget."""
     script = tmp_path / "stage.py"
     script.write_text(f"""import os, sys, time
 from pathlib import Path
@@ -111,6 +112,11 @@ from benchmarks.device_items import Results
 results = Results(Path({str(tmp_path / "fake.jsonl")!r}))
 results.run("a", lambda: {{"value": 1}})
 results.run("b", lambda: os._exit(3))
+results.run("before", lambda: {{"pid": os.getpid()}})
+def lost():
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+results.run("lost", lost)
+results.run("after", lambda: {{"pid": os.getpid()}})
 results.run("c", lambda: time.sleep(60))
 """)
     section = run_stage(Stage("fake", "b", 3, "a stand-in"), [sys.executable, str(script)], 3, tmp_path,
@@ -119,6 +125,8 @@ results.run("c", lambda: time.sleep(60))
     rows = {row["name"]: row for row in section["rows"]}
     assert rows["a"]["status"] == "passed" and rows["a"]["value"] == 1
     assert rows["b"]["status"] == "failed" and "ended (exit 3) during it" in rows["b"]["reason"]
+    assert rows["lost"]["status"] == "failed" and "illegal memory access" in rows["lost"]["reason"]
+    assert rows["after"]["status"] == "passed" and rows["after"]["pid"] != rows["before"]["pid"]
     assert rows["c"]["status"] == "timed out"
-    assert section["counts"] == {"passed": 1, "failed": 1, "timed out": 1}
+    assert section["counts"] == {"passed": 3, "failed": 2, "timed out": 1}
     assert "started again" in (tmp_path / "fake.log").read_text()
