@@ -1,51 +1,49 @@
-"""Every other feature keeps working with cp > 1, through the real CLI: a cp=2 checkpoint resumes on cp=1 and
-a cp=1 checkpoint on cp=2 on the same curve (1e-5), with gradient accumulation, validation and export."""
+"""Every other feature keeps working with cp > 1: a cp=2 checkpoint resumes on cp=1 and a cp=1 checkpoint on cp=2
+on the same curve (1e-5), with gradient accumulation, validation and export. The cp=1 runs go through the CLI's code
+in pytest's process, the two cp=2 runs train in one launch of 2 processes (most of a launch is its start-up:
+importing torch, transformers, datasets)."""
 
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import read_metrics, run_cli
+from tests.dist.test_resume import run_here
+from tests.helpers import REPO, launch_cases, read_metrics
+
+RECIPE = str(REPO / "recipes" / "demo" / "sft.yaml")
+RESUMED_FROM = "checkpoints/global_step_2"
 
 
-def args(tiny_model, sft_file, output_dir, cp, *extra):
-    return ["sft", "recipes/demo/sft.yaml", f"model.name_or_path={tiny_model}", f"data.train_files={sft_file}",
-            f"train.output_dir={output_dir}", "train.max_steps=4", "train.logging_steps=1",
-            "train.per_device_train_batch_size=2", "train.global_batch_size=4", "train.learning_rate=2e-3",
-            "data.val_ratio=0.2", "train.eval_steps=2", "checkpoint.save_steps=2", "checkpoint.export_dtype=fp32",
-            f"parallel.cp_size={cp}", "--nproc", str(cp), *extra]
+def overrides(tiny_model, sft_file, output_dir, cp) -> list[str]:
+    return [f"model.name_or_path={tiny_model}", f"data.train_files={sft_file}", f"train.output_dir={output_dir}",
+            "train.max_steps=4", "train.logging_steps=1", "train.per_device_train_batch_size=2",
+            "train.global_batch_size=4", "train.learning_rate=2e-3", "data.val_ratio=0.2", "train.eval_steps=2",
+            "checkpoint.save_steps=2", "checkpoint.export_dtype=fp32", f"parallel.cp_size={cp}"]
+
+
+def copy_to_resume(run, folder) -> None:
+    """The run's folder as its step-4 end left it, its export removed, for a run resumed from its step 2."""
+    shutil.copytree(run, folder)
+    shutil.rmtree(folder / "hf")
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, sft_file, tmp_path_factory):
     """cpN: a run on cp=N; cpN_resumed: a copy of it resumed on the other layout from its step-2 checkpoint."""
-    out = {}
-    for cp in (1, 2):
-        out[f"cp{cp}"] = tmp_path_factory.mktemp(f"cp{cp}")
-        out[f"cp{cp}_resumed"] = tmp_path_factory.mktemp(f"cp{cp}_resumed_on_cp{3 - cp}") / "run"
-
-    def train(cp, output_dir, *extra):
-        result = run_cli(*args(tiny_model, sft_file, output_dir, cp, *extra))
-        assert result.returncode == 0, result.stderr[-3000:]
-
-    def straight(cp):
-        train(cp, out[f"cp{cp}"])
-
-    def resumed(cp):
-        folder = out[f"cp{cp}_resumed"]
-        shutil.copytree(out[f"cp{cp}"], folder)
-        shutil.rmtree(folder / "hf")
-        train(3 - cp, folder, "--resume_from_checkpoint", str(folder / "checkpoints" / "global_step_2"))
-
-    # The cp=1 and cp=2 runs of each stage side by side: most of a run is its start-up (importing torch,
-    # transformers, datasets), one core's work.
-    with ThreadPoolExecutor() as pool:
-        for stage in (straight, resumed):
-            list(pool.map(stage, (1, 2)))  # list(): waits for both and raises a failed run's error
+    root = tmp_path_factory.mktemp("cp_features")
+    out = {name: root / name for name in ("cp1", "cp2", "cp1_resumed", "cp2_resumed")}
+    run_here("sft", RECIPE, *overrides(tiny_model, sft_file, out["cp1"], 1))
+    copy_to_resume(out["cp1"], out["cp1_resumed"])
+    resume = f"checkpoint.resume_from_checkpoint={out['cp1_resumed'] / RESUMED_FROM}"
+    launch_cases([{"recipe": RECIPE, "overrides": overrides(tiny_model, sft_file, out["cp2"], 2)},
+                  {"recipe": RECIPE, "overrides": [*overrides(tiny_model, sft_file, out["cp1_resumed"], 2), resume]}],
+                 root)
+    copy_to_resume(out["cp2"], out["cp2_resumed"])
+    run_here("sft", RECIPE, *overrides(tiny_model, sft_file, out["cp2_resumed"], 1),
+             "--resume_from_checkpoint", str(out["cp2_resumed"] / RESUMED_FROM))
     return out
 
 
