@@ -25,8 +25,6 @@ from pathlib import Path
 
 import torch
 
-from llmtune.features.base import Features
-from llmtune.model.build import CausalLMForTraining
 from llmtune.model.loss import LossOptions, cross_entropy_sum, shift_labels
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +97,12 @@ def loss_case(args, chunk_size: int, fused: bool = False) -> dict:
 
 def train_case(args, chunk_size: int) -> dict:
     """One AdamW step of a Qwen2-shaped model (tied embeddings, as the small Qwen2 models) in CausalLMForTraining."""
+    # Imported here, not with the loss: a loss case's process (the GPU proof's memory stage runs three) then spends
+    # its seconds on the loss rather than on importing transformers' models.
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from llmtune.features.base import Features
+    from llmtune.model.build import CausalLMForTraining
 
     config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.train_hidden, intermediate_size=4 * args.train_hidden,
                          num_hidden_layers=args.train_layers, num_attention_heads=4, num_key_value_heads=2,
