@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmtune.demo import run as demo_run
 from llmtune.run.cli import main as cli_main
 from tests.helpers import REPO, read_metrics
 
@@ -85,25 +86,23 @@ DEMO_STAGE = ("import sys; from pathlib import Path; from llmtune.demo.run impor
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_a_demo_stage_saves_exits_75_and_the_demo_goes_on_from_it(tmp_path, assets):
+def test_ctrl_c_during_a_demo_stage_saves_exits_75_and_the_demo_goes_on_from_it(tmp_path, assets, monkeypatch,
+                                                                                capsys):
     """SIGINT to the demo's process group after the first logged step, as a terminal sends Ctrl-C to the demo and its
     stage alike: the demo waits while the stage saves, and both exit 75. Run again, the stage goes on from that
-    checkpoint; once more, finished, it trains no more."""
+    checkpoint; once more, finished, it trains no more. The runs again are about how the demo starts its stage, not
+    about a process: their stage runs in pytest's process (the CLI's main on the demo's command line)."""
     (tmp_path / "runs" / "demo").mkdir(parents=True)
     (tmp_path / "runs" / "demo" / "assets").symlink_to(assets)
     out = tmp_path / "runs" / "demo" / "pt"
     small = ["train.global_batch_size=2", "train.per_device_train_batch_size=2", "train.logging_steps=1",
              "data.max_seq_len=64", "monitor.plots=false"]
-
-    def demo_stage(*overrides: str) -> subprocess.Popen:
-        # SIGINT's default action in the demo whatever this process's is (see the test above); a session of its own,
-        # so that the signal to its group reaches the demo and its stage, not the tests.
-        with open(tmp_path / "demo.log", "a") as log:
-            return subprocess.Popen([sys.executable, "-c", DEMO_STAGE, str(tmp_path), *small, *overrides], cwd=REPO,
-                                    stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-
-    demo = demo_stage("train.max_steps=1000")
+    # SIGINT's default action in the demo whatever this process's is (see the test above); a session of its own, so
+    # that the signal to its group reaches the demo and its stage, not the tests.
+    with open(tmp_path / "demo.log", "w") as log:
+        demo = subprocess.Popen([sys.executable, "-c", DEMO_STAGE, str(tmp_path), *small, "train.max_steps=1000"],
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while not (out / "metrics.jsonl").is_file() and demo.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -116,16 +115,22 @@ def test_ctrl_c_during_a_demo_stage_saves_exits_75_and_the_demo_goes_on_from_it(
     assert stopped >= 1 and not (out / "hf").exists()
     before = read_metrics(out)[:stopped]
 
-    assert demo_stage(f"train.max_steps={stopped + 2}").wait(timeout=300) == 0, \
-        (tmp_path / "demo.log").read_text()[-3000:]
-    assert "checkpoint.resume_from_checkpoint=auto" in (tmp_path / "demo.log").read_text()
+    def stage_here(command: list[str], cwd: Path) -> int:
+        assert command[:3] == [sys.executable, "-m", "llmtune"], command
+        monkeypatch.chdir(cwd)  # the demo's recipe names its files from the folder that holds runs/demo
+        return cli_main(command[3:])
+
+    monkeypatch.setattr(demo_run, "wait_for", stage_here)
+    capsys.readouterr()
+    assert demo_run.run_stage("pt", [*small, f"train.max_steps={stopped + 2}"], None, tmp_path) == 0
+    assert "checkpoint.resume_from_checkpoint=auto" in capsys.readouterr().out
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, stopped + 3))
     assert records[:stopped] == before, "it went on from the checkpoint: the steps before it were not trained again"
     assert (out / "hf" / "model.safetensors").is_file()
 
     finished = (out / "metrics.jsonl").read_text()
-    assert demo_stage(f"train.max_steps={stopped + 2}").wait(timeout=300) == 0
+    assert demo_run.run_stage("pt", [*small, f"train.max_steps={stopped + 2}"], None, tmp_path) == 0
     assert (out / "metrics.jsonl").read_text() == finished, "a finished stage trains no more"
 
 
