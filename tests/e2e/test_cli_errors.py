@@ -4,9 +4,8 @@ process group exists), and nothing written.
 Most refusals go through the CLI's main in pytest's process (in_process), which spares each a process's start-up
 (seconds, for a refusal made against the model). What bin/llmtune adds, the process's end (the exit code, nothing on
 stderr but the message: no traceback, no library's warning), is checked through it once per kind of refusal: found
-before torch is imported (test_missing_recipe_file), against the model (the `process` case of
-test_bad_input_is_one_line_and_exit_2), by the worker of a one-process run (the dataset_info test) and under
-torchrun (two_process_refusals)."""
+before torch is imported (test_missing_recipe_file), against the model, by the worker of a one-process run and under
+torchrun (the launches fixture's, side by side)."""
 
 import functools
 import subprocess
@@ -49,35 +48,26 @@ def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out, err)
 
 
-# process: through bin/llmtune (a refusal made against the model, with torch, transformers and peft imported and the
-# model built on the meta device), else in_process.
-@pytest.mark.parametrize("changes, overrides, expected, process", [
+@pytest.mark.parametrize("changes, overrides, expected", [
     ({"train__learnig_rate": 1e-4}, [],
-     "train.learnig_rate: unknown key in section 'train'; did you mean 'train.learning_rate'?", False),
-    ({}, ["train.per_device_train_batch_size=two"], "train.per_device_train_batch_size: 'two' is neither a number of samples nor auto",
-     False),
-    ({"data__train_files": ["no/such/file.jsonl"]}, [], "data.train_files: 'no/such/file.jsonl' matches no data file",
-     False),
-    ({"model__name_or_path": "no/such/model"}, [], "model.name_or_path: no/such/model is not a HF model folder", False),
-    ({}, ["--nproc", "0"], "--nproc: '0' is not a positive number of processes", False),
-    ({"data__chat_template": None}, [], "data.chat_template: the tokenizer in ", False),
+     "train.learnig_rate: unknown key in section 'train'; did you mean 'train.learning_rate'?"),
+    ({}, ["train.per_device_train_batch_size=two"],
+     "train.per_device_train_batch_size: 'two' is neither a number of samples nor auto"),
+    ({"data__train_files": ["no/such/file.jsonl"]}, [], "data.train_files: 'no/such/file.jsonl' matches no data file"),
+    ({"model__name_or_path": "no/such/model"}, [], "model.name_or_path: no/such/model is not a HF model folder"),
+    ({}, ["--nproc", "0"], "--nproc: '0' is not a positive number of processes"),
+    ({"data__chat_template": None}, [], "data.chat_template: the tokenizer in "),
     ({}, ["--resume_from_checkpoint", "no/such/global_step_5"],
-     "checkpoint.resume_from_checkpoint: no/such/global_step_5 is not a checkpoint folder", False),
-    ({"peft__method": "lora", "peft__r": 0}, [], "peft.r: 0 must be a positive rank (at least 1)", False),
-    pytest.param({"peft__method": "lora", "peft__target_modules": ["qkv_proj"]}, [],
-                 "peft.target_modules: ['qkv_proj'] matches no layer of the model; name layers of the model "
-                 "(down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj) or use all-linear", True,
-                 marks=pytest.mark.slow),
+     "checkpoint.resume_from_checkpoint: no/such/global_step_5 is not a checkpoint folder"),
+    ({"peft__method": "lora", "peft__r": 0}, [], "peft.r: 0 must be a positive rank (at least 1)"),
     ({"peft__method": "lora", "peft__modules_to_save": ["embeddings"]}, [],
-     "peft.modules_to_save: embeddings match no module of the model", False),
+     "peft.modules_to_save: embeddings match no module of the model"),
     ({"peft__method": "lora", "peft__adapter_path": "no/such/adapter"}, [],
-     "peft.adapter_path: no/such/adapter lacks adapter_config.json and adapter_model.safetensors", False),
-    ({"train__frozen_modules": [r"layers\.9\."]}, [], r"train.frozen_modules: 'layers\\.9\\.' matches no parameter",
-     False),
+     "peft.adapter_path: no/such/adapter lacks adapter_config.json and adapter_model.safetensors"),
+    ({"train__frozen_modules": [r"layers\.9\."]}, [], r"train.frozen_modules: 'layers\\.9\\.' matches no parameter"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, capsys, changes, overrides, expected, process):
-    args = ("sft", recipe(**changes), *overrides, "--nproc", "2")
-    result = run_cli(*args) if process else in_process(capsys, *args)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, capsys, changes, overrides, expected):
+    result = in_process(capsys, "sft", recipe(**changes), *overrides, "--nproc", "2")
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
@@ -161,32 +151,59 @@ def test_recipe_errors_are_found_before_torch_is_imported(tmp_path, recipe):
     assert "train.max_stepz: unknown key" in result.stderr
 
 
+# A folder of data.dataset_info: its entry `calls`, a conversation whose tool result follows no tool call.
+TOOL_CALLS = {
+    "dataset_info.json": '{"calls": {"file_name": "calls.json", "formatting": "sharegpt"}}',
+    "calls.json": '[{"conversations": [{"from": "human", "value": "Hi"}, {"from": "observation", "value": "5"}, '
+                  '{"from": "gpt", "value": "Ok"}]}]'}
+
+
 @pytest.fixture(scope="module")
-def two_process_refusals(tmp_path_factory, tiny_model, sft_file) -> dict:
-    """name: (its folder, bin/llmtune's result) of the refusals made under torchrun, launched side by side: most of a
-    launch is its processes' start-up (importing torch, transformers, datasets), one core's work.
-    bad_row: a data file whose second row is not JSON; incomplete: resuming from a checkpoint folder that holds only
-    config.yaml."""
-    folders = {name: tmp_path_factory.mktemp(name) for name in ("bad_row", "incomplete")}
+def launches(tmp_path_factory, tiny_model, sft_file) -> dict:
+    """name: (its folder, bin/llmtune's result) of the refusals checked through bin/llmtune, launched side by side:
+    most of a launch is its processes' start-up (importing torch, transformers, datasets), one core's work.
+    model: peft.target_modules matching no layer, refused against the model (torch, transformers and peft imported,
+    the model built on the meta device); worker: a data.dataset_info entry whose conversation has a tool result
+    without a call, found by the worker of a one-process run; on 2 processes, bad_row: a data file whose second row
+    is not JSON; incomplete: resuming from a checkpoint folder that holds only config.yaml."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("model", "worker", "bad_row", "incomplete")}
+    for name, text in TOOL_CALLS.items():
+        (folders["worker"] / name).write_text(text)
     bad = folders["bad_row"] / "bad.jsonl"
     bad.write_text('{"prompt": "1 + 1?", "response": "2"}\n{"prompt": "2 + 2?", "response": 4\n')
     checkpoint = folders["incomplete"] / "global_step_3"
     checkpoint.mkdir()
     (checkpoint / "config.yaml").write_text("{}\n")
     commands = {
+        "model": ["sft", write_recipe(folders["model"], tiny_model, sft_file, peft__method="lora",
+                                      peft__target_modules=["qkv_proj"]), "--nproc", "2"],
+        "worker": ["sft", write_recipe(folders["worker"], tiny_model, sft_file, data__train_files=[],
+                                       data__dataset_info=str(folders["worker"]), data__datasets=["calls"])],
         "bad_row": ["sft", write_recipe(folders["bad_row"], tiny_model, sft_file, data__train_files=[str(bad)]),
                     "--nproc", "2"],
         "incomplete": ["sft", write_recipe(folders["incomplete"], tiny_model, sft_file), "data.packing=false",
                        "train.per_device_train_batch_size=2", "--resume_from_checkpoint", str(checkpoint),
                        "--nproc", "2"]}
-    with ThreadPoolExecutor() as pool:
+    with ThreadPoolExecutor(len(commands)) as pool:
         results = list(pool.map(lambda command: run_cli(*command), commands.values()))
     return {name: (folders[name], result) for name, result in zip(commands, results)}
 
 
 @pytest.mark.slow
-def test_bad_data_row_on_two_processes_exits_2_naming_file_and_line(two_process_refusals):
-    folder, result = two_process_refusals["bad_row"]
+def test_a_refusal_made_against_the_model_ends_bin_llmtune_with_one_line_and_exit_2(launches):
+    folder, result = launches["model"]
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "llmtune: error: peft.target_modules: ['qkv_proj'] matches no layer of the model; name layers of the model "
+        "(down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj) or use all-linear"), result.stderr
+    assert not (folder / "out").exists()
+
+
+@pytest.mark.slow
+def test_bad_data_row_on_two_processes_exits_2_naming_file_and_line(launches):
+    folder, result = launches["bad_row"]
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"llmtune: error: {folder / 'bad.jsonl'}:2: not valid JSON" in result.stderr
     assert not (folder / "out" / "hf").exists()
@@ -222,9 +239,9 @@ def test_peft_without_its_package_is_refused_up_front(tmp_path, recipe, monkeypa
 
 
 @pytest.mark.slow
-def test_an_incomplete_checkpoint_to_resume_from_stops_every_rank_with_its_name(two_process_refusals):
+def test_an_incomplete_checkpoint_to_resume_from_stops_every_rank_with_its_name(launches):
     """Checked on rank 0 alone and the verdict shared: no rank goes on to wait for the others."""
-    folder, result = two_process_refusals["incomplete"]
+    folder, result = launches["incomplete"]
     checkpoint = folder / "global_step_3"
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"llmtune: error: {checkpoint}: incomplete checkpoint, missing .metadata, trainer_state.json" in result.stderr
@@ -232,22 +249,21 @@ def test_an_incomplete_checkpoint_to_resume_from_stops_every_rank_with_its_name(
 
 
 @pytest.mark.slow
-def test_a_dataset_info_entry_naming_a_missing_file_and_a_tool_result_without_a_call_exit_2(tmp_path, recipe, capsys):
+def test_a_dataset_info_entry_naming_a_missing_file_and_a_tool_result_without_a_call_exit_2(tmp_path, recipe, capsys,
+                                                                                          launches):
     """The missing file is found before the run starts, the tool result by the worker of the one-process run."""
-    (tmp_path / "dataset_info.json").write_text('{"calls": {"file_name": "calls.json", "formatting": "sharegpt"}}')
+    (tmp_path / "dataset_info.json").write_text(TOOL_CALLS["dataset_info.json"])
     result = in_process(capsys, "sft", recipe(data__train_files=[], data__dataset_info=str(tmp_path),
                                                data__datasets=["calls"]))
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
         f"llmtune: error: data.datasets: 'calls' in {tmp_path / 'dataset_info.json'}: file_name 'calls.json' does not "
         f"exist ({tmp_path / 'calls.json'}); fix file_name or add the file"]
-    (tmp_path / "calls.json").write_text('[{"conversations": [{"from": "human", "value": "Hi"}, '
-                                         '{"from": "observation", "value": "5"}, {"from": "gpt", "value": "Ok"}]}]')
-    result = run_cli("sft", recipe(data__train_files=[], data__dataset_info=str(tmp_path), data__datasets=["calls"]))
+    folder, result = launches["worker"]
     assert result.returncode == 2, result.stderr[-2000:]
-    assert (f"llmtune: error: {tmp_path / 'calls.json'}: row 1: message 1 is a tool result after a user turn with no "
+    assert (f"llmtune: error: {folder / 'calls.json'}: row 1: message 1 is a tool result after a user turn with no "
             "tool call before it") in result.stderr
-    assert not (tmp_path / "out" / "hf").exists()
+    assert not (folder / "out" / "hf").exists()
 
 
 def test_wandb_without_a_login_is_refused_up_front(tmp_path, recipe):
