@@ -22,6 +22,16 @@ USAGE = f"""llmtune {NAMES} RECIPE [--key VALUE ...] [section.key=VALUE ...] [--
                [section.key=VALUE ...]
        llmtune demo [--nproc N] [section.key=VALUE ...]
        llmtune {NAMES} --help    every recipe key, its default and its meaning"""
+# What `llmtune COMMAND --help` says for the commands that take no recipe keys of their own (export and plot have
+# argparse's, the tasks list every recipe key).
+COMMAND_HELP = {
+    "data": "The first N training samples as the model sees them (the rendered text, the trained tokens marked) and "
+            "the data's statistics, on one process.",
+    "plan": "What a training step holds per rank (weights, gradients, optimizer state, activations) on this layout "
+            "and device, with no process started and no weight read.",
+    "demo": "Generates data, a tokenizer and a tiny Llama under runs/demo, then pre-trains, fine-tunes and aligns it "
+            "(pt, sft, dpo), printing held-out accuracy; run it again to go on after a Ctrl-C.",
+}
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
 
@@ -194,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"usage: {USAGE.splitlines()[0].replace(NAMES, parsed.command)}\n"
               f"{USAGE.splitlines()[1]}\n\n{TASKS[parsed.command].description}\n\n{recipe_help(parsed.command)}")
+        return 0
+    if parsed.command in COMMAND_HELP and {"-h", "--help"} & set(parsed.args):
+        lines = [line.strip().removeprefix("llmtune ") for line in USAGE.splitlines()]
+        shown = [line for line in lines if line.startswith(parsed.command + " ")]
+        print(f"usage: llmtune {shown[0]}\n\n{COMMAND_HELP[parsed.command]}")
         return 0
     try:
         if parsed.command == "export":

@@ -48,6 +48,13 @@ def test_the_usage_gives_every_commands_options(capsys):
     assert "llmtune demo [--nproc N] [section.key=VALUE ...]" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["demo", "data", "plan"])
+def test_the_commands_without_recipe_keys_answer_help_with_their_usage(command, capsys):
+    assert cli.main([command, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: llmtune {command} ") and text.split("\n\n")[1].strip()
+
+
 def test_beta_speaks_of_orpo_in_dpo_alone():
     helps = {section: help for section, key, _, help in recipe_keys() if key == "beta"}
     assert "orpo" in helps["dpo"] and "orpo" not in helps["kto"], "orpo is a dpo.loss_type"
