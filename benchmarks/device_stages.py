@@ -37,9 +37,10 @@ def env_stage(results: Results, work: Path, dry_run: bool) -> None:
         return {"value": done.stdout.strip() or done.stderr.strip()}
 
     def cuda() -> dict:
-        if torch.version.cuda is None:
-            raise Skipped(f"{NO_CUDA}: torch {torch.__version__} is a CPU build")
-        nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else "n/a"  # a tuple, an int in older torch
+        if not torch.cuda.is_available():  # a CUDA build on a machine without a GPU (the mirror environment) too
+            build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise Skipped(f"{NO_CUDA}: torch {torch.__version__} is {build}, and no device is visible")
+        nccl = torch.cuda.nccl.version()  # a tuple, an int in older torch
         nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
         return {"value": f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}"}
 
