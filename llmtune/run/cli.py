@@ -192,6 +192,19 @@ def plot_command(args: list[str]) -> int:
     return 0
 
 
+def usage_of(command: str) -> str:
+    """The usage entry of `command` in USAGE, its continuation lines included (a task's under its own name)."""
+    name, entry = NAMES if command in TASKS else command, []
+    for line in USAGE.splitlines():
+        words = line.split()
+        if entry and not words[0].startswith("["):
+            break
+        if entry or (words[1] == name and words[2] != "--help"):
+            entry.append(line)
+    first = entry[0].strip().replace(f"llmtune {NAMES} ", f"llmtune {command} ")
+    return "\n".join([f"usage: {first}", *entry[1:]])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtune", usage=USAGE,
                                      description="FSDP2 training of HF causal LMs: " + ", ".join(TASKS) + ".")
@@ -202,13 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     if parsed.command in TASKS and {"-h", "--help"} & set(parsed.args):
         from llmtune.config import recipe_help
 
-        print(f"usage: {USAGE.splitlines()[0].replace(NAMES, parsed.command)}\n"
-              f"{USAGE.splitlines()[1]}\n\n{TASKS[parsed.command].description}\n\n{recipe_help(parsed.command)}")
+        print(f"{usage_of(parsed.command)}\n\n{TASKS[parsed.command].description}\n\n{recipe_help(parsed.command)}")
         return 0
     if parsed.command in COMMAND_HELP and {"-h", "--help"} & set(parsed.args):
-        lines = [line.strip().removeprefix("llmtune ") for line in USAGE.splitlines()]
-        shown = [line for line in lines if line.startswith(parsed.command + " ")]
-        print(f"usage: llmtune {shown[0]}\n\n{COMMAND_HELP[parsed.command]}")
+        print(f"{usage_of(parsed.command)}\n\n{COMMAND_HELP[parsed.command]}")
         return 0
     try:
         if parsed.command == "export":

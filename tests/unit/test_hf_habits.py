@@ -48,11 +48,12 @@ def test_the_usage_gives_every_commands_options(capsys):
     assert "llmtune demo [--nproc N] [section.key=VALUE ...]" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", ["demo", "data", "plan"])
-def test_the_commands_without_recipe_keys_answer_help_with_their_usage(command, capsys):
+@pytest.mark.parametrize("command, last", [("demo", "[section.key=VALUE ...]"), ("data", "[section.key=value ...]"),
+                                           ("plan", "\n               [section.key=VALUE ...]")])
+def test_the_commands_without_recipe_keys_answer_help_with_their_usage(command, last, capsys):
     assert cli.main([command, "--help"]) == 0
-    text = capsys.readouterr().out
-    assert text.startswith(f"usage: llmtune {command} ") and text.split("\n\n")[1].strip()
+    usage, what = capsys.readouterr().out.split("\n\n")
+    assert usage.startswith(f"usage: llmtune {command} ") and usage.endswith(last) and what.strip()
 
 
 def test_beta_speaks_of_orpo_in_dpo_alone():
