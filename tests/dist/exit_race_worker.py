@@ -1,12 +1,13 @@
 """One rank of a two-process gloo world whose last collective ends while rank 0 is exiting:
 `python exit_race_worker.py RANK STORE_FILE plain|llmtune`.
 
-Rank 0 starts an all-reduce and lets go of it; rank 1 joins it a second later. Gloo's worker thread on rank 0
-then lets go of the finished collective, which needs the GIL, while rank 0's main thread keeps the GIL (a long
-switch interval and a busy wait) until it has begun to end. Under `plain`, rank 0 ends as a Python program does, and
-an object that the interpreter's last garbage collection frees hands the GIL over during the finalization: the
-worker thread is ended there and the process aborts, as the runs that aborted did. Under `llmtune`, it ends
-through process_exit.run_and_exit, as every llmtune process does.
+Rank 0 starts an all-reduce and lets go of it; rank 1 joins it in the middle of rank 0's busy wait, whose end rank
+0 publishes in the store (so that a rank slowed by a busy machine still joins within it). Gloo's worker thread on
+rank 0 then lets go of the finished collective, which needs the GIL, while rank 0's main thread keeps the GIL (a
+long switch interval and the busy wait) until it has begun to end. Under `plain`, rank 0 ends as a Python program
+does, and an object that the interpreter's last garbage collection frees hands the GIL over during the
+finalization: the worker thread is ended there and the process aborts, as the runs that aborted did. Under
+`llmtune`, it ends through process_exit.run_and_exit, as every llmtune process does.
 """
 
 import gc
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from llmtune.run.process_exit import run_and_exit
+
+BUSY_SECONDS = 3
 
 
 class SlowToFinalize:
@@ -30,15 +33,18 @@ class SlowToFinalize:
 
 
 def main(rank: int, store_file: str) -> int:
-    dist.init_process_group("gloo", store=dist.FileStore(store_file, 2), rank=rank, world_size=2)
+    store = dist.FileStore(store_file, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     if rank == 0:
         sys.setswitchinterval(60)
         dist.all_reduce(torch.ones(1000), async_op=True)
-        until = time.monotonic() + 2
+        until = time.monotonic() + BUSY_SECONDS
+        store.set("busy_until", str(until))
         while time.monotonic() < until:
             pass
         return 0
-    time.sleep(1)
+    # CLOCK_MONOTONIC is the machine's, the same in both processes.
+    time.sleep(max(float(store.get("busy_until")) - BUSY_SECONDS / 2 - time.monotonic(), 0))
     try:
         dist.all_reduce(torch.ones(1000))
     except RuntimeError:  # rank 0 may be gone already; only its exit is looked at
