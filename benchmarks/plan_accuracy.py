@@ -112,7 +112,7 @@ def measure(config, keep_process_group: bool = False) -> int:
         return MicroBatch({"input_ids": ids, "shift_labels": shift_labels(ids)}, ids.numel())
 
     for _ in range(2):
-        trainer.train_step([micro_batch() for _ in range(config.train.gradient_accumulation_steps)])
+        trainer.train_step(trainer.prepare([micro_batch() for _ in range(config.train.gradient_accumulation_steps)]))
     batches = [micro_batch() for _ in range(config.train.gradient_accumulation_steps)]
     held = {}
     tensors = [*model.parameters(), *model.buffers(),
@@ -126,7 +126,7 @@ def measure(config, keep_process_group: bool = False) -> int:
     gc.collect()
     first = profiled_memory(lambda: torch.empty(1))[0]
     earlier = first["Total Allocated"] - first["Bytes"]
-    during = max((m["Total Allocated"] for m in profiled_memory(lambda: trainer.train_step(batches))),
+    during = max((m["Total Allocated"] for m in profiled_memory(lambda: trainer.train_step(trainer.prepare(batches)))),
                  default=earlier) - earlier
     if not keep_process_group:
         state.close()

@@ -1,6 +1,7 @@
-"""Shared fixtures: the demo's generated data and tokenizer, and tiny models built from configs,
-made once per test run. Nothing is downloaded."""
+"""Shared fixtures: the demo's generated data (its preference pairs as dpo and kto take them too) and tokenizer, and
+tiny models built from configs, made once per test run. Nothing is downloaded."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,35 @@ def tokenizer(assets):
     tok = AutoTokenizer.from_pretrained(assets / "tokenizer")
     apply_recipe_template(tok, "basic")
     return tok
+
+
+@pytest.fixture(scope="session")
+def pairs_file(assets, tmp_path_factory):
+    """48 of the demo's preference pairs, some answers lengthened so that packed rows hold 1, 2 or 3 pairs."""
+    rows = [json.loads(line) for line in (assets / "data" / "dpo_train.jsonl").read_text().splitlines()[:48]]
+    for i, row in enumerate(rows):
+        if i % 3 == 0:  # a third of the pairs three times as long
+            for key in ("chosen", "rejected"):
+                row[key][0]["content"] = " and ".join([row[key][0]["content"]] * 3)
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def examples_file(assets, tmp_path_factory):
+    """The demo's first 24 preference pairs as 48 unpaired examples (TRL's form): the right sum desirable, and three in four of
+    the near misses too (so that training raises the likelihood of answers in general, the mismatched ones' included:
+    a reference point above 0); a third of the completions lengthened so that packed rows hold different numbers of
+    examples."""
+    examples = []
+    for i, line in enumerate((assets / "data" / "dpo_train.jsonl").read_text().splitlines()[:24]):
+        pair = json.loads(line)
+        for key, label in (("chosen", True), ("rejected", i % 4 != 0)):
+            completion = pair[key]
+            if i % 3 == 0:
+                completion = [{**completion[0], "content": " and ".join([completion[0]["content"]] * 3)}]
+            examples.append({"prompt": pair["prompt"], "completion": completion, "label": label})
+    path = tmp_path_factory.mktemp("kto") / "examples.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in examples))
+    return path

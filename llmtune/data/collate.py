@@ -30,10 +30,16 @@ class MicroBatch:
         return MicroBatch(inputs, 0, {k: v[:0] for k, v in self.sequences.items()})
 
     def to(self, device: torch.device) -> "MicroBatch":
-        # From pinned memory the copy to a GPU is queued on its stream and the host goes on; from pageable memory,
-        # and to the CPU, non_blocking changes nothing.
-        return MicroBatch({k: v.to(device, non_blocking=True) for k, v in self.inputs.items()}, self.num_tokens,
-                          {k: v.to(device, non_blocking=True) for k, v in self.sequences.items()})
+        """On `device`: every tensor copied, once, the other inputs (a feature's flags and lengths) as they are."""
+        # From pinned memory the copy to a GPU is queued on its stream and the host goes on; from pageable memory
+        # (a feature's new tensors) the host waits for the copy to a staging buffer, not for the device; to the CPU,
+        # non_blocking changes nothing.
+        return MicroBatch({k: moved(v, device) for k, v in self.inputs.items()}, self.num_tokens,
+                          {k: moved(v, device) for k, v in self.sequences.items()})
+
+
+def moved(value, device: torch.device):
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
 def pad_token_id(tokenizer) -> int:

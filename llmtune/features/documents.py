@@ -5,9 +5,9 @@ A feature on when cp_size is 1, acting at two points:
 - build: with sdpa or eager, installs `attention.document_attention` around the backend, so that transformers
   builds no [S, S] mask and the attention goes document span by span. flex attention builds a block-sparse
   mask of its own and needs nothing.
-- transform: adds to every micro-batch what the attention reads: the document positions for
-  document_attention, or for a varlen backend (flash attention, Hub kernels) the documents' boundaries as
-  cu_seq_lens.
+- transform: adds to every micro-batch what the attention reads: the document positions and their layout (read here,
+  on the host copy: Trainer.prepare) for document_attention, or for a varlen backend (flash attention, Hub kernels)
+  the documents' boundaries as cu_seq_lens.
 """
 
 from functools import partial
@@ -16,7 +16,8 @@ import torch
 from transformers import AttentionInterface
 
 from llmtune.features.base import Feature
-from llmtune.model.attention import DOCUMENTS, document_attention, document_positions, is_varlen, varlen_kwargs
+from llmtune.model.attention import (DOCUMENTS, document_attention, document_layout, document_positions, is_varlen,
+                                    varlen_kwargs)
 
 
 class PackedDocuments(Feature):
@@ -37,7 +38,8 @@ class PackedDocuments(Feature):
 
     def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.spans:
-            return {**inputs, "document_positions": document_positions(inputs)}
+            positions = document_positions(inputs)
+            return {**inputs, "document_positions": positions, "document_layout": document_layout(positions)}
         if self.varlen:
             return {**inputs, **varlen_kwargs(document_positions(inputs))}
         return inputs

@@ -17,10 +17,13 @@ attend to itself alone, and how the backend learns the boundaries decides what i
 The documents a micro-batch keeps apart are read from one [b, S] tensor (`document_positions`): the row's
 position_ids when the rows are packed with document masks (no attention_mask), else a plain count, one document
 per row (rows padded on the right need no mask: a real token never attends to the pads after it, and the pads
-carry no label).
+carry no label). Where the spans lie, and which hold one document, `attend` takes from a DocumentLayout read on the
+host from the host copy of those positions (`document_layout`, in the features' transform): found from the device
+tensor in every layer, each would make the host wait for the device.
 """
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -113,13 +116,36 @@ def varlen_kwargs(positions: torch.Tensor) -> dict:
     return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
 
 
-def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtype: torch.dtype):
-    """Causal, same-document and sliding-window mask over a stretch of a row; None when the backend's own causal
-    attention is all it takes (sdpa, one document, no window reached). Eager attention has no causal mode of its
-    own: it always gets one, additive."""
+@dataclass(frozen=True)
+class DocumentLayout:
+    """How `attend` cuts a micro-batch's rows, known on the host: `single`, whether the rows, if no longer than the
+    window, each hold one document; else `spans`, row by row, the (start, end, one document) of each stretch
+    attended at once (document_windows)."""
+    single: bool
+    spans: tuple[tuple[tuple[int, int, bool], ...], ...] | None = None
+
+
+def document_layout(positions: torch.Tensor, window: int | None = None) -> DocumentLayout:
+    """The DocumentLayout of [b, S] document positions for `window` (None: DOCUMENT_WINDOW), read from them (on the
+    host: they should be the host copy)."""
+    window = DOCUMENT_WINDOW if window is None else window
+    if positions.shape[1] <= window:
+        return DocumentLayout(_one_document(positions))
+    return DocumentLayout(False, tuple(tuple((start, end, _one_document(row[None, start:end]))
+                                             for start, end in document_windows(row, window)) for row in positions))
+
+
+def _one_document(positions: torch.Tensor) -> bool:
+    """Whether every row of [b, s] document positions holds one document."""
+    return not bool(document_starts(positions)[:, 1:].any())
+
+
+def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtype: torch.dtype, single: bool):
+    """Causal, same-document and sliding-window mask over a stretch of a row (`single`: it holds one document);
+    None when the backend's own causal attention is all it takes (sdpa, one document, no window reached). Eager
+    attention has no causal mode of its own: it always gets one, additive."""
     documents = document_starts(positions).cumsum(dim=1)
     length = positions.shape[1]
-    single = bool((documents[:, -1] == documents[:, 0]).all())
     if single and not eager and not (sliding_window and length > sliding_window):
         return None
     index = torch.arange(length, device=positions.device)
@@ -147,9 +173,10 @@ def document_windows(positions: torch.Tensor, window: int) -> list[tuple[int, in
 
 
 def attend(attention, module, query, key, value, positions, sliding_window: int | None, eager: bool, window: int,
-           **kwargs) -> torch.Tensor:
+           layout: DocumentLayout | None = None, **kwargs) -> torch.Tensor:
     """`attention` (an sdpa or eager function) over whole rows (query [b, h, S, d], key/value [b, kv, S, d],
-    positions [b, S]), causal, within each document and the sliding window -> [b, S, h, d].
+    positions [b, S]), causal, within each document and the sliding window -> [b, S, h, d]. layout: the positions'
+    document_layout for `window`, None: read here (a call from outside a training step).
 
     Up to `window` tokens, one call with one mask. Longer rows are cut between documents into spans of at most
     `window` tokens (or one longer document), each attended alone: tokens never attend across documents, so the
@@ -162,19 +189,20 @@ def attend(attention, module, query, key, value, positions, sliding_window: int 
     """
     if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
         return attend(attention, module, query.float(), key.float(), value.float(), positions, sliding_window, eager,
-                      window, **kwargs).to(query.dtype)
-    if positions.shape[1] <= window:
-        return attention(module, query, key, value, _mask(positions, sliding_window, eager, query.dtype), **kwargs)[0]
+                      window, layout, **kwargs).to(query.dtype)
+    layout = layout or document_layout(positions, window)
+    if layout.spans is None:
+        return attention(module, query, key, value, _mask(positions, sliding_window, eager, query.dtype,
+                                                          layout.single), **kwargs)[0]
     rows = []
     # Cut with unbind and split, whose backward puts the pieces' gradients together in one op: slicing each span
     # out would give every span's gradient the size of the whole batch, zero-filled and summed span after span.
-    for *tensors, row_positions in zip(query, key, value, positions):
-        spans = document_windows(row_positions, window)
-        lengths = [end - start for start, end in spans]
-        pieces = zip(*(t.split(lengths, dim=1) for t in tensors), row_positions.split(lengths))
+    for *tensors, row_positions, spans in zip(query, key, value, positions, layout.spans):
+        lengths = [end - start for start, end, _ in spans]
+        pieces = zip(*(t.split(lengths, dim=1) for t in tensors), row_positions.split(lengths), spans)
         rows.append(torch.cat([attention(module, q[None], k[None], v[None],
-                                         _mask(p[None], sliding_window, eager, query.dtype), **kwargs)[0]
-                               for q, k, v, p in pieces], dim=1))
+                                         _mask(p[None], sliding_window, eager, query.dtype, single), **kwargs)[0]
+                               for q, k, v, p, (_, _, single) in pieces], dim=1))
     return torch.cat(rows)
 
 
@@ -190,7 +218,7 @@ def backend_function(module, backend: str):
 
 def document_attention(module, query, key, value, attention_mask, *, backend: str, dropout: float = 0.0,
                        scaling: float | None = None, sliding_window: int | None = None, document_positions=None,
-                       **kwargs):
+                       document_layout: DocumentLayout | None = None, **kwargs):
     """The attention function installed for sdpa and eager on one rank per sequence (features/documents.py): the
     backend's attention, document span by span. Its name is not in transformers' mask registry, so the model
     builds no mask and hands it none; the documents come from `document_positions`, which the feature adds to
@@ -198,5 +226,5 @@ def document_attention(module, query, key, value, attention_mask, *, backend: st
     if document_positions is None:
         document_positions = torch.arange(query.shape[2], device=query.device).expand(query.shape[0], -1)
     out = attend(backend_function(module, backend), module, query, key, value, document_positions, sliding_window,
-                 backend == "eager", DOCUMENT_WINDOW, dropout=dropout, scaling=scaling, **kwargs)
+                 backend == "eager", DOCUMENT_WINDOW, document_layout, dropout=dropout, scaling=scaling, **kwargs)
     return out, None

@@ -54,22 +54,25 @@ class CausalLMForTraining(nn.Module):
         self.loss_options = loss_options
         self.features = features
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None, **model_kwargs):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None, labelled=None,
+                **model_kwargs):
         """Summed loss over the labelled tokens (the lm_head never runs on the whole sequence), or the
-        logits, as the HF model gives them, when no labels are given. model_kwargs reach the decoder and,
-        through it, the attention function of every layer (context parallelism's full_position_ids)."""
+        logits, as the HF model gives them, when no labels are given. labelled: the labelled tokens' flat indices
+        (loss.labelled_positions), None: found here. model_kwargs reach the decoder and, through it, the attention
+        function of every layer (context parallelism's full_position_ids)."""
         outputs = self._decode(input_ids, attention_mask, position_ids, model_kwargs)
         head = self.hf_model.get_output_embeddings()
         if shift_labels is None:
             logits = head(outputs.last_hidden_state)
             cap = self.loss_options.logit_softcap
             return cap * torch.tanh(logits / cap) if cap else logits
-        loss = cross_entropy_sum(outputs.last_hidden_state, head.weight, head.bias, shift_labels, self.loss_options)
+        loss = cross_entropy_sum(outputs.last_hidden_state, head.weight, head.bias, shift_labels, self.loss_options,
+                                 labelled)
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       shift_labels=shift_labels, **model_kwargs)
         return sum(self.features.loss_terms(outputs, inputs), loss)
 
-    def sequence_logps(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None,
+    def sequence_logps(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None, labelled=None,
                        sequence_ids=None, sequences: int = 0, **model_kwargs) -> tuple[Tensor, Tensor, Tensor]:
         """For the sequences packed in the micro-batch's rows: (the sum of each one's labelled tokens'
         log-probabilities, fp32 [sequences]; the count of its labelled tokens, fp32 [sequences]; the features' loss
@@ -81,14 +84,17 @@ class CausalLMForTraining(nn.Module):
         reads them on the host)."""
         outputs = self._decode(input_ids, attention_mask, position_ids, model_kwargs)
         head = self.hf_model.get_output_embeddings()
-        logps = token_logps(outputs.last_hidden_state, head.weight, head.bias, shift_labels, self.loss_options)
+        logps = token_logps(outputs.last_hidden_state, head.weight, head.bias, shift_labels, self.loss_options,
+                            labelled)
         if sequence_ids is None:
             sequence_ids = torch.arange(len(input_ids), device=input_ids.device)[:, None].expand(input_ids.shape)
         sequences = sequences or int(sequence_ids.max()) + 1
-        counted = (shift_labels != IGNORE_INDEX) & (sequence_ids >= 0)
-        owners = sequence_ids[counted]
-        sums = logps.new_zeros(sequences).index_add(0, owners, logps[counted])
-        counts = logps.new_zeros(sequences).index_add(0, owners, logps.new_ones(len(owners)))
+        # Every token added to its sequence, the uncounted ones as 0 (padding to sequence 0): selecting the counted
+        # ones would make a tensor sized by the values, which the host would wait for.
+        counted = ((shift_labels != IGNORE_INDEX) & (sequence_ids >= 0)).flatten()
+        owners = sequence_ids.flatten().clamp(min=0)
+        sums = logps.new_zeros(sequences).index_add(0, owners, logps.flatten().where(counted, 0.0))
+        counts = logps.new_zeros(sequences).index_add(0, owners, counted.to(logps.dtype))
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       shift_labels=shift_labels, sequence_ids=sequence_ids, **model_kwargs)
         return sums, counts, sum(self.features.loss_terms(outputs, inputs), logps.new_zeros(()))

@@ -70,15 +70,26 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
+def labelled_positions(shifted_labels: torch.Tensor) -> torch.Tensor:
+    """The flat indices of the labelled tokens of shifted labels [...]: the tokens the chunked paths compute, so that
+    ignored tokens cost no matmul.
+    Their number sizes the chunks, so computing them from device labels makes the host wait for the device; the
+    trainer takes them from the host copy of the labels instead (Trainer.prepare) and passes them as `labelled`."""
+    return (shifted_labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
 def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      shifted_labels: torch.Tensor, options: LossOptions = LossOptions()) -> torch.Tensor:
-    """fp32 sum of the per-token losses over the labels != IGNORE_INDEX; hidden [..., H], labels [...]."""
+                      shifted_labels: torch.Tensor, options: LossOptions = LossOptions(),
+                      labelled: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 sum of the per-token losses over the labels != IGNORE_INDEX; hidden [..., H], labels [...]; labelled:
+    labelled_positions(shifted_labels), if known (None: computed here)."""
     hidden = hidden.reshape(-1, hidden.size(-1))
     shifted_labels = shifted_labels.reshape(-1)
     if options.fused:
         return _fused_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
     if options.chunk_size:
-        return _chunked_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
+        labelled = labelled_positions(shifted_labels) if labelled is None else labelled
+        return _chunked_cross_entropy_sum(hidden, weight, bias, shifted_labels, labelled, options)
     return _full_logits_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
 
 
@@ -127,20 +138,21 @@ def _fused_cross_entropy_sum(hidden, weight, bias, labels, options: LossOptions)
 
 
 def _chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               labels: torch.Tensor, options: LossOptions) -> torch.Tensor:
-    """fp32 sum of the per-token losses over labels != IGNORE_INDEX; hidden [T, H], weight [V, H], labels [T]."""
+                               labels: torch.Tensor, labelled: torch.Tensor, options: LossOptions) -> torch.Tensor:
+    """fp32 sum of the per-token losses over labels != IGNORE_INDEX, whose flat indices are `labelled`; hidden
+    [T, H], weight [V, H], labels [T]."""
     # Decided here, not in forward: there grad mode is always off, and ctx.needs_input_grad
     # ignores torch.no_grad().
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, options)
-    loss, *_ = _loss_and_grads(hidden, weight, bias, labels, options, needs=(False, False, False))
+        return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, labelled, options)
+    loss, *_ = _loss_and_grads(hidden, weight, bias, labels, labelled, options, needs=(False, False, False))
     return loss
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, options):
-        loss, *grads = _loss_and_grads(hidden, weight, bias, labels, options, needs=ctx.needs_input_grad[:3])
+    def forward(ctx, hidden, weight, bias, labels, labelled, options):
+        loss, *grads = _loss_and_grads(hidden, weight, bias, labels, labelled, options, needs=ctx.needs_input_grad[:3])
         ctx.grads = grads
         return loss
 
@@ -151,23 +163,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                                "use LossOptions(chunk_size=0) to backward through the loss more than once")
         grads, ctx.grads = ctx.grads, None
         # Scaled in place: a scaled copy would add a second [V, H] buffer at the peak.
-        return *(None if g is None else g.mul_(grad_output) for g in grads), None, None
+        return *(None if g is None else g.mul_(grad_output) for g in grads), None, None, None
 
 
-def _loss_and_grads(hidden, weight, bias, labels, options, needs):
+def _loss_and_grads(hidden, weight, bias, labels, labelled, options, needs):
     """The summed loss and the gradients of it w.r.t. (hidden, weight, bias) flagged in `needs` (else None)."""
     grads = _grad_accumulators(hidden, weight, bias, needs)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    chunks = _labelled_chunks(labels, options.chunk_size)
+    chunks = labelled.split(options.chunk_size)
     blocks = _Blocks.for_chunks(chunks, weight)
     for chunk in chunks:
         loss += _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks)
     return loss, *_in_input_dtypes(grads, weight, bias)
-
-
-def _labelled_chunks(labels: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, ...]:
-    """Row indices of the labelled tokens, chunk_size at a time: ignored tokens cost no matmul."""
-    return (labels != IGNORE_INDEX).nonzero().squeeze(1).split(chunk_size)
 
 
 def _grad_accumulators(hidden, weight, bias, needs):
@@ -296,7 +303,7 @@ def _softmax_and_lse_(logits: torch.Tensor):
 
 
 def token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shifted_labels: torch.Tensor,
-                options: LossOptions = LossOptions()) -> torch.Tensor:
+                options: LossOptions = LossOptions(), labelled: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 log p(label) of every token, in the shape of shifted_labels, 0.0 (and no gradient) where the label is
     IGNORE_INDEX; hidden [..., H], weight [V, H], bias [V] or None.
 
@@ -304,16 +311,19 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     (Gemma), and z_loss and label_smoothing do not, since they are terms of the training loss, not of the model's
     distribution. options.fused is not used: Liger's fused op returns the reduced loss, never a value per token, so
     the chunked path serves (options.chunk_size; 0 computes the full [tokens, vocab] logits, the reference).
+    labelled: labelled_positions(shifted_labels), if known (None: computed here).
     """
     labels = shifted_labels.reshape(-1)
     hidden = hidden.reshape(-1, hidden.size(-1))
+    if options.chunk_size:
+        labelled = labelled_positions(labels) if labelled is None else labelled
     if not options.chunk_size:
         logps = _full_logits_token_logps(hidden, weight, bias, labels, options)
     # Decided here, not in forward: there grad mode is always off (as in _chunked_cross_entropy_sum).
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        logps = _ChunkedTokenLogps.apply(hidden, weight, bias, labels, options)
+        logps = _ChunkedTokenLogps.apply(hidden, weight, bias, labels, labelled, options)
     else:
-        logps, _ = _chunked_token_logps(hidden, weight, bias, labels, options)
+        logps, _ = _chunked_token_logps(hidden, weight, bias, labels, labelled, options)
     return logps.view(shifted_labels.shape)
 
 
@@ -324,11 +334,11 @@ def _full_logits_token_logps(hidden, weight, bias, labels, options: LossOptions)
     return picked.where(labelled, 0.0)
 
 
-def _chunked_token_logps(hidden, weight, bias, labels, options: LossOptions):
+def _chunked_token_logps(hidden, weight, bias, labels, labelled, options: LossOptions):
     """(fp32 log-probs [T], 0 where ignored; the logsumexp of each labelled token's logits, in the order of
-    _labelled_chunks), one [chunk, V] block at a time."""
+    `labelled`), one [chunk, V] block at a time."""
     logps = torch.zeros(len(labels), dtype=torch.float32, device=hidden.device)
-    chunks = _labelled_chunks(labels, options.chunk_size)
+    chunks = labelled.split(options.chunk_size)
     blocks = _Blocks.for_chunks(chunks, weight)
     lse = []
     for chunk in chunks:
@@ -349,18 +359,18 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     vocabulary."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, options):
-        logps, lse = _chunked_token_logps(hidden, weight, bias, labels, options)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+    def forward(ctx, hidden, weight, bias, labels, labelled, options):
+        logps, lse = _chunked_token_logps(hidden, weight, bias, labels, labelled, options)
+        ctx.save_for_backward(hidden, weight, bias, labels, labelled, lse)
         ctx.options = options
         return logps
 
     @staticmethod
     def backward(ctx, grad_logps):
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        hidden, weight, bias, labels, labelled, lse = ctx.saved_tensors
         options = ctx.options
         grads = _grad_accumulators(hidden, weight, bias, ctx.needs_input_grad[:3])
-        chunks = _labelled_chunks(labels, options.chunk_size)
+        chunks = labelled.split(options.chunk_size)
         blocks = _Blocks.for_chunks(chunks, weight)
         for chunk, chunk_lse in zip(chunks, lse.split(options.chunk_size)):
             chunk_hidden = hidden.index_select(0, chunk)
@@ -374,4 +384,4 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             if tanh_slope is not None:
                 grad_logits *= tanh_slope
             _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks)
-        return *_in_input_dtypes(grads, weight, bias), None, None
+        return *_in_input_dtypes(grads, weight, bias), None, None, None

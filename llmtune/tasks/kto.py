@@ -25,9 +25,9 @@ from llmtune.tasks.reference import sequence_count
 MARGINS = "rewards/margins"
 
 
-def kto_losses(logratio: torch.Tensor, desirable: torch.Tensor, z0: float, cfg) -> torch.Tensor:
+def kto_losses(logratio: torch.Tensor, desirable: torch.Tensor, z0: torch.Tensor | float, cfg) -> torch.Tensor:
     """Each example's loss from its completion's log-ratio (policy - reference), its label (1.0 desirable, 0.0 not)
-    and the reference point z0 (KTO's value function, TRL's kto loss)."""
+    and the reference point z0 (a scalar; KTO's value function, TRL's kto loss)."""
     reward, shift = cfg.beta * logratio, cfg.beta * z0
     return desirable * cfg.desirable_weight * (1 - torch.sigmoid(reward - shift)) \
         + (1 - desirable) * cfg.undesirable_weight * (1 - torch.sigmoid(shift - reward))
@@ -45,13 +45,13 @@ class KTO(PreferenceObjective):
 
     def __init__(self, cfg, reference, state, precompute=None):
         super().__init__(cfg, reference, state, precompute)
-        self.z0 = 0.0
+        self.z0 = torch.zeros((), dtype=torch.float64)
         self.references: list[torch.Tensor] = []  # the reference's values of the micro-batches `begin` saw, in order
 
     def metric_names(self) -> tuple[str, ...]:
         return (*super().metric_names(), MARGINS)
 
-    def summary(self, loss_sums: torch.Tensor, metric_sums: torch.Tensor, totals: torch.Tensor) -> dict[str, float]:
+    def summary(self, loss_sums: list[float], metric_sums: list[float], totals: list[float]) -> dict[str, float]:
         """Objective.summary, and TRL's rewards/margins: the desirable examples' mean reward less the undesirable
         ones', where the values had both."""
         values = super().summary(loss_sums, metric_sums, totals)
@@ -76,8 +76,9 @@ class KTO(PreferenceObjective):
                 mismatched = (self.state.cp_sum(local) - reference)[1::2]
                 totals += torch.stack([mismatched.double().sum(), torch.tensor(float(len(mismatched)))
                                        .to(totals)]) * (self.state.cp_rank == 0)
-        kl_sum, count = self.state.all_reduce_sum(totals).tolist()
-        self.z0 = max(kl_sum / max(count, 1.0), 0.0)
+        kl_sum, count = self.state.all_reduce_sum(totals)
+        # Kept on the device: the step reads it on the host with its other numbers, as the kl metric.
+        self.z0 = (kl_sum / count.clamp(min=1.0)).clamp(min=0.0)
 
     def terms(self, model, inputs: dict, batch) -> Terms:
         local, _, features_terms = model.sequence_logps(**inputs, sequences=sequence_count(batch))
@@ -90,5 +91,5 @@ class KTO(PreferenceObjective):
             reward, chosen_logps = self.cfg.beta * logratio[0::2].double(), policy[0::2].double()
             sums = torch.stack([(reward * desirable).sum(), (reward * (1 - desirable)).sum(),
                                 (chosen_logps * desirable).sum(), (chosen_logps * (1 - desirable)).sum(),
-                                torch.tensor(self.z0 * len(desirable), dtype=torch.float64, device=reward.device)])
+                                self.z0 * len(desirable)])
         return Terms(loss, sums * float(self.state.cp_rank == 0))

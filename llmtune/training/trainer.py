@@ -1,16 +1,20 @@
 """Trainer: the loop (optimizer steps of micro-batches) with global token counting, a non-finite guard
 agreed by every rank, evaluation, and the callbacks' events (training/callbacks.py)."""
 
+import itertools
 import logging
 import math
 import signal
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from llmtune.data.collate import MicroBatch
 from llmtune.errors import Preempted, TrainingStopped
 from llmtune.model.build import reshard
+from llmtune.model.loss import labelled_positions
 from llmtune.monitor.metrics import StepRecord
 from llmtune.training.callbacks import TrainerControl, hf_log_entries
 from llmtune.training.loss_scale import LossScale
@@ -110,8 +114,9 @@ class Trainer:
             self.open_epoch = epoch
             self.callbacks("on_epoch_begin")
         self.callbacks.control = TrainerControl()
+        step_inputs = self.prepare(micro_batches)
         self.callbacks("on_step_begin")
-        stats = self.train_step(micro_batches)
+        stats = self.train_step(step_inputs)
         stats.data_wait, stats.step_time = data_wait, time.perf_counter() - started
         self.step += 1
         self._tell_callbacks()
@@ -213,7 +218,27 @@ class Trainer:
         """The checkpoint at `path` has been restored: the callbacks' on_load."""
         self._event("on_load", checkpoint=path)
 
-    def train_step(self, micro_batches) -> StepRecord:
+    def prepare(self, micro_batches: list[MicroBatch]) -> "StepInputs":
+        """An optimizer step's micro-batches as the model takes them, on the device, and their counts. The features'
+        transform (context parallelism's slice, the documents' layout) and the objective's counts run on the host
+        copies the collator made, before anything goes to the device: what they read there waits for nothing, where
+        the same reads of device tensors would each wait for the device to catch up (docs/training.md)."""
+        batches, counts = [], []
+        for batch in micro_batches:
+            prepared, batch_counts = self._prepared(batch)
+            batches.append(prepared)
+            counts.append(batch_counts)
+        return StepInputs(batches, torch.tensor(counts, dtype=torch.float64).sum(dim=0))
+
+    def _prepared(self, batch: MicroBatch) -> tuple[MicroBatch, list[float]]:
+        """One micro-batch transformed and counted on the host, then on the device: (its MicroBatch, whose inputs
+        are the model's keyword arguments, the labelled tokens' positions among them, and its counts)."""
+        inputs = self.features.transform(batch.inputs)
+        inputs = {**inputs, "labelled": labelled_positions(inputs["shift_labels"])}
+        counts = self.objective.local_counts(inputs, batch, self.state.cp_rank)
+        return MicroBatch(inputs, batch.num_tokens, batch.sequences).to(self.state.device), counts
+
+    def train_step(self, step: "StepInputs") -> StepRecord:
         """One optimizer step.
 
         The objective's loss terms are sums (over tokens, pairs, ...), each divided by its count over the whole step
@@ -221,27 +246,33 @@ class Trainer:
         ranks, so the loss is also multiplied by N: the gradient is then exactly that of the step's mean, whatever
         the split over ranks, micro-batches and accumulation steps. A non-finite loss or gradient norm (both global,
         so every rank sees the same) skips the update on every rank.
+
+        The host reads the step's numbers once, all together (its counts, loss and metric sums, gradient norm),
+        after the last backward: the skip needs them, and they are the record's.
         """
-        device, objective = self.state.device, self.objective
-        micro_batches = [b.to(device) for b in micro_batches]
-        inputs = [self.features.transform(b.inputs) for b in micro_batches]
-        totals = self._step_totals(inputs, micro_batches)
+        device, objective, batches = self.state.device, self.objective, step.batches
+        # From the host: queued on the device's stream, nothing waited for.
+        totals = self.state.all_reduce_sum(step.counts.to(device, non_blocking=True))
         weights = (objective.weights(totals) * (self.state.fsdp_group_size * self.loss_scale.scale)).float()
-        objective.begin(self.model, zip(inputs, micro_batches))
+        objective.begin(self.model, ((batch.inputs, batch) for batch in batches))
         sums = torch.zeros(sum(objective.sizes()), device=device, dtype=torch.float64)
-        for i, (batch_inputs, batch) in enumerate(zip(inputs, micro_batches)):
-            self.state.accumulate(self.model, last=i == len(inputs) - 1)
-            terms = objective.terms(self.model, batch_inputs, batch)
+        for i, batch in enumerate(batches):
+            self.state.accumulate(self.model, last=i == len(batches) - 1)
+            terms = objective.terms(self.model, batch.inputs, batch)
             (terms.loss * weights).sum().backward()
             sums += torch.cat([terms.loss.detach(), terms.metrics]).double()
-            if i < len(inputs) - 1:
+            if i < len(batches) - 1:
                 self.callbacks("on_substep_end")
-        values = objective.summary(*self.state.all_reduce_sum(sums).split(objective.sizes()), totals)
-        mean_loss = values.pop("loss")
-        feature_metrics = {**values, **self.features.step_metrics(self.state)}
+        sums = self.state.all_reduce_sum(sums)
+        feature_metrics = self.features.step_metrics(self.state)
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_scale.unscale(trained)
-        grad_norm = clip_gradients(trained, self.cfg.max_grad_norm)
+        norm = clip_gradients(trained, self.cfg.max_grad_norm)
+        numbers = torch.cat([totals, sums, norm.reshape(1)]).tolist()
+        counts, (loss_sums, metric_sums), grad_norm = (numbers[:len(totals)], split(numbers[len(totals):-1],
+                                                       objective.sizes()), numbers[-1])
+        values = objective.summary(loss_sums, metric_sums, counts)
+        mean_loss = values.pop("loss")
         self.callbacks("on_pre_optimizer_step", grad_norm=grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(mean_loss) and math.isfinite(grad_norm)
@@ -253,48 +284,49 @@ class Trainer:
         self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + self.loss_scale.counts_skip()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        count = dict(zip(objective.names(), totals.tolist()))
+        count = dict(zip(objective.names(), counts))
         return StepRecord(loss=mean_loss, lr=lr, grad_norm=grad_norm, label_tokens=int(count["label_tokens"]),
                           input_tokens=int(count["input_tokens"]), samples=int(count[objective.samples]),
-                          step_time=0.0, data_wait=0.0, skipped=not finite, features=feature_metrics,
+                          step_time=0.0, data_wait=0.0, skipped=not finite, features={**values, **feature_metrics},
                           loss_scale=self.loss_scale.scale if self.loss_scale.enabled else None)
-
-    def _step_totals(self, inputs: list[dict], micro_batches: list) -> torch.Tensor:
-        """The objective's counts of these micro-batches, summed over them and over every rank (one all-reduce)."""
-        counts = sum(self._counts(i, b) for i, b in zip(inputs, micro_batches))
-        return self.state.all_reduce_sum(counts)
-
-    def _counts(self, inputs: dict, batch) -> torch.Tensor:
-        return torch.tensor(self.objective.local_counts(inputs, batch, self.state.cp_rank), device=self.state.device,
-                            dtype=torch.float64)
-
-    def _held_out_batches(self, held_out):
-        """(inputs, batch) of each micro-batch of a held-out split, on the device, as the model gets them."""
-        for batch in held_out.batches():
-            batch = batch.to(self.state.device)
-            yield self.features.transform(batch.inputs), batch
 
     def evaluate(self, held_out) -> dict[str, float]:
         """The loss and metrics of a held-out split (the validation or the test one), as the objective defines them
         for a training step, over all its batches on all ranks."""
         objective, device = self.objective, self.state.device
         self.model.eval()
-        counts = torch.zeros(len(objective.names()), device=device, dtype=torch.float64)
+        counts = torch.zeros(len(objective.names()), dtype=torch.float64)
         sums = torch.zeros(sum(objective.sizes()), device=device, dtype=torch.float64)
         with torch.no_grad():
-            objective.begin(self.model, self._held_out_batches(held_out))
-            for inputs, batch in self._held_out_batches(held_out):
-                counts += self._counts(inputs, batch)
-                terms = objective.terms(self.model, inputs, batch)
+            objective.begin(self.model, ((batch.inputs, batch) for batch, _ in map(self._prepared, held_out.batches())))
+            for batch in held_out.batches():
+                batch, batch_counts = self._prepared(batch)
+                counts += torch.tensor(batch_counts, dtype=torch.float64)
+                terms = objective.terms(self.model, batch.inputs, batch)
                 sums += torch.cat([terms.loss, terms.metrics]).double()
         reshard(self.model)
         self.model.train()
-        totals, sums = self.state.all_reduce_sum(torch.cat([counts, sums])).split([len(counts), len(sums)])
-        return objective.summary(*sums.split(objective.sizes()), totals)
+        numbers = self.state.all_reduce_sum(torch.cat([counts.to(device), sums])).tolist()
+        return objective.summary(*split(numbers[len(counts):], objective.sizes()), numbers[:len(counts)])
 
 
-def clip_gradients(parameters: list, max_norm: float) -> float:
-    """The global L2 norm of the gradients, before clipping them to max_norm (0: no clipping).
+@dataclass
+class StepInputs:
+    """An optimizer step's micro-batches on the device (Trainer.prepare), each with the model's inputs as its inputs,
+    and their counts summed on the host (float64, in Objective.names' order)."""
+    batches: list[MicroBatch]
+    counts: torch.Tensor
+
+
+def split(values: list, sizes: list[int]) -> list[list]:
+    """`values` cut into consecutive pieces of `sizes`."""
+    ends = list(itertools.accumulate(sizes))
+    return [values[end - size:end] for size, end in zip(sizes, ends)]
+
+
+def clip_gradients(parameters: list, max_norm: float) -> torch.Tensor:
+    """The global L2 norm of the gradients (a float64 scalar on their device, not read), before clipping them to
+    max_norm (0: no clipping).
 
     Each parameter's norm is taken in fp64: summed in fp32, the squares of a sharded gradient come out
     differently rounded from those of the whole one, and a clipping factor differing in its last bits
@@ -312,7 +344,7 @@ def clip_gradients(parameters: list, max_norm: float) -> float:
     if max_norm:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total.item()
+    return total
 
 
 def _by_mesh(parameters: list) -> dict:

@@ -147,7 +147,7 @@ def check_fsdp(family) -> dict:
     # Clipped over the whole model's norm, each expert counted once though the experts' DTensors lie on another mesh.
     norm = clip_gradients(list(model.parameters()), MAX_NORM)
     expected_norm = torch.nn.utils.clip_grad_norm_(unsplit.parameters(), MAX_NORM)
-    found += differences("grad norm", torch.tensor(norm, dtype=torch.float32), expected_norm)
+    found += differences("grad norm", norm.float(), expected_norm)
     found += compared_gradients(model, unsplit, "clipped ")
     # What checkpoints, exports and pretrained loading go through: a parameter set from its whole value, each rank
     # copying its rows, reads back as that value.
@@ -157,7 +157,7 @@ def check_fsdp(family) -> dict:
             copy_rows(parameter, value)
             if not torch.equal(whole(parameter), value):
                 found.append(f"{name}: its rows copied from a value do not read back as it")
-    return {"rank": rank, "family": family.name, "grad_norm": norm, "experts_placements": [
+    return {"rank": rank, "family": family.name, "grad_norm": norm.item(), "experts_placements": [
         str(parameter.placements) for parameter in experts_modules(model)[0].parameters()], "differences": found}
 
 

@@ -3,7 +3,6 @@ exactly 0 and the sigmoid loss ln 2; the per-step losses do not depend on how ma
 each) a micro-batch takes; the run exports, resumes bitwise and evaluates on preference data with TRL's metric
 names. (Two processes and context parallelism: tests/dist/test_dpo_ranks.py.)"""
 
-import json
 import math
 
 import pytest
@@ -13,19 +12,6 @@ from tests.helpers import StopAt, add_to_hub_cache, read_metrics
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-
-
-@pytest.fixture(scope="session")
-def pairs_file(assets, tmp_path_factory):
-    """48 of the demo's preference pairs, some answers lengthened so that packed rows hold 1, 2 or 3 pairs."""
-    rows = [json.loads(line) for line in (assets / "data" / "dpo_train.jsonl").read_text().splitlines()[:48]]
-    for i, row in enumerate(rows):
-        if i % 3 == 0:  # a third of the pairs three times as long
-            for key in ("chosen", "rejected"):
-                row[key][0]["content"] = " and ".join([row[key][0]["content"]] * 3)
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def recipe(model, pairs, out, train=None, **sections) -> dict:

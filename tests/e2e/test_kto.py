@@ -3,31 +3,11 @@ of exactly 0, the reference point 0 and every example's loss 1/2; the per-step l
 a micro-batch takes (the reference point is the whole step's); a resumed run repeats the uninterrupted one bitwise.
 (Two processes: tests/dist/test_dpo_ranks.py.)"""
 
-import json
 
 import pytest
 
 import llmtune
 from tests.helpers import StopAt, read_metrics
-
-
-@pytest.fixture(scope="session")
-def examples_file(assets, tmp_path_factory):
-    """The demo's first 24 preference pairs as 48 unpaired examples (TRL's form): the right sum desirable, and three in four of
-    the near misses too (so that training raises the likelihood of answers in general, the mismatched ones' included:
-    a reference point above 0); a third of the completions lengthened so that packed rows hold different numbers of
-    examples."""
-    examples = []
-    for i, line in enumerate((assets / "data" / "dpo_train.jsonl").read_text().splitlines()[:24]):
-        pair = json.loads(line)
-        for key, label in (("chosen", True), ("rejected", i % 4 != 0)):
-            completion = pair[key]
-            if i % 3 == 0:
-                completion = [{**completion[0], "content": " and ".join([completion[0]["content"]] * 3)}]
-            examples.append({"prompt": pair["prompt"], "completion": completion, "label": label})
-    path = tmp_path_factory.mktemp("kto") / "examples.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in examples))
-    return path
 
 
 def recipe(model, examples, out, train=None, **sections) -> dict:
