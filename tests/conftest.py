@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import save_tiny_model
+from tests.helpers import save_tiny_model, write_pairs
 
 DIST = Path(__file__).parent / "dist"
 
@@ -108,14 +108,7 @@ def tokenizer(assets):
 @pytest.fixture(scope="session")
 def pairs_file(assets, tmp_path_factory):
     """48 of the demo's preference pairs, some answers lengthened so that packed rows hold 1, 2 or 3 pairs."""
-    rows = [json.loads(line) for line in (assets / "data" / "dpo_train.jsonl").read_text().splitlines()[:48]]
-    for i, row in enumerate(rows):
-        if i % 3 == 0:  # a third of the pairs three times as long
-            for key in ("chosen", "rejected"):
-                row[key][0]["content"] = " and ".join([row[key][0]["content"]] * 3)
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+    return write_pairs(assets, 48, tmp_path_factory.mktemp("pairs") / "pairs.jsonl")
 
 
 @pytest.fixture(scope="session")

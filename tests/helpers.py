@@ -75,6 +75,17 @@ def needs_cpu_float8(on_cpu: bool = True):
                               reason=f"torch {torch.__version__} has no rowwise float8 matmul on the CPU (2.13 has)")
 
 
+def write_pairs(assets: Path, count: int, path: Path) -> Path:
+    """The demo's first `count` preference pairs (assets: the demo's folder) at `path`, every third one's answers
+    three times as long, so that packed rows hold 1, 2 or 3 pairs."""
+    rows = [json.loads(line) for line in (assets / "data" / "dpo_train.jsonl").read_text().splitlines()[:count]]
+    for row in rows[::3]:
+        for key in ("chosen", "rejected"):
+            row[key][0]["content"] = " and ".join([row[key][0]["content"]] * 3)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 

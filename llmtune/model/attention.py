@@ -144,10 +144,10 @@ def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtyp
     """Causal, same-document and sliding-window mask over a stretch of a row (`single`: it holds one document);
     None when the backend's own causal attention is all it takes (sdpa, one document, no window reached). Eager
     attention has no causal mode of its own: it always gets one, additive."""
-    documents = document_starts(positions).cumsum(dim=1)
     length = positions.shape[1]
     if single and not eager and not (sliding_window and length > sliding_window):
         return None
+    documents = document_starts(positions).cumsum(dim=1)
     index = torch.arange(length, device=positions.device)
     allowed = (index[None, :, None] >= index[None, None, :]) & (documents[:, :, None] == documents[:, None, :])
     if sliding_window:

@@ -51,10 +51,10 @@ class KTO(PreferenceObjective):
     def metric_names(self) -> tuple[str, ...]:
         return (*super().metric_names(), MARGINS)
 
-    def summary(self, loss_sums: list[float], metric_sums: list[float], totals: list[float]) -> dict[str, float]:
+    def summary(self, sums: list[float], totals: list[float]) -> dict[str, float]:
         """Objective.summary, and TRL's rewards/margins: the desirable examples' mean reward less the undesirable
         ones', where the values had both."""
-        values = super().summary(loss_sums, metric_sums, totals)
+        values = super().summary(sums, totals)
         if "rewards/chosen" in values and "rewards/rejected" in values:
             values[MARGINS] = values["rewards/chosen"] - values["rewards/rejected"]
         return values

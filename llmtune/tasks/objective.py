@@ -87,11 +87,12 @@ class Objective:
         names = self.names()
         return torch.stack([1.0 / totals[names.index(d)].clamp(min=1.0) for d in self.divisors])
 
-    def summary(self, loss_sums: list[float], metric_sums: list[float], totals: list[float]) -> dict[str, float]:
-        """{"loss": the step's (or a held-out split's) loss, then each metric}, from all-reduced sums and totals, read
-        on the host. A metric whose count is 0 (KTO's desirable examples, in a step that has none) is left out, not
-        logged as 0."""
+    def summary(self, sums: list[float], totals: list[float]) -> dict[str, float]:
+        """{"loss": the step's (or a held-out split's) loss, then each metric}, from all-reduced sums (the loss terms',
+        then the metrics', as Terms holds them) and totals, read on the host. A metric whose count is 0 (KTO's
+        desirable examples, in a step that has none) is left out, not logged as 0."""
         names = self.names()
+        loss_sums, metric_sums = sums[:len(self.divisors)], sums[len(self.divisors):]
         values = {"loss": sum(value * (1.0 / max(totals[names.index(divisor)], 1.0))
                               for value, divisor in zip(loss_sums, self.divisors))}
         for (name, divisor), value in zip(self.metrics, metric_sums):

@@ -1,7 +1,6 @@
 """Trainer: the loop (optimizer steps of micro-batches) with global token counting, a non-finite guard
 agreed by every rank, evaluation, and the callbacks' events (training/callbacks.py)."""
 
-import itertools
 import logging
 import math
 import signal
@@ -269,9 +268,8 @@ class Trainer:
         self.loss_scale.unscale(trained)
         norm = clip_gradients(trained, self.cfg.max_grad_norm)
         numbers = torch.cat([totals, sums, norm.reshape(1)]).tolist()
-        counts, (loss_sums, metric_sums), grad_norm = (numbers[:len(totals)], split(numbers[len(totals):-1],
-                                                       objective.sizes()), numbers[-1])
-        values = objective.summary(loss_sums, metric_sums, counts)
+        counts, grad_norm = numbers[:len(totals)], numbers[-1]
+        values = objective.summary(numbers[len(totals):-1], counts)
         mean_loss = values.pop("loss")
         self.callbacks("on_pre_optimizer_step", grad_norm=grad_norm)
         lr = self.scheduler.get_last_lr()[0]
@@ -307,7 +305,7 @@ class Trainer:
         reshard(self.model)
         self.model.train()
         numbers = self.state.all_reduce_sum(torch.cat([counts.to(device), sums])).tolist()
-        return objective.summary(*split(numbers[len(counts):], objective.sizes()), numbers[:len(counts)])
+        return objective.summary(numbers[len(counts):], numbers[:len(counts)])
 
 
 @dataclass
@@ -316,12 +314,6 @@ class StepInputs:
     and their counts summed on the host (float64, in Objective.names' order)."""
     batches: list[MicroBatch]
     counts: torch.Tensor
-
-
-def split(values: list, sizes: list[int]) -> list[list]:
-    """`values` cut into consecutive pieces of `sizes`."""
-    ends = list(itertools.accumulate(sizes))
-    return [values[end - size:end] for size, end in zip(sizes, ends)]
 
 
 def clip_gradients(parameters: list, max_norm: float) -> torch.Tensor:

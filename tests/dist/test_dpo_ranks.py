@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import llmtune
-from tests.helpers import launch_cases, read_metrics
+from tests.helpers import launch_cases, read_metrics, write_pairs
 
 REFERENCES = [("model", "none"), ("adapter_off", "lora"), ("precomputed", "none")]
 LAYOUTS = {"dp2": {"parallel.cp_size": 1}, "cp2": {"parallel.cp_size": 2}}
@@ -21,13 +21,7 @@ KTO = {"train.learning_rate": 5e-3}
 @pytest.fixture(scope="module")
 def pairs_file(assets, tmp_path_factory):
     """32 of the demo's preference pairs, a third of them lengthened: packed rows hold 1, 2 or 3 pairs."""
-    rows = [json.loads(line) for line in (assets / "data" / "dpo_train.jsonl").read_text().splitlines()[:32]]
-    for row in rows[::3]:
-        for key in ("chosen", "rejected"):
-            row[key][0]["content"] = " and ".join([row[key][0]["content"]] * 3)
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+    return write_pairs(assets, 32, tmp_path_factory.mktemp("pairs") / "pairs.jsonl")
 
 
 @pytest.fixture(scope="module")
