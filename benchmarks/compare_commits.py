@@ -13,6 +13,7 @@ gets its own tokenized-data cache, warmed by its first repeat like any other run
 
     pt-fp32       throughput.py "llmtune fp32"       pt: the demo corpus in blocks of --seq, --batch blocks a step
     pt-bf16       throughput.py "llmtune bf16"       the same, train.bf16
+    pt-compile    throughput.py "llmtune compile"    the same, train.compile (fp32)
     sft           throughput.py "llmtune defaults"   sft: skewed lengths (throughput.py --sft), packed, masked
     sft-unmasked  throughput.py "llmtune unmasked"   the same packing without document masks
     dpo           preference.py "llmtune dpo"        dpo on preference.py's pairs (commits that have it)
@@ -46,6 +47,7 @@ import throughput  # noqa: E402
 BENCHES = {
     "pt-fp32": ("throughput.py", "llmtune fp32", "pt"),
     "pt-bf16": ("throughput.py", "llmtune bf16", "pt"),
+    "pt-compile": ("throughput.py", "llmtune compile", "pt"),
     "sft": ("throughput.py", "llmtune defaults", "sft"),
     "sft-unmasked": ("throughput.py", "llmtune unmasked", "sft"),
     "dpo": ("preference.py", "llmtune dpo", "dpo"),

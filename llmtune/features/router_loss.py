@@ -14,11 +14,18 @@ metrics.jsonl gets, for every training step: aux_loss, that token-weighted mean 
 expert_load/layer_<i>, for each mixture-of-experts decoder layer i the tokens routed to its busiest expert over the
 mean per expert (1: balanced; at worst experts / experts per token); and expert_load, that of the least balanced
 layer.
+
+The router logits are recorded by hooks of this feature on the modules the model's own recorder names
+(`_can_record_outputs["router_logits"]`), not by asking the model for them (output_router_logits): transformers'
+recording hooks read a ContextVar, which torch.compile cannot trace, so each would break a compiled decoder layer
+in two (train.compile), where these set an attribute.
 """
 
 import sys
+from functools import partial
 
 import torch
+from transformers.utils.output_capturing import OutputRecorder
 
 from llmtune.features.base import Feature
 from llmtune.model.build import decoder_layers
@@ -34,6 +41,8 @@ class RouterLoss(Feature):
     def __init__(self, config):
         super().__init__(config)
         self.loss_function = None  # with the model's experts and top-k, once build found them
+        # One per router, in the model's order: its logits in the forward under way (see _record).
+        self.routers: list[RouterOutput] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -57,14 +66,31 @@ class RouterLoss(Feature):
             # family may keep dense layers among them, as Qwen3-MoE's mlp_only_layers).
             self.moe_layers = [i for i, layer in enumerate(decoder_layers(hf_model)) if experts_modules(layer)]
             self.loss_function = lambda logits, mask: function(logits, self.experts, self.top_k, mask)
+            self._record(hf_model)
 
-    def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {**inputs, "output_router_logits": True} if self.loss_function else inputs
+    def _record(self, hf_model) -> None:
+        """Hooks that keep each router's logits of the forward under way in self.routers. Each router writes its own
+        attribute, which torch.compile turns into a graph output, where appending to a shared list would be guarded
+        on the list's length, another compile per layer. Emptied when the decoder starts, not when the loss has read
+        them: activation checkpointing runs the layers' forwards again in the backward, whose logits are not read."""
+        spec = hf_model._can_record_outputs["router_logits"]
+        # transformers' own default for a recorder given as a bare class: the module's output 1.
+        router, index = (spec.target_class, spec.index) if isinstance(spec, OutputRecorder) else (spec, 1)
+        for module in hf_model.modules():
+            if isinstance(module, router):
+                record = RouterOutput()
+                module.register_forward_hook(partial(_keep, record, index))
+                self.routers.append(record)
+        hf_model.get_decoder().register_forward_pre_hook(self._forget)
+
+    def _forget(self, *_) -> None:
+        for record in self.routers:
+            record.logits = None
 
     def loss_terms(self, outputs, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
         if not self.loss_function:
             return None
-        aux = self.loss_function(outputs.router_logits, inputs.get("attention_mask"))
+        aux = self.loss_function(self._logits(), inputs.get("attention_mask"))
         tokens = (inputs["shift_labels"] != IGNORE_INDEX).sum()
         if torch.is_grad_enabled():  # a training micro-batch; evaluation runs without gradients
             with torch.no_grad():
@@ -73,8 +99,11 @@ class RouterLoss(Feature):
                 # The experts each token goes to, as the model routes it: top-k of the router's logits.
                 self.routed += torch.stack([torch.bincount(logits.topk(self.top_k, dim=-1).indices.flatten(),
                                                            minlength=self.experts)
-                                            for logits in outputs.router_logits]).double()
+                                            for logits in self._logits()]).double()
         return self.coef * aux * tokens
+
+    def _logits(self) -> tuple[torch.Tensor, ...]:
+        return tuple(record.logits for record in self.routers)
 
     def step_metrics(self, state) -> dict[str, float]:
         if not self.loss_function:
@@ -85,3 +114,13 @@ class RouterLoss(Feature):
         loads = (routed.max(dim=1).values / routed.mean(dim=1).clamp(min=1e-9)).tolist()
         return {"aux_loss": (totals[0] / totals[1].clamp(min=1)).item(), "expert_load": max(loads),
                 **{f"expert_load/layer_{layer}": load for layer, load in zip(self.moe_layers, loads, strict=True)}}
+
+
+class RouterOutput:
+    """One router's logits in the forward under way (a plain class: torch.compile traces setting its attribute,
+    not a SimpleNamespace's)."""
+    logits: torch.Tensor | None = None
+
+
+def _keep(record: RouterOutput, index: int, module, args, output) -> None:
+    record.logits = output[index] if isinstance(output, tuple) else output

@@ -81,7 +81,7 @@ class ContextParallel(Feature):
         positions = inputs["document_positions"]
         # Read here, on the host copy (Trainer.prepare): what the attention needs to know of the documents.
         inputs.update(varlen_kwargs(positions) if self.varlen
-                      else {"document_layout": attention.document_layout(positions)})
+                      else attention.layout_kwargs(positions, self.config.train.compile))
         return inputs
 
 

@@ -12,7 +12,10 @@ attend to itself alone, and how the backend learns the boundaries decides what i
 - sdpa and eager attend document span by span (`attend`): each span holds whole documents up to DOCUMENT_WINDOW
   tokens, or one longer document, so no mask is larger than the window's square, where transformers' mask of the
   row grows with the square of the row (5.3 GiB for 16k packed tokens on one rank), and most of the attention
-  runs in sdpa's causal kernels, which take no mask.
+  runs in sdpa's causal kernels, which take no mask. Under train.compile each row is attended in one call with
+  its documents' mask (the row's square), built inside the compiled layer from the positions: the cut into spans is
+  Python control flow on host values, which torch.compile would specialise on, compiling every layer again for each
+  new layout of documents.
 
 The documents a micro-batch keeps apart are read from one [b, S] tensor (`document_positions`): the row's
 position_ids when the rows are packed with document masks (no attention_mask), else a plain count, one document
@@ -135,6 +138,12 @@ def document_layout(positions: torch.Tensor, window: int | None = None) -> Docum
                                              for start, end in document_windows(row, window)) for row in positions))
 
 
+def layout_kwargs(positions: torch.Tensor, compiled: bool) -> dict:
+    """What a micro-batch gives `attend` of its [b, S] host document positions: their DocumentLayout, or nothing
+    where the decoder layers are compiled (train.compile), which attend each row in one masked call."""
+    return {} if compiled else {"document_layout": document_layout(positions)}
+
+
 def _one_document(positions: torch.Tensor) -> bool:
     """Whether every row of [b, s] document positions holds one document."""
     return not bool(document_starts(positions)[:, 1:].any())
@@ -190,6 +199,9 @@ def attend(attention, module, query, key, value, positions, sliding_window: int 
     if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
         return attend(attention, module, query.float(), key.float(), value.float(), positions, sliding_window, eager,
                       window, layout, **kwargs).to(query.dtype)
+    if torch.compiler.is_compiling():
+        # One masked call over the row, whatever its documents (see the module's doc).
+        layout = DocumentLayout(False)
     layout = layout or document_layout(positions, window)
     if layout.spans is None:
         return attention(module, query, key, value, _mask(positions, sliding_window, eager, query.dtype,

@@ -19,6 +19,8 @@ from llmtune.model.attention import varlen_kwargs
 DOCUMENTS = [[5, 23, 2, 30, 4], [40, 1, 10, 9, 4]]
 LENGTH = 64
 VARLEN = "llmtune_test_varlen"
+# What the features read of a run's config: uncompiled layers, which attend by the documents' layout.
+CONFIG = types.SimpleNamespace(train=types.SimpleNamespace(compile=False))
 
 
 def positions() -> torch.Tensor:
@@ -85,7 +87,7 @@ def test_packed_rows_equal_every_document_alone(backend, window, monkeypatch):
         AttentionInterface.register(VARLEN, varlen_reference_backend)
         model.set_attn_implementation(VARLEN)
         monkeypatch.setattr(documents, "is_varlen", lambda name: name == VARLEN)
-    feature = PackedDocuments(None)
+    feature = PackedDocuments(CONFIG)
     feature.build(model, None)
     ids = input_ids()
     inputs = feature.transform({"input_ids": ids, "position_ids": positions()})
@@ -107,7 +109,7 @@ def test_the_ulysses_wrapper_hands_the_backend_the_full_sequences_documents(back
         AttentionInterface.register(VARLEN, varlen_reference_backend)
         model.set_attn_implementation(VARLEN)
         monkeypatch.setattr(ulysses, "is_varlen", lambda name: name == VARLEN)
-    feature = ulysses.ContextParallel(None)
+    feature = ulysses.ContextParallel(CONFIG)
     feature.build(model, types.SimpleNamespace(cp_size=1, cp_rank=0, cp_all_to_all=lambda send: send))
     ids = input_ids()
     inputs = feature.transform({"input_ids": ids, "shift_labels": ids, "position_ids": positions()})
@@ -131,7 +133,7 @@ def test_no_mask_beyond_the_window_is_built(monkeypatch):
         return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
 
     model = tiny_llama("sdpa")
-    feature = PackedDocuments(None)
+    feature = PackedDocuments(CONFIG)
     feature.build(model, None)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     model(**feature.transform({"input_ids": input_ids(), "position_ids": positions()}), use_cache=False)
@@ -170,7 +172,7 @@ def test_document_mask_off_attends_across_the_row_as_transformers_does():
     reference = tiny_llama("sdpa")
     expected = reference(**inputs, use_cache=False).logits
     model = tiny_llama("sdpa")
-    feature = PackedDocuments(None)
+    feature = PackedDocuments(CONFIG)
     feature.build(model, None)
     torch.testing.assert_close(model(**feature.transform(inputs), use_cache=False).logits, expected)
 
@@ -197,7 +199,7 @@ def flash_attention_missing() -> bool:
 def test_flash_attention_on_packed_rows_equals_every_document_alone_on_cuda():
     """The real varlen kernel, in bf16: what PackedDocuments hands it keeps the documents of two rows apart."""
     model = tiny_llama("flash_attention_2").to("cuda", torch.bfloat16)
-    feature = PackedDocuments(None)
+    feature = PackedDocuments(CONFIG)
     feature.build(model, None)
     ids = input_ids().cuda()
     inputs = feature.transform({"input_ids": ids, "position_ids": positions().cuda()})
