@@ -8,6 +8,11 @@ from llmtune.data.packing import TOKEN_COLUMNS
 from llmtune.model.loss import IGNORE_INDEX, shift_labels
 
 
+# Inputs the model's forward reads on the host (the attention's document spans, model/attention.py): they stay in
+# host memory, where reading them waits for nothing.
+HOST_INPUTS = frozenset({"document_spans"})
+
+
 @dataclass
 class MicroBatch:
     inputs: dict[str, torch.Tensor]  # keyword arguments of the training model's forward, shift_labels included
@@ -30,11 +35,13 @@ class MicroBatch:
         return MicroBatch(inputs, 0, {k: v[:0] for k, v in self.sequences.items()})
 
     def to(self, device: torch.device) -> "MicroBatch":
-        """On `device`: every tensor copied, once, the other inputs (a feature's flags and lengths) as they are."""
+        """On `device`: every tensor copied, once, but those of HOST_INPUTS; the other inputs (a feature's flags
+        and lengths) as they are."""
         # From pinned memory the copy to a GPU is queued on its stream and the host goes on; from pageable memory
         # (a feature's new tensors) the host waits for the copy to a staging buffer, not for the device; to the CPU,
         # non_blocking changes nothing.
-        return MicroBatch({k: moved(v, device) for k, v in self.inputs.items()}, self.num_tokens,
+        return MicroBatch({k: v if k in HOST_INPUTS else moved(v, device) for k, v in self.inputs.items()},
+                          self.num_tokens,
                           {k: moved(v, device) for k, v in self.sequences.items()})
 
 

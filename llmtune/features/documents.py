@@ -16,7 +16,7 @@ import torch
 from transformers import AttentionInterface
 
 from llmtune.features.base import Feature
-from llmtune.model.attention import (DOCUMENTS, document_attention, document_positions, is_varlen, layout_kwargs,
+from llmtune.model.attention import (DOCUMENTS, document_attention, document_positions, document_spans, is_varlen,
                                     varlen_kwargs)
 
 
@@ -39,7 +39,7 @@ class PackedDocuments(Feature):
     def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.spans:
             positions = document_positions(inputs)
-            return {**inputs, "document_positions": positions, **layout_kwargs(positions, self.config.train.compile)}
+            return {**inputs, "document_positions": positions, "document_spans": document_spans(positions)}
         if self.varlen:
             return {**inputs, **varlen_kwargs(document_positions(inputs))}
         return inputs

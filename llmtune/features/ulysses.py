@@ -81,7 +81,7 @@ class ContextParallel(Feature):
         positions = inputs["document_positions"]
         # Read here, on the host copy (Trainer.prepare): what the attention needs to know of the documents.
         inputs.update(varlen_kwargs(positions) if self.varlen
-                      else attention.layout_kwargs(positions, self.config.train.compile))
+                      else {"document_spans": attention.document_spans(positions)})
         return inputs
 
 
@@ -139,7 +139,7 @@ def _exchange(tensor: torch.Tensor, state, scatter_dim: int, gather_dim: int) ->
 
 def ulysses_attention(module, query, key, value, attention_mask, *, state, backend: str, dropout: float = 0.0,
                       scaling: float | None = None, sliding_window: int | None = None, document_positions=None,
-                      document_layout=None, **kwargs):
+                      document_spans=None, **kwargs):
     """query [b, H, s/cp, d], key/value [b, KV, s/cp, d], document_positions [b, S] (from SequenceShard, passed
     through the model's forward) -> output [b, s/cp, H, d]. A varlen backend finds the documents in kwargs
     instead (cu_seq_lens of the full sequence, from ContextParallel.transform)."""
@@ -164,7 +164,7 @@ def ulysses_attention(module, query, key, value, attention_mask, *, state, backe
                        sliding_window=sliding_window, **kwargs)[0]
     else:
         out = attend(function, local, query, key, value, document_positions, sliding_window, backend == "eager",
-                     attention.DOCUMENT_WINDOW, document_layout, dropout=dropout, scaling=scaling, **kwargs)
+                     attention.DOCUMENT_WINDOW, document_spans, dropout=dropout, scaling=scaling, **kwargs)
     # out is [b, S, H/cp, d]: scatter the sequence back, gather the heads.
     return _AllToAll.apply(out, state, 1, 2), None
 

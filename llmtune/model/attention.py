@@ -12,23 +12,25 @@ attend to itself alone, and how the backend learns the boundaries decides what i
 - sdpa and eager attend document span by span (`attend`): each span holds whole documents up to DOCUMENT_WINDOW
   tokens, or one longer document, so no mask is larger than the window's square, where transformers' mask of the
   row grows with the square of the row (5.3 GiB for 16k packed tokens on one rank), and most of the attention
-  runs in sdpa's causal kernels, which take no mask. Under train.compile each row is attended in one call with
-  its documents' mask (the row's square), built inside the compiled layer from the positions: the cut into spans is
-  Python control flow on host values, which torch.compile would specialise on, compiling every layer again for each
-  new layout of documents.
+  runs in sdpa's causal kernels, which take no mask. Under train.compile, sdpa attends the same spans inside one
+  custom operator (`document_sdpa`), which torch.compile calls without tracing it: the cut into spans is Python
+  control flow on host values, which a traced graph would be specialised on, compiling every layer again for each
+  new layout of documents. Eager attention under compile (and sdpa with dropout) attends each row in one call with
+  its documents' mask, built inside the compiled layer from the positions.
 
 The documents a micro-batch keeps apart are read from one [b, S] tensor (`document_positions`): the row's
 position_ids when the rows are packed with document masks (no attention_mask), else a plain count, one document
 per row (rows padded on the right need no mask: a real token never attends to the pads after it, and the pads
-carry no label). Where the spans lie, and which hold one document, `attend` takes from a DocumentLayout read on the
-host from the host copy of those positions (`document_layout`, in the features' transform): found from the device
-tensor in every layer, each would make the host wait for the device.
+carry no label). Where the spans lie, and which hold one document, `attend` takes from a [b, S] tensor kept in host
+memory (`document_spans`, made by the features' transform from the host copy of those positions): found from the
+device tensor in every layer, each would make the host wait for the device.
 """
 
 import sys
-from dataclasses import dataclass
+import types
 
 import torch
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from llmtune.config import HUB_KERNEL
 
@@ -119,34 +121,35 @@ def varlen_kwargs(positions: torch.Tensor) -> dict:
     return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
 
 
-@dataclass(frozen=True)
-class DocumentLayout:
-    """How `attend` cuts a micro-batch's rows, known on the host: `single`, whether the rows, if no longer than the
-    window, each hold one document; else `spans`, row by row, the (start, end, one document) of each stretch
-    attended at once (document_windows)."""
-    single: bool
-    spans: tuple[tuple[tuple[int, int, bool], ...], ...] | None = None
+# What document_spans holds where a span starts (0 elsewhere): the span holds several documents, or one.
+SPAN_OF_SEVERAL, SPAN_OF_ONE = 1, 2
 
 
-def document_layout(positions: torch.Tensor, window: int | None = None) -> DocumentLayout:
-    """The DocumentLayout of [b, S] document positions for `window` (None: DOCUMENT_WINDOW), read from them (on the
-    host: they should be the host copy)."""
+def document_spans(positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """How `attend` cuts the rows of [b, S] document positions (the host copy: read here) for `window` (None:
+    DOCUMENT_WINDOW): an int8 tensor of their shape, 0 but where a span starts, SPAN_OF_ONE or SPAN_OF_SEVERAL by
+    the documents it holds. A row no longer than the window is one span; a longer one is cut by document_windows.
+    A tensor, not Python values: torch.compile passes it to document_sdpa as it passes any tensor, where values
+    would be guarded on, and compiled again for at every new layout."""
     window = DOCUMENT_WINDOW if window is None else window
+    starts = document_starts(positions)
+    spans = torch.zeros(positions.shape, dtype=torch.int8)
     if positions.shape[1] <= window:
-        return DocumentLayout(_one_document(positions))
-    return DocumentLayout(False, tuple(tuple((start, end, _one_document(row[None, start:end]))
-                                             for start, end in document_windows(row, window)) for row in positions))
+        spans[:, 0] = torch.where(starts[:, 1:].any(dim=1), SPAN_OF_SEVERAL, SPAN_OF_ONE)
+        return spans
+    for row, row_positions in enumerate(positions):
+        for start, end in document_windows(row_positions, window):
+            spans[row, start] = SPAN_OF_SEVERAL if starts[row, start + 1:end].any() else SPAN_OF_ONE
+    return spans
 
 
-def layout_kwargs(positions: torch.Tensor, compiled: bool) -> dict:
-    """What a micro-batch gives `attend` of its [b, S] host document positions: their DocumentLayout, or nothing
-    where the decoder layers are compiled (train.compile), which attend each row in one masked call."""
-    return {} if compiled else {"document_layout": document_layout(positions)}
-
-
-def _one_document(positions: torch.Tensor) -> bool:
-    """Whether every row of [b, s] document positions holds one document."""
-    return not bool(document_starts(positions)[:, 1:].any())
+def _cut(spans: torch.Tensor) -> list[list[tuple[int, int, bool]]]:
+    """Row by row, the (start, end, holds one document) of each span of a document_spans tensor."""
+    rows = [[] for _ in range(spans.shape[0])]
+    for (row, start), kind in zip(spans.nonzero().tolist(), spans[spans != 0].tolist()):
+        rows[row].append((start, kind == SPAN_OF_ONE))
+    ends = ([start for start, _ in row[1:]] + [spans.shape[1]] for row in rows)
+    return [[(start, end, one) for (start, one), end in zip(row, row_ends)] for row, row_ends in zip(rows, ends)]
 
 
 def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtype: torch.dtype, single: bool):
@@ -182,12 +185,14 @@ def document_windows(positions: torch.Tensor, window: int) -> list[tuple[int, in
 
 
 def attend(attention, module, query, key, value, positions, sliding_window: int | None, eager: bool, window: int,
-           layout: DocumentLayout | None = None, **kwargs) -> torch.Tensor:
+           spans: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """`attention` (an sdpa or eager function) over whole rows (query [b, h, S, d], key/value [b, kv, S, d],
-    positions [b, S]), causal, within each document and the sliding window -> [b, S, h, d]. layout: the positions'
-    document_layout for `window`, None: read here (a call from outside a training step).
+    positions [b, S]), causal, within each document and the sliding window -> [b, S, h, d]. spans: the positions'
+    document_spans for `window`, in host memory; None: read here from the positions (a call from outside a training
+    step, where the host then waits for the device).
 
-    Up to `window` tokens, one call with one mask. Longer rows are cut between documents into spans of at most
+    Each row one span (rows up to `window` tokens, or of one document each): one call for all rows, with one mask
+    where a row holds several documents. Otherwise the rows are cut between documents into spans of at most
     `window` tokens (or one longer document), each attended alone: tokens never attend across documents, so the
     result is the same, and a mask never exceeds `window` squared.
 
@@ -198,24 +203,83 @@ def attend(attention, module, query, key, value, positions, sliding_window: int 
     """
     if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
         return attend(attention, module, query.float(), key.float(), value.float(), positions, sliding_window, eager,
-                      window, layout, **kwargs).to(query.dtype)
+                      window, spans, **kwargs).to(query.dtype)
     if torch.compiler.is_compiling():
-        # One masked call over the row, whatever its documents (see the module's doc).
-        layout = DocumentLayout(False)
-    layout = layout or document_layout(positions, window)
-    if layout.spans is None:
-        return attention(module, query, key, value, _mask(positions, sliding_window, eager, query.dtype,
-                                                          layout.single), **kwargs)[0]
+        if spans is not None and not eager and not kwargs.get("dropout") and kwargs.get("position_bias") is None:
+            groups = query.shape[1] // key.shape[1]
+            return document_sdpa(query, repeat_kv(key, groups), repeat_kv(value, groups), positions, spans,
+                                 kwargs.get("scaling"), sliding_window)
+        # One masked call over the row (see the module's doc).
+        return attention(module, query, key, value, _mask(positions, sliding_window, eager, query.dtype, False),
+                         **kwargs)[0]
+    cut = _cut(document_spans(positions.cpu(), window) if spans is None else spans)
+    if all(len(row) == 1 for row in cut):
+        # Longer than the window, a row that is one span holds one document: no mask is larger than the window's.
+        single = all(one for ((_, _, one),) in cut)
+        return attention(module, query, key, value, _mask(positions, sliding_window, eager, query.dtype, single),
+                         **kwargs)[0]
     rows = []
     # Cut with unbind and split, whose backward puts the pieces' gradients together in one op: slicing each span
     # out would give every span's gradient the size of the whole batch, zero-filled and summed span after span.
-    for *tensors, row_positions, spans in zip(query, key, value, positions, layout.spans):
-        lengths = [end - start for start, end, _ in spans]
-        pieces = zip(*(t.split(lengths, dim=1) for t in tensors), row_positions.split(lengths), spans)
+    for *tensors, row_positions, row_spans in zip(query, key, value, positions, cut):
+        lengths = [end - start for start, end, _ in row_spans]
+        pieces = zip(*(t.split(lengths, dim=1) for t in tensors), row_positions.split(lengths), row_spans)
         rows.append(torch.cat([attention(module, q[None], k[None], v[None],
-                                         _mask(p[None], sliding_window, eager, query.dtype, single), **kwargs)[0]
-                               for q, k, v, p, (_, _, single) in pieces], dim=1))
+                                         _mask(p[None], sliding_window, eager, query.dtype, one), **kwargs)[0]
+                               for q, k, v, p, (_, _, one) in pieces], dim=1))
     return torch.cat(rows)
+
+
+# What sdpa_attention_forward reads of the module: a causal decoder's, its key/value heads repeated already.
+_REPEATED_HEADS = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)
+
+
+def _sdpa_spans(query, key, value, positions, spans, scaling, sliding_window) -> torch.Tensor:
+    return attend(sdpa_attention_forward, _REPEATED_HEADS, query, key, value, positions, sliding_window, False,
+                  DOCUMENT_WINDOW, spans, scaling=scaling)
+
+
+@torch.library.custom_op("llmtune::document_sdpa", mutates_args=())
+def document_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                  spans: torch.Tensor, scaling: float | None, sliding_window: int | None) -> torch.Tensor:
+    """sdpa attention span by span (`attend`; key/value with as many heads as query) as one operator, which
+    torch.compile calls as it is, without tracing the Python that cuts the rows on host values."""
+    return _sdpa_spans(query, key, value, positions, spans, scaling, sliding_window)
+
+
+@document_sdpa.register_fake
+def _(query, key, value, positions, spans, scaling, sliding_window):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
+
+
+@torch.library.custom_op("llmtune::document_sdpa_backward", mutates_args=())
+def _document_sdpa_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            positions: torch.Tensor, spans: torch.Tensor, scaling: float | None,
+                            sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """document_sdpa's gradients: its forward again, differentiated by torch.func.vjp (an operator runs below
+    autograd, where torch.autograd would record nothing). Recomputing costs one more forward of the attention
+    and keeps only query, key and value for backward, as activation checkpointing would."""
+    _, gradients = torch.func.vjp(
+        lambda q, k, v: _sdpa_spans(q, k, v, positions, spans, scaling, sliding_window), query, key, value)
+    # Contiguous, as the fake below says: compiled code relies on an operator's strides being the fake's.
+    return tuple(gradient.contiguous() for gradient in gradients(grad))
+
+
+@_document_sdpa_backward.register_fake
+def _(grad, query, key, value, positions, spans, scaling, sliding_window):
+    return tuple(t.new_empty(t.shape) for t in (query, key, value))
+
+
+def _keep_inputs(ctx, inputs, output) -> None:
+    *tensors, ctx.scaling, ctx.sliding_window = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _backward(ctx, grad):
+    return *_document_sdpa_backward(grad, *ctx.saved_tensors, ctx.scaling, ctx.sliding_window), None, None, None, None
+
+
+document_sdpa.register_autograd(_backward, setup_context=_keep_inputs)
 
 
 def backend_function(module, backend: str):
@@ -230,7 +294,7 @@ def backend_function(module, backend: str):
 
 def document_attention(module, query, key, value, attention_mask, *, backend: str, dropout: float = 0.0,
                        scaling: float | None = None, sliding_window: int | None = None, document_positions=None,
-                       document_layout: DocumentLayout | None = None, **kwargs):
+                       document_spans: torch.Tensor | None = None, **kwargs):
     """The attention function installed for sdpa and eager on one rank per sequence (features/documents.py): the
     backend's attention, document span by span. Its name is not in transformers' mask registry, so the model
     builds no mask and hands it none; the documents come from `document_positions`, which the feature adds to
@@ -238,5 +302,5 @@ def document_attention(module, query, key, value, attention_mask, *, backend: st
     if document_positions is None:
         document_positions = torch.arange(query.shape[2], device=query.device).expand(query.shape[0], -1)
     out = attend(backend_function(module, backend), module, query, key, value, document_positions, sliding_window,
-                 backend == "eager", DOCUMENT_WINDOW, document_layout, dropout=dropout, scaling=scaling, **kwargs)
+                 backend == "eager", DOCUMENT_WINDOW, document_spans, dropout=dropout, scaling=scaling, **kwargs)
     return out, None

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -197,9 +198,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     layers = decoder_layers(hf_model)
     if train_cfg.compile:
         for layer in layers:
-            # Sizes symbolic from the first compile: packed rows change length from one micro-batch to the next,
-            # and a second length would compile every layer again before torch.compile made the size dynamic itself.
-            layer.compile(dynamic=True)
+            compile_layer(layer)
     module = CausalLMForTraining(hf_model, LossOptions.of_run(train_cfg, config), features)
     module.attention = attention
     policy = MixedPrecisionPolicy(param_dtype=HALF_DTYPES[half], reduce_dtype=torch.float32) if half \
@@ -241,6 +240,28 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
         module.to(state.parameter_device)
     features.weights_ready(hf_model)
     return module
+
+
+def compile_layer(layer: nn.Module) -> None:
+    """torch.compile the decoder layer (Module.compile, as torchtitan compiles each block) with the batch and
+    sequence sizes of its inputs symbolic from the first compile: packed rows change length from one micro-batch to
+    the next, and a second length would compile every layer again before torch.compile made the size dynamic
+    itself. Only those two: every other size (heads, head dim, hidden) stays a number, which inductor needs to
+    vectorise; with all sizes symbolic (dynamic=True) the layers' transposes in backward ran 4-20x slower on CPU."""
+    layer.compile()
+    layer.register_forward_pre_hook(_rows_dynamic, with_kwargs=True)
+
+
+@torch.compiler.disable
+def _rows_dynamic(module, args, kwargs) -> None:
+    """Mark the first two sizes of every tensor a layer takes dynamic. A forward pre-hook: Module.compile's
+    __call__ runs the hooks as frames of their own, outside the layer's graph, and this one is left uncompiled
+    (marks are made before tracing). It runs after FSDP2's own pre-hook (prepended), which passes the inputs that
+    need gradients through an autograd function: new tensors, which marks made before it would miss."""
+    for tensor in pytree.tree_leaves((args, kwargs)):
+        if isinstance(tensor, Tensor):
+            for dim in range(min(tensor.ndim, 2)):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def prefetch(layers: list[nn.Module], depth: int) -> None:

@@ -2,7 +2,10 @@
 optimizer step's train_step): a read is a host wait on a GPU, and one per micro-batch would stall every micro-batch.
 pt, sft, dpo and kto each read as many times with 8 micro-batches a step as with 1, and no more than docs/training.md
 lists. The micro-batches' counts and the attention's document layout are read before the step, from the host copies
-the collator made (Trainer.advance): on a CPU every tensor is a host one, so the step is where the device starts."""
+the collator made (Trainer.advance): on a CPU every tensor is a host one, so the step is where the device starts.
+The inputs kept in host memory on any device (collate.HOST_INPUTS: the document spans the attention cuts the rows
+by) and what is computed from them alone are host values there too: reading them waits for nothing, and is not
+counted."""
 
 import traceback
 from unittest import mock
@@ -10,8 +13,11 @@ from unittest import mock
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import llmtune
+from llmtune.data.collate import HOST_INPUTS
+from llmtune.training.trainer import Trainer
 
 aten = torch.ops.aten
 # The operators whose result the host waits for: a scalar read back, or an output sized by the values it holds.
@@ -30,33 +36,66 @@ def where() -> str:
     return f"{frames[-1].filename.split('/llmtune/', 1)[1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
 
 
-class HostReads(TorchDispatchMode):
-    """Every host read of a tensor while active, each named by where() it was asked for."""
+class HostTensors:
+    """Tensors in host memory, known by identity (a WeakSet would compare tensors by value); held, so that no
+    other tensor takes one's id."""
 
     def __init__(self):
+        self.held: dict[int, torch.Tensor] = {}
+
+    def add(self, *tensors: torch.Tensor) -> None:
+        self.held.update((id(t), t) for t in tensors)
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self.held
+
+
+class HostReads(TorchDispatchMode):
+    """Every host read of a tensor while active, each named by where() it was asked for, but those of `host`
+    tensors (kept in host memory) and of what operators compute from them alone, which join them."""
+
+    def __init__(self, host: "HostTensors"):
         super().__init__()
         self.reads: list[str] = []
+        self.host = host
 
-    def read(self, what: str) -> None:
-        self.reads.append(f"{what} at {where()}")
+    def read(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor not in self.host:
+            self.reads.append(f"{what} at {where()}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         masked = func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1])
         if func in WAITING or masked:
-            self.read(str(func))
-        return func(*args, **(kwargs or {}))
+            self.read(args[0], str(func))
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if inputs and all(t in self.host for t in inputs):
+            self.host.add(*(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+        return out
 
 
 class CountPerStep:
-    """A callback: the host reads of each optimizer step, from on_step_begin to on_step_end."""
+    """A callback: the host reads of each optimizer step, from on_step_begin to on_step_end. Trainer.prepare, which
+    makes the step's micro-batches before it begins, is watched for their HOST_INPUTS (`watch`)."""
 
     def __init__(self):
         self.steps: list[list[str]] = []
         self.mode = None
         self.patches = []
+        self.host = HostTensors()
+
+    def watch(self):
+        prepare = Trainer.prepare
+
+        def watched(trainer, micro_batches):
+            step = prepare(trainer, micro_batches)
+            self.host.add(*(batch.inputs[name] for batch in step.batches for name in HOST_INPUTS
+                            if name in batch.inputs))
+            return step
+        return mock.patch.object(Trainer, "prepare", watched)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.mode = HostReads()
+        self.mode = HostReads(self.host)
         for name in METHODS:
             patch = mock.patch.object(torch.Tensor, name, self.counted(name, getattr(torch.Tensor, name)))
             patch.start()
@@ -65,7 +104,7 @@ class CountPerStep:
 
     def counted(self, name, method):
         def read(tensor, *args, **kwargs):
-            self.mode.read(f"Tensor.{name}")
+            self.mode.read(tensor, f"Tensor.{name}")
             return method(tensor, *args, **kwargs)
         return read
 
@@ -98,8 +137,9 @@ def test_a_step_reads_as_often_with_8_micro_batches_as_with_1_and_no_more_than_l
     counted = {}
     for micro_batch in (8, 1):
         counter = CountPerStep()
-        llmtune.train(task, recipe(task, tiny_model, data[task], tmp_path / str(micro_batch), micro_batch),
-                      callbacks=[counter])
+        with counter.watch():
+            llmtune.train(task, recipe(task, tiny_model, data[task], tmp_path / str(micro_batch), micro_batch),
+                          callbacks=[counter])
         assert len(counter.steps) == 3
         counted[micro_batch] = counter.steps
     one, eight = counted[8], counted[1]

@@ -14,13 +14,12 @@ from llmtune.features import documents, ulysses
 from llmtune.features.documents import PackedDocuments
 from llmtune.model import attention
 from llmtune.model.attention import varlen_kwargs
+from llmtune.model.build import compile_layer
 
 # Two rows of packed documents; the second ends with a pad "document" (positions restart, as collate makes it).
 DOCUMENTS = [[5, 23, 2, 30, 4], [40, 1, 10, 9, 4]]
 LENGTH = 64
 VARLEN = "llmtune_test_varlen"
-# What the features read of a run's config: uncompiled layers, which attend by the documents' layout.
-CONFIG = types.SimpleNamespace(train=types.SimpleNamespace(compile=False))
 
 
 def positions() -> torch.Tensor:
@@ -87,7 +86,7 @@ def test_packed_rows_equal_every_document_alone(backend, window, monkeypatch):
         AttentionInterface.register(VARLEN, varlen_reference_backend)
         model.set_attn_implementation(VARLEN)
         monkeypatch.setattr(documents, "is_varlen", lambda name: name == VARLEN)
-    feature = PackedDocuments(CONFIG)
+    feature = PackedDocuments(None)
     feature.build(model, None)
     ids = input_ids()
     inputs = feature.transform({"input_ids": ids, "position_ids": positions()})
@@ -97,6 +96,49 @@ def test_packed_rows_equal_every_document_alone(backend, window, monkeypatch):
     torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_compiled_layers_attend_the_same_spans(backend, monkeypatch):
+    """Under torch.compile (aot_eager: the graphs as inductor gets them, forward and backward, run by eager
+    kernels), sdpa attends the spans inside document_sdpa and eager the whole row with its documents' mask: the
+    logits and gradients of the uncompiled layers, and no layer is compiled again for a second layout of documents
+    (and a second row length)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(attention, "DOCUMENT_WINDOW", 16)
+    model = tiny_llama(backend)
+    feature = PackedDocuments(None)
+    feature.build(model, None)
+    ids = input_ids()
+    inputs = feature.transform({"input_ids": ids, "position_ids": positions()})
+    weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2))
+    expected_logits, expected_grads = logits_and_grads(model, inputs, weights)
+    torch._dynamo.reset()
+    counters.clear()
+    calls = []
+    spans = attention._sdpa_spans
+
+    def counted(*args):
+        calls.append(args[4].shape)
+        return spans(*args)
+
+    monkeypatch.setattr(attention, "_sdpa_spans", counted)
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda module, **kwargs: compile_module(module, backend="aot_eager", **kwargs))
+    for layer in model.model.layers:
+        compile_layer(layer)
+    logits, grads = logits_and_grads(model, inputs, weights)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+    # Forward and backward (its forward again) of each of the 2 layers.
+    assert len(calls) == (4 if backend == "sdpa" else 0)
+    # Other documents in rows of another length: the same graph.
+    other = torch.cat([torch.arange(n) for n in (3, 30, 7)]).repeat(2, 1)
+    logits_and_grads(model, feature.transform({"input_ids": ids[:, :40], "position_ids": other}), weights[:, :40])
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager", VARLEN])
@@ -109,7 +151,7 @@ def test_the_ulysses_wrapper_hands_the_backend_the_full_sequences_documents(back
         AttentionInterface.register(VARLEN, varlen_reference_backend)
         model.set_attn_implementation(VARLEN)
         monkeypatch.setattr(ulysses, "is_varlen", lambda name: name == VARLEN)
-    feature = ulysses.ContextParallel(CONFIG)
+    feature = ulysses.ContextParallel(None)
     feature.build(model, types.SimpleNamespace(cp_size=1, cp_rank=0, cp_all_to_all=lambda send: send))
     ids = input_ids()
     inputs = feature.transform({"input_ids": ids, "shift_labels": ids, "position_ids": positions()})
@@ -133,7 +175,7 @@ def test_no_mask_beyond_the_window_is_built(monkeypatch):
         return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
 
     model = tiny_llama("sdpa")
-    feature = PackedDocuments(CONFIG)
+    feature = PackedDocuments(None)
     feature.build(model, None)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     model(**feature.transform({"input_ids": input_ids(), "position_ids": positions()}), use_cache=False)
@@ -172,7 +214,7 @@ def test_document_mask_off_attends_across_the_row_as_transformers_does():
     reference = tiny_llama("sdpa")
     expected = reference(**inputs, use_cache=False).logits
     model = tiny_llama("sdpa")
-    feature = PackedDocuments(CONFIG)
+    feature = PackedDocuments(None)
     feature.build(model, None)
     torch.testing.assert_close(model(**feature.transform(inputs), use_cache=False).logits, expected)
 
@@ -199,7 +241,7 @@ def flash_attention_missing() -> bool:
 def test_flash_attention_on_packed_rows_equals_every_document_alone_on_cuda():
     """The real varlen kernel, in bf16: what PackedDocuments hands it keeps the documents of two rows apart."""
     model = tiny_llama("flash_attention_2").to("cuda", torch.bfloat16)
-    feature = PackedDocuments(CONFIG)
+    feature = PackedDocuments(None)
     feature.build(model, None)
     ids = input_ids().cuda()
     inputs = feature.transform({"input_ids": ids, "position_ids": positions().cuda()})
