@@ -59,7 +59,7 @@ def train_and_export(config, then):
         check_inputs(config)
         trainer, tokenizer = build_trainer(config, state)
         trainer.train()
-        export_trained(trainer.model.hf_model, tokenizer, Path(config.train.output_dir), config.checkpoint, state,
+        export_trained(trainer.model, tokenizer, Path(config.train.output_dir), config.checkpoint, state,
                        trainer.features)
         return then(trainer, tokenizer, state)
     finally:

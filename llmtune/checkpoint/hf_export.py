@@ -19,7 +19,7 @@ from llmtune.atomic import save_tensors, write_folder
 from llmtune.config import parse_size
 from llmtune.features.adapters import Adapters, merge_adapters
 from llmtune.features.base import Features
-from llmtune.model.build import decoder_layers
+from llmtune.model.build import decoder_layers, reshard
 from llmtune.model.state import saved_tensors, whole
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -92,11 +92,16 @@ def write_hf_folder(chunks: Iterable[dict[str, torch.Tensor]], model, generation
     write_folder(out_dir, fill)
 
 
-def export_trained(hf_model, tokenizer, output_dir: Path, checkpoint_cfg, state, features: Features,
+def export_trained(model, tokenizer, output_dir: Path, checkpoint_cfg, state, features: Features,
                    suffix: str = "") -> None:
-    """output_dir/hf, the trained model; for an adapter run output_dir/adapter, and output_dir/hf with the
-    adapters merged only when checkpoint.export_merged asks (merging changes hf_model: training is over). suffix:
-    added to the folders' names (hf_ema, adapter_ema: a moving average's export)."""
+    """output_dir/hf, the trained model (`model`: the training module, CausalLMForTraining); for an adapter run
+    output_dir/adapter, and output_dir/hf with the adapters merged only when checkpoint.export_merged asks (merging
+    changes the model: training is over). suffix: added to the folders' names (hf_ema, adapter_ema: a moving
+    average's export). Weights a forward without backward left gathered (a probe, a callback's generation: the last
+    layer and the root keep theirs after a forward) are freed first: a merge written into them would be dropped by
+    FSDP with the gathered copy, and the export would read the unmerged shards."""
+    reshard(model)
+    hf_model = model.hf_model
     dtype = EXPORT_DTYPES[checkpoint_cfg.export_dtype]
     adapters = features.find(Adapters)
     if adapters:

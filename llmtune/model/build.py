@@ -208,10 +208,14 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     # which would have nothing to shard anyway.
     alone = {p for p in hf_model.parameters() if is_quantized(p)} if state.shard_size == 1 else None
     options = {**state.shard_options(), "ignored_params": alone}
+    # The last layer keeps its weights gathered after its forward, as torchtitan's default policy has it: its
+    # backward comes next and would gather them again at once.
+    last, kept = set(layers[-1].modules()), {"reshard_after_forward": False}
     for experts in split_experts(hf_model):
         # Experts split over ep ranks (parallel.expert_parallel) are sharded over the data-parallel ranks left
         # (efsdp), before their layer takes the rest of it over every rank.
-        fully_shard(experts, mp_policy=policy, **{**options, **state.shard_options(experts=True)})
+        fully_shard(experts, mp_policy=policy,
+                    **{**options, **state.shard_options(experts=True), **(kept if experts in last else {})})
         # An expert's gradient holds the tokens the ep ranks sent it, those of every data-parallel rank: averaged
         # over all of them, as a dense weight's is, not over its efsdp ranks alone. Where a reduce-scatter runs,
         # summed and then divided, since gloo lacks the premultiplied sum another factor would use; over one efsdp
@@ -220,7 +224,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
         experts.set_gradient_divide_factor(state.world_size)
         experts.set_force_sum_reduction_for_comms(state.expert_mesh["efsdp"].size() > 1)
     for layer in layers:
-        fully_shard(layer, mp_policy=policy, **options)
+        fully_shard(layer, mp_policy=policy, **{**options, **(kept if layer is layers[-1] else {})})
     # The root (embeddings, lm_head) keeps FSDP2's own choice: gathered from forward to backward, which needs it first.
     fully_shard(module, mp_policy=policy, **{**options, "reshard_after_forward": None})
     prefetch(layers, state.parallel.prefetch_layers)

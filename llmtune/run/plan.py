@@ -95,13 +95,14 @@ class Plan:
     @property
     def gathered(self) -> int:
         """The decoder layers' weights gathered at the start of backward, with the unsharded gradient of the layer in
-        backward: the layer in backward and the `prefetch` ones after it, on top of what each layer keeps after its
-        forward (nothing, 1/n of it under reshard_after_forward n, or all of it), never more layers than the model
-        has; every layer when they stay gathered between micro-batches."""
+        backward: the layer in backward and the `prefetch` ones after it, on top of what each other layer keeps
+        after its forward (nothing, 1/n of it under reshard_after_forward n, or all of it), never more layers than the
+        model has; every layer when they stay gathered between micro-batches. The layer in backward is the last one,
+        which keeps all of its weights after its forward (build_model), counted as the largest."""
         after = self.reshard_after_forward
         if after is False or self.kept_whole:
             return self.all_layers + self.largest_layer
-        kept = 0 if after is True else self.all_layers // after
+        kept = 0 if after is True else (self.all_layers - self.largest_layer) // after
         return kept + min((1 + self.prefetch) * self.largest_layer, self.all_layers) + self.largest_layer
 
     @property

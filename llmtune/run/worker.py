@@ -121,10 +121,10 @@ def export(trainer: Trainer, tokenizer, config, state: ParallelState) -> None:
     output_dir, checkpoint_cfg = Path(config.train.output_dir), config.checkpoint
     for decay in trainer.ema.decays if checkpoint_cfg.export_ema else ():
         with trainer.ema.swapped_in(decay):
-            export_trained(trainer.model.hf_model, tokenizer, output_dir, replace(checkpoint_cfg, export_merged=False),
+            export_trained(trainer.model, tokenizer, output_dir, replace(checkpoint_cfg, export_merged=False),
                            state, trainer.features, f"_ema{trainer.ema.suffix(decay)}")
     if checkpoint_cfg.export_hf:
-        export_trained(trainer.model.hf_model, tokenizer, output_dir, checkpoint_cfg, state, trainer.features)
+        export_trained(trainer.model, tokenizer, output_dir, checkpoint_cfg, state, trainer.features)
 
 
 def run(config, local=None, resume: str = "the same command with checkpoint.resume_from_checkpoint=auto",

@@ -53,7 +53,7 @@ def run_case(recipe: str, overrides: list[str], world_size: int, keep_process_gr
             if state.is_main:
                 torch.save(logits.cpu(), output_dir / "logits.pt")
         if config.checkpoint.export_hf:
-            export_trained(trainer.model.hf_model, tokenizer, output_dir, config.checkpoint, state,
+            export_trained(trainer.model, tokenizer, output_dir, config.checkpoint, state,
                            trainer.features)
     finally:
         if not keep_process_group:

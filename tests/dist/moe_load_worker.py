@@ -39,7 +39,7 @@ def report(folder: Path, recipe: str, out: Path, state: ParallelState) -> dict:
     converted = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
     mismatched = [name for name, tensor in saved_tensors(model.hf_model).items()
                   if not torch.equal(whole(tensor).cpu(), converted[name])]
-    export_trained(model.hf_model, AutoTokenizer.from_pretrained(folder), out / folder.name, config.checkpoint, state,
+    export_trained(model, AutoTokenizer.from_pretrained(folder), out / folder.name, config.checkpoint, state,
                    Features([]))
     return {"rank": state.rank, "model": folder.name, "bytes_read": tally[0], "mismatched": mismatched}
 

@@ -36,7 +36,7 @@ def trained(assets, tmp_path_factory):
 
     def bf16_export_and_logits(trainer, tokenizer, state):
         bf16 = dataclasses.replace(config.checkpoint, export_dtype="bf16", max_shard_size="5GB")
-        export_trained(trainer.model.hf_model, tokenizer, output_dir / "bf16", bf16, state, trainer.features)
+        export_trained(trainer.model, tokenizer, output_dir / "bf16", bf16, state, trainer.features)
         input_ids = torch.tensor([tokenizer("The sum of 12 and 30 is 42. 7 + 8 = 15.")["input_ids"]])
         trainer.model.eval()
         with torch.no_grad():
@@ -90,7 +90,7 @@ def test_every_exported_file_has_the_umasks_permissions(tiny_model, sft_file, tm
     previous = os.umask(0o022)
     try:
         trainer, tokenizer = build_trainer(config, state)
-        export_trained(trainer.model.hf_model, tokenizer, tmp_path, config.checkpoint, state, trainer.features)
+        export_trained(trainer.model, tokenizer, tmp_path, config.checkpoint, state, trainer.features)
     finally:
         os.umask(previous)
         state.close()

@@ -96,7 +96,7 @@ def train(recipe: str, *overrides: str) -> Toy:
     try:
         trainer, tokenizer = build_trainer(config, state)
         trainer.train()
-        export_trained(trainer.model.hf_model, tokenizer, trainer.checkpoints.output_dir, config.checkpoint,
+        export_trained(trainer.model, tokenizer, trainer.checkpoints.output_dir, config.checkpoint,
                        state, trainer.features)
     finally:
         state.close()

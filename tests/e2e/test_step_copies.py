@@ -1,15 +1,18 @@
-"""How a step's inputs reach the device (docs/training.md, "Copies and collectives"), on one process: the collator
-gives each tensor of a micro-batch as one contiguous block of its own (what the DataLoader pins on CUDA and one copy
-moves); Trainer.prepare copies each tensor of every micro-batch to the device once, non_blocking, the features'
-additions included, but for the inputs the host reads inside the forward (the document spans), which stay in host
-memory."""
+"""How a step's inputs reach the device and what FSDP2 keeps gathered (docs/training.md, "Copies and collectives"),
+on one process: the collator gives each tensor of a micro-batch as one contiguous block of its own (what the
+DataLoader pins on CUDA and one copy moves); Trainer.prepare copies each tensor of every micro-batch to the device
+once, non_blocking, the features' additions included, but for the inputs the host reads inside the forward (the
+document spans), which stay in host memory; after a forward, every decoder layer but the last has freed its gathered
+weights, and the last keeps them for the backward that follows at once."""
 
 import pytest
 import torch
 import yaml
+from torch.distributed.tensor import DTensor
 
 from llmtune.config import load_config
 from llmtune.data.collate import HOST_INPUTS
+from llmtune.model.build import decoder_layers
 from llmtune.run.parallel import ParallelState
 from llmtune.run.worker import build_trainer
 
@@ -61,3 +64,14 @@ def test_each_tensor_of_each_micro_batch_is_one_block_copied_to_the_device_once(
     host = {id(batch.inputs[name]) for batch in step.batches for name in HOST_INPUTS}
     prepared = [tensor for batch in step.batches for tensor in tensors(batch) if id(tensor) not in host]
     assert sorted(moves) == sorted((id(tensor), True) for tensor in prepared)
+
+
+def test_the_last_layer_keeps_its_weights_gathered_after_its_forward(trainer):
+    _, micro_batches = next(trainer.data.steps(1))
+    batch = trainer.prepare(micro_batches[:1]).batches[0]
+    layers = decoder_layers(trainer.model.hf_model)
+    assert len(layers) > 1
+    with torch.no_grad():
+        trainer.model(**batch.inputs)
+    sharded = [all(isinstance(param, DTensor) for param in layer.parameters()) for layer in layers]
+    assert sharded == [True] * (len(layers) - 1) + [False]

@@ -197,7 +197,8 @@ def test_hsdp_shards_each_copy_over_its_group_alone(plan_recipe, capsys):
     (["parallel.prefetch_layers=2"], lambda p: 4 * p.largest_layer),
     (["parallel.prefetch_layers=0"], lambda p: 2 * p.largest_layer),
     (["parallel.reshard_after_forward=false"], lambda p: p.all_layers + p.largest_layer),
-    (["parallel.reshard_after_forward=2"], lambda p: p.all_layers // 2 + 3 * p.largest_layer),
+    # The last layer keeps all of its weights (it is the one in backward), the 3 others half of theirs.
+    (["parallel.reshard_after_forward=2"], lambda p: 3 * p.largest_layer // 2 + 3 * p.largest_layer),
 ])
 def test_the_resharding_knobs_set_the_layers_gathered_at_the_peak(plan_recipe, four_layers, knob, gathered):
     config = load_config(plan_recipe(), [f"model.config={four_layers}", *knob], "pt", 4)
