@@ -98,20 +98,35 @@ def test_packed_rows_equal_every_document_alone(backend, window, monkeypatch):
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+def packed_features(name: str):
+    """(the feature that keeps documents apart, the state its build takes): PackedDocuments, or the Ulysses wrapper
+    on a single cp rank (its all-to-all the identity)."""
+    if name == "documents":
+        return PackedDocuments(None), None
+    return ulysses.ContextParallel(None), types.SimpleNamespace(cp_size=1, cp_rank=0, cp_all_to_all=lambda send: send)
+
+
+@pytest.mark.parametrize("feature_name", ["documents", "ulysses"])
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
-def test_compiled_layers_attend_the_same_spans(backend, monkeypatch):
+def test_compiled_layers_attend_the_same_spans(backend, feature_name, monkeypatch):
     """Under torch.compile (aot_eager: the graphs as inductor gets them, forward and backward, run by eager
-    kernels), sdpa attends the spans inside document_sdpa and eager the whole row with its documents' mask: the
-    logits and gradients of the uncompiled layers, and no layer is compiled again for a second layout of documents
-    (and a second row length)."""
+    kernels), sdpa attends the spans inside document_sdpa and eager the whole row with its documents' mask, on one
+    rank and inside the Ulysses wrapper: the logits and gradients of the uncompiled layers, no graph break, and no
+    layer compiled again for a second layout of documents (and a second row length)."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(attention, "DOCUMENT_WINDOW", 16)
     model = tiny_llama(backend)
-    feature = PackedDocuments(None)
-    feature.build(model, None)
+    feature, state = packed_features(feature_name)
+    feature.build(model, state)
     ids = input_ids()
-    inputs = feature.transform({"input_ids": ids, "position_ids": positions()})
+
+    def transform(ids, positions):
+        inputs = feature.transform({"input_ids": ids, "shift_labels": ids, "position_ids": positions})
+        inputs.pop("shift_labels")
+        return inputs
+
+    inputs = transform(ids, positions())
     weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2))
     expected_logits, expected_grads = logits_and_grads(model, inputs, weights)
     torch._dynamo.reset()
@@ -137,7 +152,7 @@ def test_compiled_layers_attend_the_same_spans(backend, monkeypatch):
     assert len(calls) == (4 if backend == "sdpa" else 0)
     # Other documents in rows of another length: the same graph.
     other = torch.cat([torch.arange(n) for n in (3, 30, 7)]).repeat(2, 1)
-    logits_and_grads(model, feature.transform({"input_ids": ids[:, :40], "position_ids": other}), weights[:, :40])
+    logits_and_grads(model, transform(ids[:, :40], other), weights[:, :40])
     assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 1
 
 
