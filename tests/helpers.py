@@ -75,6 +75,16 @@ def needs_cpu_float8(on_cpu: bool = True):
                               reason=f"torch {torch.__version__} has no rowwise float8 matmul on the CPU (2.13 has)")
 
 
+def compile_with_backend(monkeypatch, backend: str) -> None:
+    """Module.compile (what train.compile calls on each decoder layer) with `backend` for the rest of the test; the
+    counts of dynamo (breaks, graphs) are decided before any backend runs."""
+    import torch
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda module, **kwargs: compile_module(module, backend=backend, **kwargs))
+
+
 def write_pairs(assets: Path, count: int, path: Path) -> Path:
     """The demo's first `count` preference pairs (assets: the demo's folder) at `path`, every third one's answers
     three times as long, so that packed rows hold 1, 2 or 3 pairs."""

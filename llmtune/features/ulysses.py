@@ -137,20 +137,10 @@ def _exchange(tensor: torch.Tensor, state, scatter_dim: int, gather_dim: int) ->
 
 
 class _BackendConfig:
-    """The config a varlen backend reads its name from."""
+    """The config a varlen backend reads its name from (a plain class, as attention.AttentionHeads)."""
 
     def __init__(self, backend: str):
         self._attn_implementation = backend
-
-
-class _LocalHeads:
-    """What the backend reads of the attention module, for the heads this rank attends. Plain classes: torch.compile
-    cannot build a SimpleNamespace inside a compiled layer, and broke the layer there."""
-
-    is_causal = True
-
-    def __init__(self, num_key_value_groups: int, training: bool, config):
-        self.num_key_value_groups, self.training, self.config = num_key_value_groups, training, config
 
 
 def ulysses_attention(module, query, key, value, attention_mask, *, state, backend: str, dropout: float = 0.0,
@@ -171,8 +161,8 @@ def ulysses_attention(module, query, key, value, attention_mask, *, state, backe
     # backend groups them as it does on one rank (sdpa without a mask attends grouped heads natively), so
     # backward keeps key/value at their own size, not repeated per query head.
     # A varlen backend reads its name from the config, which names this wrapper now: it is given its own.
-    local = _LocalHeads(query.shape[1] // key.shape[1], module.training,
-                        _BackendConfig(backend) if is_varlen(backend) else module.config)
+    local = attention.AttentionHeads(query.shape[1] // key.shape[1], module.training,
+                                     _BackendConfig(backend) if is_varlen(backend) else module.config)
     function = backend_function(module, backend)
     if is_varlen(backend):
         out = function(local, query, key, value, None, dropout=dropout, scaling=scaling,

@@ -27,7 +27,6 @@ device tensor in every layer, each would make the host wait for the device.
 """
 
 import sys
-import types
 
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
@@ -230,12 +229,19 @@ def attend(attention, module, query, key, value, positions, sliding_window: int 
     return torch.cat(rows)
 
 
-# What sdpa_attention_forward reads of the module: a causal decoder's, its key/value heads repeated already.
-_REPEATED_HEADS = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)
+class AttentionHeads:
+    """What a backend's attention function reads of a causal decoder's attention module, for heads attended apart
+    from it (the Ulysses wrapper's share of them, document_sdpa's heads with key/value repeated). A plain class:
+    torch.compile cannot build a SimpleNamespace inside a compiled layer, and breaks the layer there."""
+
+    is_causal = True
+
+    def __init__(self, num_key_value_groups: int, training: bool = False, config=None):
+        self.num_key_value_groups, self.training, self.config = num_key_value_groups, training, config
 
 
 def _sdpa_spans(query, key, value, positions, spans, scaling, sliding_window) -> torch.Tensor:
-    return attend(sdpa_attention_forward, _REPEATED_HEADS, query, key, value, positions, sliding_window, False,
+    return attend(sdpa_attention_forward, AttentionHeads(1), query, key, value, positions, sliding_window, False,
                   DOCUMENT_WINDOW, spans, scaling=scaling)
 
 

@@ -12,6 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import llmtune
+from tests.helpers import compile_with_backend
 from tests.model_matrix import FAMILIES
 
 STEPS = 10
@@ -44,9 +45,7 @@ def test_each_layer_compiles_whole_and_once(family, bare_tokenizer, assets, sft_
     config = family.hf_config(len(bare_tokenizer), bare_tokenizer.bos_token_id, bare_tokenizer.eos_token_id,
                               bare_tokenizer.pad_token_id)
     config.save_pretrained(tmp_path / "config")
-    compile_module = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda module, **kwargs: compile_module(module, backend="eager", **kwargs))
+    compile_with_backend(monkeypatch, "eager")
     torch._dynamo.reset()
     counters.clear()
     callback = FirstStepGraphs()

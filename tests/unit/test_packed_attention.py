@@ -15,6 +15,7 @@ from llmtune.features.documents import PackedDocuments
 from llmtune.model import attention
 from llmtune.model.attention import varlen_kwargs
 from llmtune.model.build import compile_layer
+from tests.helpers import compile_with_backend
 
 # Two rows of packed documents; the second ends with a pad "document" (positions restart, as collate makes it).
 DOCUMENTS = [[5, 23, 2, 30, 4], [40, 1, 10, 9, 4]]
@@ -139,9 +140,7 @@ def test_compiled_layers_attend_the_same_spans(backend, feature_name, monkeypatc
         return spans(*args)
 
     monkeypatch.setattr(attention, "_sdpa_spans", counted)
-    compile_module = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda module, **kwargs: compile_module(module, backend="aot_eager", **kwargs))
+    compile_with_backend(monkeypatch, "aot_eager")
     for layer in model.model.layers:
         compile_layer(layer)
     logits, grads = logits_and_grads(model, inputs, weights)
