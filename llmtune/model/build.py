@@ -13,6 +13,7 @@ import copy
 import hashlib
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from accelerate import init_empty_weights
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from llmtune.errors import UserError
 from llmtune.model.attention import backend_problems, resolve_backend
@@ -99,6 +100,11 @@ class CausalLMForTraining(nn.Module):
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       shift_labels=shift_labels, sequence_ids=sequence_ids, **model_kwargs)
         return sums, counts, sum(self.features.loss_terms(outputs, inputs), logps.new_zeros(()))
+
+    def generate(self, **kwargs) -> Tensor:
+        """transformers' generate of the HF model, a forward method of the FSDP root (registered in build_model), so
+        that the root's own weights (embeddings, lm_head) are gathered around it (generation/engine.py)."""
+        return self.hf_model.generate(**kwargs)
 
     def _decode(self, input_ids, attention_mask, position_ids, model_kwargs: dict):
         """The decoder's outputs, the one call of it for forward and sequence_logps."""
@@ -181,6 +187,10 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
             hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
         # from_config leaves meta parameters untied: tie them, so a tied lm_head is the embedding itself.
         hf_model.tie_weights()
+        # The folder's sampling defaults (generation/engine.py's, and the export's generation_config.json), where
+        # from_config made them from config.json alone.
+        if (Path(model_cfg.name_or_path) / "generation_config.json").is_file():
+            hf_model.generation_config = GenerationConfig.from_pretrained(model_cfg.name_or_path)
     else:
         torch.manual_seed(train_cfg.seed)
         hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
@@ -230,6 +240,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     prefetch(layers, state.parallel.prefetch_layers)
     # FSDP unshards the root's own parameters (embeddings, lm_head) around `forward` alone.
     register_fsdp_forward_method(module, "sequence_logps")
+    register_fsdp_forward_method(module, "generate")
     if pretrained:
         buffers = {name: buffer.clone() for name, buffer in module.named_buffers()}
         module.to_empty(device=state.parameter_device)
@@ -284,6 +295,25 @@ def reshard(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()
+
+
+@contextmanager
+def gathered(module: nn.Module):
+    """Every sharded module of `module` keeps its weights gathered after its forward until the block ends, then they
+    are freed: a generation phase gathers each layer once, not once per token. The layouts after a forward are
+    FSDP2's per parameter group (post_forward_mesh_info): set_reshard_after_forward takes only true or false and could
+    not give back parallel.reshard_after_forward n's, so they are kept and restored as they were."""
+    groups = [group for sub in module.modules() if isinstance(sub, FSDPModule)
+              for group in sub._get_fsdp_state()._fsdp_param_groups]
+    kept = [group.post_forward_mesh_info for group in groups]
+    for group in groups:
+        group.post_forward_mesh_info = None
+    try:
+        yield
+    finally:
+        for group, info in zip(groups, kept):
+            group.post_forward_mesh_info = info
+        reshard(module)
 
 
 def base_record(config, model_cfg, model_config) -> dict:

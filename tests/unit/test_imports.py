@@ -41,6 +41,7 @@ LAYERS = [
     ("data", ["llmtune.data"]),
     ("checkpoint", ["llmtune.checkpoint"]),
     ("monitor", ["llmtune.monitor"]),
+    ("generation", ["llmtune.generation"]),
     ("tasks", ["llmtune.tasks"]),
     ("training", ["llmtune.training"]),
     ("run", ["llmtune.run", "llmtune.demo", "llmtune.__main__", "llmtune"]),
