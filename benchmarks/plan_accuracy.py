@@ -103,7 +103,7 @@ def measure(config, keep_process_group: bool = False) -> int:
     trainer = Trainer(model, LanguageModel(), optimizer, build_scheduler(optimizer, config.train, 10), None, None, None,
                       None, features,
                       state, config.train, 10, Callbacks([], config, CallbackState(state.rank, state.world_size, 10), {}),
-                      EMA(model, []), None)
+                      EMA(model, []), None, None)
     generator = torch.Generator().manual_seed(state.dp_rank)
     shape = (config.train.per_device_train_batch_size, config.data.max_seq_len)
 

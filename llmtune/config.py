@@ -64,7 +64,8 @@ ALIASES_BY_ORIGIN = {
         "kto.kto_chosen_weight": "kto.desirable_weight",
         "kto.kto_rejected_weight": "kto.undesirable_weight",
     },
-    "TRL's": {"dpo.rpo_alpha": "dpo.sft_weight"},
+    "TRL's": {"dpo.rpo_alpha": "dpo.sft_weight",
+              "eval_generation.max_completion_length": "eval_generation.max_new_tokens"},
     "torchtune's": {"train.lr": "train.learning_rate"},  # its optimizer's lr
     "llmtune's earlier": {"monitor.wandb_project": "monitor.project"},
 }
@@ -713,6 +714,84 @@ class MonitorConfig:
                 f"{world_size - 1}); name ranks below {world_size}"] if missing else []
 
 
+# The names of the evaluation by generation's metrics in records (eval_gen/accuracy): eval_ in front, as the HF
+# Trainer's metric_for_best_model reads an eval metric.
+GENERATION_METRICS = "eval_gen/"
+# The built-in scorers of eval_generation (generation/scorers.py), each logged under its name.
+BUILTIN_SCORERS = ("accuracy", "numeric_match", "regex_match")
+SAMPLING_HELP = " Unset: the model's generation_config.json, else transformers' default"
+
+
+@dataclass
+class EvalGenerationConfig:
+    files: list[str] = _field([], "Held-out prompts to generate from during the run: JSONL files (paths or globs) with "
+                                  "a 'prompt' column, a string or a list of messages (TRL's prompt-only forms; "
+                                  "messages rendered with the chat template and its generation prompt); the other "
+                                  "columns reach the scorers. Empty: no evaluation by generation.")
+    max_samples: int | None = _field(None, "Generate from the first this many prompts of the files; null: all.")
+    steps: int | None = _field(None, "Generate every this many optimizer steps, and at the run's last step; "
+                                     "default: train.eval_steps (0: at the last step alone).")
+    scorers: list[str] = _field(["accuracy"], "Scoring functions, each logged as eval_gen/<its name>, the mean of "
+                                              "its scores: built-ins accuracy (the completion, stripped, equals "
+                                              "answer_column's value), numeric_match (its last number equals "
+                                              "answer_column's) and regex_match (regex matches it from its start), or "
+                                              "package.module:function with TRL's reward-function signature "
+                                              "(prompts, completions, completion_ids, the other columns as keyword "
+                                              "lists; one float or None per completion).")
+    answer_column: str = _field("solution", "The column accuracy and numeric_match compare with (TRL's accuracy "
+                                            "reward reads 'solution').")
+    regex: str | None = _field(None, "regex_match's pattern (Python re, DOTALL).")
+    max_new_tokens: int | None = _field(None, "The most tokens of a completion (TRL's max_completion_length); unset: "
+                                              "the model's generation_config.json, else 256 (TRL's).")
+    do_sample: bool | None = _field(None, "Sample (true) or take the likeliest token (false)." + SAMPLING_HELP + ".")
+    temperature: float | None = _field(None, "Sampling temperature." + SAMPLING_HELP + " (1.0).")
+    top_p: float | None = _field(None, "Nucleus sampling's probability mass." + SAMPLING_HELP + " (1.0).")
+    top_k: int | None = _field(None, "Sample among the k likeliest tokens; 0: all." + SAMPLING_HELP + " (50).")
+    min_p: float | None = _field(None, "Drop tokens below min_p x the likeliest's probability." + SAMPLING_HELP
+                                       + " (none).")
+    repetition_penalty: float | None = _field(None, "transformers' repetition penalty." + SAMPLING_HELP + " (1.0).")
+    num_return_sequences: int | None = _field(None, "Completions per prompt." + SAMPLING_HELP + " (1).")
+    batch_size: int = _field(64, "Completions decoded together on a rank.")
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("max_samples", "steps", "max_new_tokens", "num_return_sequences", "batch_size", "top_k",
+                     "temperature"):
+            value = getattr(self, name)
+            least = 0 if name in ("steps", "top_k") else 1
+            if value is not None and (value < least or (name == "temperature" and value <= 0)):
+                out.append(f"eval_generation.{name}: {value} must be {'above 0' if name == 'temperature' else f'at least {least}'}")
+        for name in ("top_p", "min_p"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                out.append(f"eval_generation.{name}: {value} must be between 0 and 1")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            out.append(f"eval_generation.repetition_penalty: {self.repetition_penalty} must be above 0")
+        if self.do_sample is False and (self.num_return_sequences or 1) > 1:
+            out.append("eval_generation.num_return_sequences: greedy decoding (do_sample: false) gives one completion "
+                       "per prompt, as transformers' generate; set do_sample: true or num_return_sequences: 1")
+        if not self.files:
+            return out
+        out += [f"eval_generation.scorers: {name!r} is neither a built-in scorer ({', '.join(BUILTIN_SCORERS)}) nor "
+                "written package.module:function" for name in self.scorers
+                if name not in BUILTIN_SCORERS and not re.fullmatch(r"[\w.]+:[\w.]+", name)]
+        if not self.scorers:
+            out.append("eval_generation.scorers: name at least one scorer (accuracy, or package.module:function)")
+        if "regex_match" in self.scorers and not self.regex:
+            out.append("eval_generation.regex: regex_match needs the pattern; set eval_generation.regex")
+        if self.regex:
+            try:
+                re.compile(self.regex)
+            except re.error as err:
+                out.append(f"eval_generation.regex: {self.regex!r} is not a valid regular expression ({err})")
+        return out
+
+    def sampling(self) -> dict:
+        """The sampling keys the recipe sets (generation/engine.Sampling.resolve fills the rest)."""
+        return {name: getattr(self, name) for name in ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
+                                                        "min_p", "repetition_penalty", "num_return_sequences")}
+
+
 BETA_HELP = ("The strength of the preference: a response's reward is beta x (its log-probability under the policy - "
              "under the reference) (TRL's beta, LLaMA-Factory's pref_beta).")
 
@@ -820,6 +899,7 @@ SECTIONS = {
     "peft": PeftConfig,
     "checkpoint": CheckpointConfig,
     "monitor": MonitorConfig,
+    "eval_generation": EvalGenerationConfig,
     "dpo": DPOConfig,
     "kto": KTOConfig,
 }
@@ -835,6 +915,7 @@ class Config:
     peft: PeftConfig
     checkpoint: CheckpointConfig
     monitor: MonitorConfig
+    eval_generation: EvalGenerationConfig
     # The sections of tasks: only their own recipes give them.
     dpo: DPOConfig = field(default_factory=DPOConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
@@ -1284,16 +1365,23 @@ def _quantize_problems(config: Config) -> list[str]:
 
 
 def _evaluation_problems(config: Config) -> list[str]:
-    """Settings that evaluate, or rank by an eval metric, in a run without validation data."""
-    if config.data.has_validation_sources() or config.data.val_ratio:
-        return []
-    train, checkpoint = config.train, config.checkpoint
-    asked = [key for key, on in (("train.eval_steps", train.eval_steps), ("train.eval_epochs", train.eval_epochs),
-                                 ("train.eval_on_start", train.eval_on_start),
-                                 ("checkpoint.eval_on_save", checkpoint.eval_on_save)) if on]
-    if checkpoint.best_metric.startswith("eval_"):
-        asked += [key for key, on in (("checkpoint.save_best", checkpoint.save_best),
-                                      ("train.early_stopping_patience", train.early_stopping_patience)) if on]
+    """Settings that evaluate, or rank by an eval metric, in a run with nothing to evaluate on: no validation data
+    and no eval_generation.files (either evaluation serves eval_steps, eval_on_start and eval_on_save), or a metric
+    of the one the run lacks."""
+    train, checkpoint, best = config.train, config.checkpoint, config.checkpoint.best_metric
+    validation = config.data.has_validation_sources() or bool(config.data.val_ratio)
+    generation = bool(config.eval_generation.files)
+    ranking = [key for key, on in (("checkpoint.save_best", checkpoint.save_best),
+                                   ("train.early_stopping_patience", train.early_stopping_patience)) if on]
+    if best.startswith(GENERATION_METRICS):
+        return [f"{key}: ranks by {best}, a metric of the evaluation by generation, which this run has not; give "
+                "eval_generation.files" for key in ranking] if not generation else []
+    asked = [] if validation or generation else \
+        [key for key, on in (("train.eval_steps", train.eval_steps), ("train.eval_epochs", train.eval_epochs),
+                             ("train.eval_on_start", train.eval_on_start),
+                             ("checkpoint.eval_on_save", checkpoint.eval_on_save)) if on]
+    if best.startswith("eval_") and not validation:
+        asked += ranking
     return [f"{key}: this run has no validation data to evaluate on; give data.val_files (or data.val_datasets, "
             "data.val_ratio)" for key in asked]
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from llmtune.checkpoint.folders import continues
 from llmtune.config import AUTO
 from llmtune.errors import UserError
-from llmtune.run.inputs import check_inputs, check_output_dir, fetch_hub_inputs, hub_inputs, local_inputs
+from llmtune.run.inputs import (check_inputs, check_output_dir, fetch_hub_inputs, has_chat_template, hub_inputs,
+                                local_inputs)
 from llmtune.run.launch import launched_by_torchrun
 
 
@@ -40,10 +41,13 @@ def check_run(local, world_size: int):
     check_inputs(local)
     from llmtune.features.registry import check_features
     from llmtune.model.build import check_model, load_model_config
+    from llmtune.generation.evaluation import check_eval_generation
     from llmtune.training.callbacks import import_callback
 
     for path in local.train.callbacks:  # importable, before any process starts
         import_callback(path)
+    check_eval_generation(local.eval_generation, bool(local.data.chat_template) or has_chat_template(
+        Path(local.model.tokenizer or local.model.name_or_path)))
     model_config = load_model_config(local.model)
     check_features(local, model_config, world_size)
     check_model(local.model, local.train, model_config)

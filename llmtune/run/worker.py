@@ -30,6 +30,7 @@ from llmtune.run.preflight import check_run
 from llmtune.run.rank_agreement import check_ranks_agree
 from llmtune.run.summary import RunResult, run_result, run_summary
 from llmtune.tasks.objective import build_objective
+from llmtune.generation.evaluation import GenerationEval
 from llmtune.training.callbacks import CallbackArgs, Callbacks, CallbackState, recipe_callbacks
 from llmtune.training.ema import EMA
 from llmtune.training.optim import build_optimizer, build_scheduler
@@ -107,7 +108,9 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
                                      save_steps=config.checkpoint.save_steps),
                        {"model": model.hf_model, "optimizer": optimizer, "lr_scheduler": scheduler})
     trainer = Trainer(model, objective, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
-                      config.train, total_steps, events, EMA(model, config.train.ema_decays()), test)
+                      config.train, total_steps, events, EMA(model, config.train.ema_decays()), test,
+                      GenerationEval(local.eval_generation, config.train.eval_steps, tokenizer, model, state,
+                                     config.train.seed, output_dir))
     trainer.built()
     checkpoints.restore(trainer)
     if state.is_main:

@@ -30,7 +30,7 @@ class Trainer:
     callback's control adds to what is due: an evaluation, a record, a save, the end of training."""
 
     def __init__(self, model, objective, optimizer, scheduler, data, validation, monitor, checkpoints, features, state,
-                 train_cfg, total_steps: int, callbacks, ema, test):
+                 train_cfg, total_steps: int, callbacks, ema, test, generation):
         self.model = model
         self.objective = objective
         self.optimizer = optimizer
@@ -47,6 +47,7 @@ class Trainer:
         self.ema = ema
         self.loss_scale = LossScale(train_cfg.fp16)
         self.test = test
+        self.generation = generation
         self.step = 0
         self.skipped_in_a_row = 0
         self.open_epoch: int | None = None  # the epoch whose on_epoch_begin ran and whose on_epoch_end did not
@@ -70,6 +71,7 @@ class Trainer:
 
     def train(self) -> None:
         self.monitor.begin(self.step)
+        self.generation.begin(self.step)
         try:
             self.model.train()
             if self.step == 0:  # the moving averages start from the weights training starts from (init_from's)
@@ -133,10 +135,12 @@ class Trainer:
             final = self.step == self.total_steps or stopping or control.should_training_stop
             return control.should_save or self.checkpoints.due(self.step, self.data.epoch_done, epoch, final)
 
-        eval_metrics = None
-        if (self.validation.due(self.step, self.step == self.total_steps, finished_epoch) or control.should_evaluate
-                or (saving() and self.checkpoints.evaluates_first and self.validation.dataset is not None)):
-            eval_metrics = self._evaluate()
+        last, before_save = self.step == self.total_steps, saving() and self.checkpoints.evaluates_first
+        validate = (self.validation.due(self.step, last, finished_epoch) or control.should_evaluate
+                    or (before_save and self.validation.dataset is not None))
+        generate = self.generation.due(self.step, last) or ((control.should_evaluate or before_save)
+                                                              and self.generation.due(self.step, True))
+        eval_metrics = self._evaluate(validate, generate) if validate or generate else None
         record = self.monitor.record(self.step, self.data.progress, stats, eval_metrics,
                                      force=control.should_log or (saving() and self.checkpoints.logs_first),
                                      on_log=self._on_log)
@@ -159,13 +163,18 @@ class Trainer:
         self.callbacks.state.log_history += hf_log_entries(record)
         self.callbacks("on_log", logs=record)
 
-    def _evaluate(self) -> dict:
-        """Evaluate, tell the callbacks (on_evaluate, then every rank's agreement) and keep the metrics."""
-        metrics = {f"eval_{name}": value for name, value in self.evaluate(self.validation).items()}
-        for decay in self.ema.decays if self.cfg.eval_ema else ():
-            with self.ema.swapped_in(decay):
-                metrics.update({f"eval_{name}_ema{self.ema.suffix(decay)}": value
-                                for name, value in self.evaluate(self.validation).items()})
+    def _evaluate(self, validate: bool = True, generate: bool = True) -> dict:
+        """Evaluate (the validation's loss, the evaluation by generation, each where asked and the run has it), tell
+        the callbacks (on_evaluate, then every rank's agreement) and keep the metrics."""
+        metrics = {}
+        if validate and self.validation.dataset is not None:
+            metrics.update({f"eval_{name}": value for name, value in self.evaluate(self.validation).items()})
+            for decay in self.ema.decays if self.cfg.eval_ema else ():
+                with self.ema.swapped_in(decay):
+                    metrics.update({f"eval_{name}_ema{self.ema.suffix(decay)}": value
+                                    for name, value in self.evaluate(self.validation).items()})
+        if generate and self.generation.due(self.step, True):
+            metrics.update(self.generation.evaluate(self.model, self.step))
         self.last_eval = {"step": self.step, **metrics}
         self._event("on_evaluate", metrics=metrics)
         return metrics

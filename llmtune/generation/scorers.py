@@ -1,0 +1,106 @@
+"""eval_generation's scoring functions, with TRL's reward-function signature: f(prompts, completions,
+completion_ids, **columns) -> one float or None per completion, where `columns` are the prompt rows' other columns,
+each a list aligned with the completions. The built-ins (accuracy, numeric_match, regex_match) have the same one;
+a recipe's own are named package.module:function. Torch-free: the CLI checks them before any process starts."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import operator
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from llmtune.errors import UserError
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A scoring function and the name its mean is logged under (eval_gen/<name>)."""
+    name: str
+    function: Callable
+
+
+def completion_text(completion) -> str:
+    """A completion's text, from either of TRL's forms (a string, or the assistant's messages)."""
+    return completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+
+
+def _accuracy(column: str):
+    def accuracy(prompts, completions, completion_ids, **columns) -> list[float]:
+        return [float(completion_text(c).strip() == str(answer).strip())
+                for c, answer in zip(completions, columns[column])]
+    return accuracy
+
+
+def _last_number(text: str) -> float | None:
+    found = NUMBER.findall(text.replace(",", ""))
+    return float(found[-1]) if found else None
+
+
+def _numeric_match(column: str):
+    def numeric_match(prompts, completions, completion_ids, **columns) -> list[float]:
+        scores = []
+        for c, answer in zip(completions, columns[column]):
+            got, expected = _last_number(completion_text(c)), _last_number(str(answer))
+            scores.append(float(got is not None and expected is not None and math.isclose(got, expected)))
+        return scores
+    return numeric_match
+
+
+def _regex_match(pattern: str):
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def regex_match(prompts, completions, completion_ids, **columns) -> list[float]:
+        return [float(compiled.match(completion_text(c)) is not None) for c in completions]
+    return regex_match
+
+
+def answer_scorers(names: list[str]) -> list[str]:
+    """The built-ins among `names` that compare with eval_generation.answer_column."""
+    return [name for name in names if name in ("accuracy", "numeric_match")]
+
+
+def load_scorers(cfg) -> list[Scorer]:
+    """eval_generation.scorers, imported; UserError naming the entry that cannot be had."""
+    builtins = {"accuracy": lambda: _accuracy(cfg.answer_column),
+                "numeric_match": lambda: _numeric_match(cfg.answer_column),
+                "regex_match": lambda: _regex_match(cfg.regex)}
+    scorers = []
+    for name in cfg.scorers:
+        if name in builtins:
+            scorers.append(Scorer(name, builtins[name]()))
+            continue
+        module_name, _, attribute = name.partition(":")
+        try:
+            function = operator.attrgetter(attribute)(importlib.import_module(module_name))
+        except (ImportError, AttributeError, ValueError) as err:
+            raise UserError(f"eval_generation.scorers: cannot import {name!r} ({type(err).__name__}: {err}); make the "
+                            "module importable from where llmtune runs (the working directory or PYTHONPATH)") from None
+        if not callable(function):
+            raise UserError(f"eval_generation.scorers: {name!r} is not a function")
+        scorers.append(Scorer(getattr(function, "__name__", attribute), function))
+    return scorers
+
+
+def score(scorers: list[Scorer], prompts: list, completions: list, completion_ids: list[list[int]],
+          columns: dict[str, list]) -> dict[str, list[float | None]]:
+    """Every scorer's scores of the completions. A scorer that raises, or returns other than one float or None per
+    completion, is a UserError naming it: its scores would be no measure of the model."""
+    scores = {}
+    for scorer in scorers:
+        try:
+            values = scorer.function(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                     **columns)
+        except Exception as err:
+            raise UserError(f"eval_generation.scorers: {scorer.name} raised {type(err).__name__}: {err}") from None
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions) or not all(
+                v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            raise UserError(f"eval_generation.scorers: {scorer.name} returned {got} for {len(completions)} "
+                            "completions; return one float (or None) per completion")
+        scores[scorer.name] = [None if v is None else float(v) for v in values]
+    return scores
