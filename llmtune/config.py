@@ -915,10 +915,10 @@ class Config:
     peft: PeftConfig
     checkpoint: CheckpointConfig
     monitor: MonitorConfig
-    eval_generation: EvalGenerationConfig
     # The sections of tasks: only their own recipes give them.
     dpo: DPOConfig = field(default_factory=DPOConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
+    eval_generation: EvalGenerationConfig = field(default_factory=EvalGenerationConfig)
 
     def dp_size(self, world_size: int) -> int:
         return world_size // self.parallel.cp_size

@@ -128,3 +128,14 @@ def examples_file(assets, tmp_path_factory):
     path = tmp_path_factory.mktemp("kto") / "examples.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in examples))
     return path
+
+
+@pytest.fixture(scope="session")
+def prompts_file(assets, tmp_path_factory) -> Path:
+    """eval_generation's prompts: 8 held-out questions of the demo, six as messages and two as text (TRL's two
+    prompt-only forms), each with its reference answer in `response`."""
+    rows = [json.loads(line) for line in (assets / "data" / "sft_eval.jsonl").read_text().splitlines()[:8]]
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": row["prompt"] if i >= 6 else [{"role": "user", "content": row["prompt"]}],
+                                        "response": row["response"]}) + "\n" for i, row in enumerate(rows)))
+    return path

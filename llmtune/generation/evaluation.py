@@ -101,7 +101,8 @@ class GenerationEval:
         scores = score(self.scorers, [row["prompt"] for row in rows], values, [c.ids for c in completions], columns)
         with self.path.open("a", encoding="utf-8") as f:
             for i, (row, completion, value) in enumerate(zip(rows, completions, values)):
-                record = {"step": step, **row, "completion": value, "truncated": completion.truncated,
+                record = {"step": step, **row, "completion": value, "completion_ids": completion.ids,
+                          "truncated": completion.truncated,
                           **{name: values_[i] for name, values_ in scores.items()}}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
         means = {}

@@ -17,6 +17,8 @@ USAGE = f"""llmtune {NAMES} RECIPE [--key VALUE ...] [section.key=VALUE ...] [--
                [--resume_from_checkpoint PATH|auto]
        llmtune data RECIPE [--n N] [--task {NAMES}] [section.key=value ...]
        llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge] [--verify]
+       llmtune generate MODEL_DIR (--prompt TEXT | --file JSONL --out JSONL [--nproc N] | --chat)
+               [--max_new_tokens N] [--do_sample true|false] [--temperature T] [--seed S] [...]
        llmtune plot OUTPUT_DIR
        llmtune plan RECIPE [--nproc N | --nnodes M --nproc-per-node N] [--device-memory GiB] [--task {NAMES}]
                [section.key=VALUE ...]
@@ -147,6 +149,127 @@ def export_command(args: list[str]) -> int:
     return 0
 
 
+def bounded(kind, least: float, most: float | None = None, above: bool = False):
+    """An argparse type: a number of `kind` from `least` (above it, with `above`) to `most`, refused with the bound
+    it breaks, as the recipe's eval_generation keys are."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value < least or (above and value == least):
+            raise argparse.ArgumentTypeError(f"{text} must be {'above' if above else 'at least'} {least}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{text} must be at most {most}")
+        return value
+    return parse
+
+
+def true_or_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither true nor false")
+    return text.lower() == "true"
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    # No abbreviated flags: --nproc is taken out of the command line by its exact spelling for the workers.
+    parser = argparse.ArgumentParser(prog="llmtune generate", allow_abbrev=False, description=(
+        "Completions of a HF model folder (a run's output_dir/hf) through the engine that generates during "
+        "training: each completion is drawn by its own generator, seeded from --seed and its prompt's and sample's "
+        "index, so that it is the same on any number of processes. The sampling flags left out take the folder's "
+        "generation_config.json, else transformers' defaults (max_new_tokens: 256, TRL's)."))
+    parser.add_argument("model_dir", metavar="MODEL_DIR",
+                        help="a HF model folder (config.json, weights, tokenizer); for a run that trained adapters, "
+                             "its merged export")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", metavar="TEXT",
+                        help="one text prompt (tokenized as it is, no chat template); each completion printed")
+    source.add_argument("--file", metavar="JSONL",
+                        help="a JSONL file of prompts: a 'prompt' column, a string or a list of messages (TRL's "
+                             "prompt-only forms; messages rendered with the chat template and its generation "
+                             "prompt); needs --out")
+    source.add_argument("--chat", action="store_true",
+                        help="a conversation on the terminal: each line read is a user turn, the reply printed; an "
+                             "empty line, exit or the end of input ends it")
+    parser.add_argument("--out", metavar="JSONL",
+                        help="--file's rows, each with a 'completion' column (a string, or the assistant's message "
+                             "for a messages prompt; a 'completion' the file has is replaced); with "
+                             "--num_return_sequences n, n rows per prompt row, one after another (transformers' "
+                             "order: the first prompt's n, then the second's). Written whole or not at all")
+    parser.add_argument("--nproc", metavar="N", type=bounded(int, 1),
+                        help="split --file over N local processes (torchrun), each with the whole model; the same "
+                             "file as one process")
+    parser.add_argument("--max_new_tokens", metavar="N", type=bounded(int, 1),
+                        help="the most tokens of a completion")
+    parser.add_argument("--do_sample", metavar="true|false", type=true_or_false,
+                        help="true: sample; false: the likeliest token")
+    parser.add_argument("--temperature", metavar="T", type=bounded(float, 0, above=True), help="sampling temperature")
+    parser.add_argument("--top_p", metavar="P", type=bounded(float, 0, 1), help="nucleus sampling's probability mass")
+    parser.add_argument("--top_k", metavar="K", type=bounded(int, 0),
+                        help="sample among the k likeliest tokens; 0: all")
+    parser.add_argument("--min_p", metavar="P", type=bounded(float, 0, 1),
+                        help="drop tokens below min_p x the likeliest's probability")
+    parser.add_argument("--repetition_penalty", metavar="R", type=bounded(float, 0, above=True),
+                        help="transformers' repetition penalty")
+    parser.add_argument("--num_return_sequences", metavar="N", type=bounded(int, 1),
+                        help="completions per prompt (needs sampling)")
+    parser.add_argument("--seed", metavar="S", type=int, default=0,
+                        help="seeds every completion's generator (default 0)")
+    parser.add_argument("--batch_size", metavar="N", type=bounded(int, 1),
+                        help="completions decoded together on a process (default 64)")
+    return parser
+
+
+def check_generate_flags(parsed: argparse.Namespace) -> None:
+    """The refusals that need no model, before torch is imported; each names its flag or path and the fix."""
+    from pathlib import Path
+
+    from llmtune.run.launch import launched_by_torchrun
+
+    model = Path(parsed.model_dir)
+    if (model / "adapter_config.json").is_file():
+        raise UserError(f"{model}: an adapter folder; generate from the merged HF folder: output_dir/hf of a run "
+                        "with checkpoint.export_merged: true, or llmtune export CHECKPOINT OUT --merge")
+    if not (model / "config.json").is_file():
+        raise UserError(f"{model}: not a HF model folder (no config.json); give a run's output_dir/hf or an "
+                        "llmtune export folder")
+    if parsed.file and not parsed.out:
+        raise UserError("--file: the completions go to a JSONL file; add --out OUT.jsonl")
+    if parsed.out and not parsed.file:
+        raise UserError("--out: writes the completions of --file; give --file PROMPTS.jsonl or leave --out out")
+    if parsed.file and not Path(parsed.file).is_file():
+        raise UserError(f"--file: {parsed.file} is not a file")
+    if parsed.out and Path(parsed.out).is_dir():
+        raise UserError(f"--out: {parsed.out} is a folder; give a file path")
+    if parsed.out and not Path(parsed.out).parent.is_dir():
+        raise UserError(f"--out: {parsed.out} is in a folder that does not exist; create it or give another path")
+    if not parsed.file and (parsed.nproc or launched_by_torchrun()):
+        raise UserError("--nproc: only --file's prompts are split over processes; run --prompt and --chat on one "
+                        "process, without --nproc or torchrun")
+    if parsed.nproc and launched_by_torchrun():
+        raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
+    if parsed.chat and (parsed.num_return_sequences or 1) > 1:
+        raise UserError("--num_return_sequences: --chat goes on with one reply per turn; leave it out")
+
+
+def generate_command(args: list[str]) -> int:
+    """MODEL_DIR and the flags -> the completions printed, or written to --out, or a chat; --nproc N starts N
+    workers through torchrun, this command line less --nproc, which share the prompts."""
+    parsed = generate_parser().parse_args(args)
+    check_generate_flags(parsed)
+    from llmtune.run import generate
+
+    if parsed.nproc and parsed.nproc > 1:
+        from llmtune.run.launch import launch_local
+
+        generate.checked_inputs(parsed)  # refused here once, not by every worker
+        workers = list(args)
+        take_flag(workers, "--nproc", "")
+        return launch_local(parsed.nproc, ["generate", *workers])
+    generate.run(parsed)
+    return 0
+
+
 def plan_command(args: list[str]) -> int:
     """RECIPE, the layout and the device's memory -> what a training step holds per rank, on this machine, with no
     process started and no weight read."""
@@ -209,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtune", usage=USAGE,
                                      description="FSDP2 training of HF causal LMs: " + ", ".join(TASKS) + ".")
     parser.add_argument("--version", action="version", version=f"llmtune {__version__}")
-    parser.add_argument("command", choices=[*TASKS, "data", "export", "demo", "plot", "plan"])
+    parser.add_argument("command", choices=[*TASKS, "data", "export", "generate", "demo", "plot", "plan"])
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
     if parsed.command in TASKS and {"-h", "--help"} & set(parsed.args):
@@ -223,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if parsed.command == "export":
             return export_command(parsed.args)
+        if parsed.command == "generate":
+            return generate_command(parsed.args)
         if parsed.command == "plot":
             return plot_command(parsed.args)
         if parsed.command == "demo":

@@ -1,0 +1,172 @@
+"""`llmtune generate MODEL_DIR`: completions of a HF model folder (a run's output_dir/hf) through the engine that
+generates during training (generation/engine.py), so that a completion depends on the seed, its prompt's and
+sample's index and the model alone: for one prompt, printed; for a JSONL file of prompts, written with each row, on
+one process or split over several (each holding the whole model); or the replies of a chat on the terminal."""
+
+import json
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+from jinja2 import TemplateError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from llmtune.atomic import write_text
+from llmtune.config import ParallelConfig
+from llmtune.data.collate import pad_token_id
+from llmtune.errors import UserError
+from llmtune.generation.engine import BATCH_SIZE, Sampling, generate
+from llmtune.generation.prompts import completion_value, prompt_ids, read_prompt_rows, stop_ids
+from llmtune.run.launch import launched_by_torchrun
+from llmtune.run.parallel import LONG_WAIT, ParallelState
+
+SAMPLING_FLAGS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                  "num_return_sequences")
+END_OF_CHAT = ("", "exit")
+
+
+class Completer:
+    """A loaded model folder and how it samples: prompts' token ids -> the texts of their completions."""
+
+    def __init__(self, model_dir: str, tokenizer, sampling: Sampling, device: torch.device, seed: int,
+                 batch_size: int):
+        # fp32 on the CPU, where half precision computes slowly; on a GPU the dtype the folder was saved in.
+        dtype = torch.float32 if device.type == "cpu" else "auto"
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False).to(device)
+        self.tokenizer, self.sampling, self.device = tokenizer, sampling, device
+        self.seed, self.batch_size = seed, batch_size
+        self.eos_ids = stop_ids(tokenizer, self.model.generation_config)
+
+    def texts(self, prompts: list[list[int]], step: int = 0) -> list[tuple[int, str]]:
+        """(prompt index, text) of every completion, prompt by prompt, each prompt's samples in order; the same on
+        every process of a process group, which shares the prompts."""
+        made = generate(self.model, prompts, self.sampling, eos_ids=self.eos_ids, pad_id=pad_token_id(self.tokenizer),
+                        device=self.device, seed=self.seed, step=step, batch_size=self.batch_size)
+        return [(c.prompt, self.tokenizer.decode(c.ids, skip_special_tokens=True)) for c in made]
+
+
+def load_tokenizer(model_dir: str):
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+
+
+def resolved_sampling(parsed: Namespace) -> Sampling:
+    """The flags given, else the folder's generation config, else the defaults, as transformers' generate decides."""
+    given = {name: getattr(parsed, name) for name in SAMPLING_FLAGS}
+    if parsed.chat:  # one reply goes on with the conversation
+        given["num_return_sequences"] = 1
+    sampling = Sampling.resolve(given, folder_generation_config(Path(parsed.model_dir)))
+    if not sampling.do_sample and sampling.num_return_sequences > 1:
+        raise UserError(f"--num_return_sequences: greedy decoding (--do_sample false, or {parsed.model_dir}'s "
+                        "generation_config.json) gives one completion per prompt, as transformers' generate; pass "
+                        "--do_sample true or --num_return_sequences 1")
+    return sampling
+
+
+def folder_generation_config(model_dir: Path) -> GenerationConfig:
+    """The generation config from_pretrained gives the folder's model, read before the weights are: a refusal of
+    the sampling flags comes before the model loads."""
+    if (model_dir / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(model_dir)
+    return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
+
+
+def file_prompts(path: str, tokenizer) -> tuple[list[dict], list[list[int]]]:
+    """The rows of a prompts file and each prompt's token ids; a row the model cannot complete is refused by its
+    number, before the model loads."""
+    rows, prompts = read_prompt_rows(path), []
+    for number, row in enumerate(rows, 1):
+        if isinstance(row["prompt"], list) and not tokenizer.chat_template:
+            raise UserError(f"{path}: row {number}: a messages prompt needs a chat template, and the tokenizer has "
+                            "none; write the prompt as a string or give the model folder a chat template")
+        try:
+            ids = prompt_ids(tokenizer, row["prompt"])
+        except TemplateError as err:
+            raise UserError(f"{path}: row {number}: the chat template refuses these messages ({err})") from None
+        if not ids:
+            raise UserError(f"{path}: row {number}: the prompt is empty; give the text the completion follows")
+        prompts.append(ids)
+    return rows, prompts
+
+
+def checked_inputs(parsed: Namespace) -> tuple:
+    """(tokenizer, sampling, --file's rows, their prompts' ids): every refusal that needs the tokenizer or the
+    folder's generation config, made before the model loads (and, under --nproc, before the processes start)."""
+    tokenizer = load_tokenizer(parsed.model_dir)
+    sampling = resolved_sampling(parsed)
+    if parsed.chat and not tokenizer.chat_template:
+        raise UserError(f"--chat: {parsed.model_dir}'s tokenizer has no chat template; give the folder one "
+                        "(tokenizer_config.json's chat_template) or complete text with --prompt")
+    if parsed.prompt == "":
+        raise UserError("--prompt: empty; give the text the completion follows")
+    rows, prompts = file_prompts(parsed.file, tokenizer) if parsed.file else ([], [])
+    return tokenizer, sampling, rows, prompts
+
+
+def run(parsed: Namespace) -> None:
+    """The command on this process; under torchrun, on each of its processes, which share --file's prompts, the
+    first one writing --out."""
+    tokenizer, sampling, rows, prompts = checked_inputs(parsed)
+    # The processes wait for each other once, when the completions are shared: as long as the slowest one's share
+    # takes, not the training collectives' timeout.
+    state = ParallelState.initialize(ParallelConfig(timeout_minutes=LONG_WAIT.total_seconds() / 60)) \
+        if launched_by_torchrun() else None
+    try:
+        device = state.device if state else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        completer = Completer(parsed.model_dir, tokenizer, sampling, device, parsed.seed,
+                              parsed.batch_size or BATCH_SIZE)
+        if parsed.chat:
+            chat(completer, typed_lines())
+        elif parsed.file:
+            completions = completer.texts(prompts)
+            if not state or state.is_main:
+                write_completions(Path(parsed.out), rows, completions)
+        else:
+            print_completions([text for _, text in completer.texts([prompt_ids(tokenizer, parsed.prompt)])])
+    finally:
+        if state:
+            state.close()
+
+
+def write_completions(out: Path, rows: list[dict], completions: list[tuple[int, str]]) -> None:
+    """`out` holds every row with its completion (n rows per prompt row under num_return_sequences n), whole, or
+    what it held before."""
+    text = "".join(json.dumps({**rows[p], "completion": completion_value(rows[p]["prompt"], completion)}) + "\n"
+                   for p, completion in completions)
+    try:
+        write_text(out, text)
+    except OSError as err:
+        raise UserError(f"--out: cannot write {out} ({err.strerror}); give a path in a folder you can write to") \
+            from None
+
+
+def print_completions(texts: list[str]) -> None:
+    if len(texts) == 1:
+        print(texts[0])
+        return
+    for number, text in enumerate(texts, 1):
+        print(f"--- completion {number} of {len(texts)} ---\n{text}")
+
+
+def typed_lines():
+    """The lines of stdin, a "> " before each where a person types them."""
+    while True:
+        try:
+            yield input("> " if sys.stdin.isatty() else "")
+        except EOFError:
+            return
+
+
+def chat(completer: Completer, lines) -> list[dict]:
+    """A conversation: each line a user turn, the model's reply to the whole conversation so far printed and added
+    to it, until an empty line, exit or the end of the lines. Returns the conversation."""
+    messages = []
+    for turn, line in enumerate(lines):
+        if line.strip() in END_OF_CHAT:
+            break
+        messages.append({"role": "user", "content": line.strip()})
+        # Each turn draws from generators of its own (step = turn) when sampling.
+        [(_, reply)] = completer.texts([prompt_ids(completer.tokenizer, messages)], step=turn)
+        print(reply, flush=True)
+        messages.append({"role": "assistant", "content": reply})
+    return messages

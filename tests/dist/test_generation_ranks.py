@@ -1,0 +1,95 @@
+"""Generation from the model a run trains (eval_generation, through generation/engine.py) on 1 and 2 processes:
+greedy completions are transformers' `generate` of the exported folder, token for token, for a dense model, with
+LoRA (the merged export) and for a mixture of experts, also under expert parallelism; sampled completions are the
+same token ids on 1 and 2 processes (each completion drawn by its own generator)."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+from llmtune.generation.prompts import prompt_ids, stop_ids
+from tests.dist.case_worker import run_case
+from tests.helpers import launch_cases
+
+NEW_TOKENS = 8
+GREEDY = ["eval_generation.do_sample=false"]
+SAMPLED = ["eval_generation.do_sample=true", "eval_generation.temperature=1.5", "eval_generation.top_k=0",
+           "eval_generation.num_return_sequences=2"]
+LORA = ["peft.method=lora", "peft.r=4", "peft.alpha=8", "peft.init_lora_weights=false", "checkpoint.export_merged=true"]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, bare_tokenizer, sft_file, prompts_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("generation")
+    moe = root / "moe"
+    Qwen3MoeConfig(vocab_size=len(bare_tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                   num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   num_hidden_layers=2, max_position_embeddings=256, bos_token_id=bare_tokenizer.bos_token_id,
+                   eos_token_id=bare_tokenizer.eos_token_id, pad_token_id=bare_tokenizer.pad_token_id
+                   ).save_pretrained(moe)
+    recipe = root / "recipe.yaml"
+    # A small learning rate: the random model's varied greedy choices survive the two steps.
+    recipe.write_text(yaml.safe_dump({
+        "model": {"name_or_path": str(tiny_model)},
+        "data": {"train_files": [str(sft_file)], "max_seq_len": 96, "chat_template": "basic"},
+        "train": {"max_steps": 2, "per_device_train_batch_size": 2, "global_batch_size": 4, "learning_rate": 1e-4},
+        "eval_generation": {"files": [str(prompts_file)], "answer_column": "response", "max_new_tokens": NEW_TOKENS,
+                            "batch_size": 3},
+        "checkpoint": {"export_dtype": "fp32"},
+        "monitor": {"console": False, "plots": False},
+    }))
+    moe_model = [f"model.config={moe}", "model.name_or_path=null", f"model.tokenizer={tiny_model}"]
+    cases = {"dense": GREEDY, "lora": GREEDY + LORA, "moe": GREEDY + moe_model, "sampled": SAMPLED,
+             "moe_ep": GREEDY + moe_model + ["parallel.expert_parallel=2"]}
+    out = {}
+    launched = []
+    for name, overrides in cases.items():
+        out[name, 2] = root / f"{name}_2"
+        launched.append({"recipe": str(recipe), "overrides": [*overrides, f"train.output_dir={out[name, 2]}"]})
+    launch_cases(launched, root)
+    for name, overrides in cases.items():
+        if name != "moe_ep":
+            out[name, 1] = root / f"{name}_1"
+            run_case(str(recipe), [*overrides, f"train.output_dir={out[name, 1]}"], 1)
+    return out
+
+
+def generations(output_dir) -> list[dict]:
+    """The evaluation's completions at the run's last step (step 2)."""
+    rows = [json.loads(line) for line in (output_dir / "generations.jsonl").read_text().splitlines()]
+    assert {row["step"] for row in rows} == {2}
+    return rows
+
+
+@pytest.mark.parametrize("case", [("dense", 1), ("dense", 2), ("lora", 1), ("lora", 2), ("moe", 1), ("moe", 2),
+                                  ("moe_ep", 2)])
+def test_greedy_completions_are_transformers_generate_of_the_export(runs, case):
+    output_dir = runs[case]
+    tokenizer = AutoTokenizer.from_pretrained(output_dir / "hf")
+    model = AutoModelForCausalLM.from_pretrained(output_dir / "hf", dtype=torch.float32).eval()
+    eos = stop_ids(tokenizer, model.generation_config)
+    rows = generations(output_dir)
+    assert len(rows) == 8
+    lengths = set()
+    for row in rows:
+        ids = prompt_ids(tokenizer, row["prompt"])
+        made = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
+                              pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+        assert row["completion_ids"] == made, row["prompt"]
+        assert row["truncated"] == (not set(made) & set(eos))
+        lengths.add(len(set(made)))
+    assert len(lengths) > 1 or lengths != {1}, "every completion repeats one token: the comparison shows little"
+
+
+def test_sampled_completions_are_the_same_on_1_and_2_processes(runs):
+    one, two = generations(runs["sampled", 1]), generations(runs["sampled", 2])
+    assert len(one) == 16
+    assert [row["completion_ids"] for row in one] == [row["completion_ids"] for row in two]
+    assert [row["prompt"] for row in one] == [row["prompt"] for row in two]
+    # Sampled: a prompt's two completions differ, and they are not the greedy ones.
+    assert any(first["completion_ids"] != second["completion_ids"] for first, second in zip(one[::2], one[1::2]))
+    greedy = [row["completion_ids"] for row in generations(runs["dense", 1])]
+    assert [row["completion_ids"] for row in one[::2]] != greedy
