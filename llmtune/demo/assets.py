@@ -190,8 +190,10 @@ def _train_tokenizer(lines: list[str], out_dir: pathlib.Path, spm_dir: pathlib.P
 
 
 def write_demo_assets(root: pathlib.Path, seed: int = 0) -> None:
-    """Write data/{pt,sft_train,sft_eval,dpo_train,dpo_eval}.jsonl, tokenizer/ (transformers), sentencepiece/
-    (the raw tokenizer.model) and model/config.json under root."""
+    """Write data/{pt,sft_train,sft_eval,eval_prompts,dpo_train,dpo_eval}.jsonl, tokenizer/ (transformers),
+    sentencepiece/ (the raw tokenizer.model) and model/config.json under root. eval_prompts holds sft_eval's questions
+    as TRL's conversational prompts with their answers, the held-out set the demo's runs generate from
+    (eval_generation)."""
     from transformers import LlamaConfig
 
     root = pathlib.Path(root)
@@ -199,6 +201,9 @@ def write_demo_assets(root: pathlib.Path, seed: int = 0) -> None:
     _write_jsonl(root / "data" / "pt.jsonl", docs)
     _write_jsonl(root / "data" / "sft_train.jsonl", sft_train)
     _write_jsonl(root / "data" / "sft_eval.jsonl", sft_eval)
+    _write_jsonl(root / "data" / "eval_prompts.jsonl",
+                 [{"prompt": [{"role": "user", "content": row["prompt"]}], "response": row["response"]}
+                  for row in sft_eval])
     dpo_train, dpo_eval = preference_data(sft_train, sft_eval, seed)
     _write_jsonl(root / "data" / "dpo_train.jsonl", dpo_train)
     _write_jsonl(root / "data" / "dpo_eval.jsonl", dpo_eval)

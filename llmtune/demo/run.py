@@ -16,7 +16,6 @@ from pathlib import Path
 from llmtune.checkpoint.folders import complete_checkpoints
 from llmtune.config import parse_overrides
 from llmtune.demo.assets import write_demo_assets
-from llmtune.demo.evaluate import exact_match
 from llmtune.errors import Preempted
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +36,6 @@ def main(args: list[str], root: Path = REPO) -> int:
     started = time.perf_counter()
     print(f"[demo] generating data, tokenizer and model config under {workdir / 'assets'}", flush=True)
     write_demo_assets(workdir / "assets")
-    eval_file = str(workdir / "assets" / "data" / "sft_eval.jsonl")
     accuracy = {}
     for stage in STAGES:
         code = run_stage(stage, overrides, nproc, root)
@@ -48,7 +46,7 @@ def main(args: list[str], root: Path = REPO) -> int:
             return code
         if stage == "dpo":
             continue
-        accuracy[stage] = exact_match(str(workdir / stage / "hf"), eval_file)
+        accuracy[stage] = generation_accuracy(workdir / stage / "metrics.jsonl")
         print(f"[demo] exact-match accuracy on held-out prompts after {stage}: {accuracy[stage]:.1%}", flush=True)
     preferred = preference_accuracy(workdir / "dpo" / "metrics.jsonl")
     print(f"[demo] held-out exact match: before sft {accuracy['pt']:.1%}, after sft {accuracy['sft']:.1%}; held-out "
@@ -94,6 +92,12 @@ def wait_for(command: list[str], cwd: Path) -> int:
         return subprocess.call(command, cwd=cwd)
     finally:
         signal.signal(signal.SIGINT, held)
+
+
+def generation_accuracy(metrics: Path) -> float:
+    """eval_gen/accuracy of a run's last evaluation by generation (its recipe's eval_generation, at its last step)."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r["eval_gen/accuracy"] for r in records if "eval_gen/accuracy" in r][-1]
 
 
 def preference_accuracy(metrics: Path) -> list[float]:

@@ -6,6 +6,7 @@ one process or split over several (each holding the whole model); or the replies
 import json
 import sys
 from argparse import Namespace
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -21,8 +22,6 @@ from llmtune.generation.prompts import completion_value, prompt_ids, read_prompt
 from llmtune.run.launch import launched_by_torchrun
 from llmtune.run.parallel import LONG_WAIT, ParallelState
 
-SAMPLING_FLAGS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                  "num_return_sequences")
 END_OF_CHAT = ("", "exit")
 
 
@@ -46,13 +45,9 @@ class Completer:
         return [(c.prompt, self.tokenizer.decode(c.ids, skip_special_tokens=True)) for c in made]
 
 
-def load_tokenizer(model_dir: str):
-    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-
-
 def resolved_sampling(parsed: Namespace) -> Sampling:
     """The flags given, else the folder's generation config, else the defaults, as transformers' generate decides."""
-    given = {name: getattr(parsed, name) for name in SAMPLING_FLAGS}
+    given = {f.name: getattr(parsed, f.name) for f in fields(Sampling)}  # each key a flag of the same name
     if parsed.chat:  # one reply goes on with the conversation
         given["num_return_sequences"] = 1
     sampling = Sampling.resolve(given, folder_generation_config(Path(parsed.model_dir)))
@@ -92,7 +87,7 @@ def file_prompts(path: str, tokenizer) -> tuple[list[dict], list[list[int]]]:
 def checked_inputs(parsed: Namespace) -> tuple:
     """(tokenizer, sampling, --file's rows, their prompts' ids): every refusal that needs the tokenizer or the
     folder's generation config, made before the model loads (and, under --nproc, before the processes start)."""
-    tokenizer = load_tokenizer(parsed.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(parsed.model_dir, trust_remote_code=False)
     sampling = resolved_sampling(parsed)
     if parsed.chat and not tokenizer.chat_template:
         raise UserError(f"--chat: {parsed.model_dir}'s tokenizer has no chat template; give the folder one "

@@ -7,7 +7,7 @@ from tests.helpers import read_metrics, run_cli
 
 def launch(tiny_model, sft_file, output_dir, callback: str):
     return run_cli("sft", "recipes/demo/sft.yaml", f"model.name_or_path={tiny_model}", f"data.train_files={sft_file}",
-                   f"train.output_dir={output_dir}", "train.max_steps=6", "train.logging_steps=1",
+                   f"train.output_dir={output_dir}", "eval_generation.files=[]", "train.max_steps=6", "train.logging_steps=1",
                    "train.per_device_train_batch_size=4", "train.global_batch_size=16", "checkpoint.save_steps=2",
                    f"train.callbacks=[tests.dist.callback_cases:{callback}]", "--nproc", "2", timeout=300)
 

@@ -1,8 +1,10 @@
 """Every other feature keeps working with cp > 1: a cp=2 checkpoint resumes on cp=1 and a cp=1 checkpoint on cp=2
-on the same curve (1e-5), with gradient accumulation, validation and export. The cp=1 runs go through the CLI's code
+on the same curve (1e-5), with gradient accumulation, validation, evaluation by generation (the cp peers generate
+their own prompts with the model's own attention) and export. The cp=1 runs go through the CLI's code
 in pytest's process, the two cp=2 runs train in one launch of 2 processes (most of a launch is its start-up:
 importing torch, transformers, datasets)."""
 
+import json
 import shutil
 
 import pytest
@@ -21,7 +23,10 @@ def overrides(tiny_model, sft_file, output_dir, cp) -> list[str]:
     return [f"model.name_or_path={tiny_model}", f"data.train_files={sft_file}", f"train.output_dir={output_dir}",
             "train.max_steps=4", "train.logging_steps=1", "train.per_device_train_batch_size=2",
             "train.global_batch_size=4", "train.learning_rate=2e-3", "data.val_ratio=0.2", "train.eval_steps=2",
-            "checkpoint.save_steps=2", "checkpoint.export_dtype=fp32", f"parallel.cp_size={cp}"]
+            "checkpoint.save_steps=2", "checkpoint.export_dtype=fp32", f"parallel.cp_size={cp}",
+            f"eval_generation.files={sft_file}", "eval_generation.max_samples=3", "eval_generation.max_new_tokens=5",
+            "eval_generation.answer_column=response", "eval_generation.do_sample=true",
+            "eval_generation.temperature=1.5"]
 
 
 def copy_to_resume(run, folder) -> None:
@@ -67,3 +72,13 @@ def test_cp2_and_cp1_runs_agree_and_export_loads(runs):
         pytest.approx([m["eval_loss"] for m in cp1 if "eval_loss" in m], rel=1e-5)
     model = AutoModelForCausalLM.from_pretrained(runs["cp2"] / "hf")
     assert model.config._attn_implementation != "llmtune_ulysses"
+
+
+def test_cp_peers_sample_the_completions_of_cp1(runs):
+    def sampled(run):
+        return [(row["step"], row["completion_ids"])
+                for row in map(json.loads, (runs[run] / "generations.jsonl").read_text().splitlines())]
+
+    assert [step for step, _ in sampled("cp1")] == [2, 2, 2, 4, 4, 4]
+    for run in ("cp2", "cp1_resumed", "cp2_resumed"):
+        assert sampled(run) == sampled("cp1"), run

@@ -36,7 +36,8 @@ REFERENCE = "dp1_micro1_acc4"
 def overrides(tiny_model, sft_file, output_dir, micro, batch):
     return [f"model.name_or_path={tiny_model}", f"data.train_files={sft_file}", "data.packing=false",
             f"train.output_dir={output_dir}", f"train.max_steps={STEPS}", "train.logging_steps=1",
-            "train.learning_rate=2e-3", "train.warmup_ratio=0", f"train.per_device_train_batch_size={micro}", *batch]
+            "train.learning_rate=2e-3", "train.warmup_ratio=0", f"train.per_device_train_batch_size={micro}",
+            "eval_generation.files=[]", *batch]
 
 
 def two_node_run(args: list[str]) -> None:
