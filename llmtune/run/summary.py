@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtune.checkpoint.folders import EXPORTS, complete_checkpoints
+from llmtune.config import GENERATION_METRICS
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class RunResult:
     best_eval_loss: float | None
     test_loss: float | None  # the test split's (data.test_files), evaluated once when training ended
     metrics: dict  # the task's own metrics (dpo's rewards/margins, ...) of the last logged training record
-    eval_metrics: dict  # every eval_ value of the last evaluation (eval_loss, eval_rewards/accuracies, ...)
+    eval_metrics: dict  # the newest value of every eval_ metric (eval_loss, eval_rewards/accuracies, eval_gen/...)
     checkpoint: Path | None  # the newest complete checkpoint
     export: Path | None  # output_dir/hf: the HF folder (adapter runs: merged, when checkpoint.export_merged)
     adapter: Path | None  # output_dir/adapter: the adapter folder of a run that trained adapters
@@ -39,7 +40,8 @@ def run_result(output_dir: Path, step: int, total_steps: int, task_metrics: tupl
     tests = [record["test_loss"] for record in records if "test_loss" in record]
     trained = [record for record in records if "loss" in record]  # not an evaluation's own record
     losses = [record["loss"] for record in trained]
-    last_eval = next((record for record in reversed(records) if "eval_loss" in record), {})
+    # Each evaluation's own: the validation's and the evaluation by generation's may fall at different steps.
+    newest_eval = {key: value for record in records for key, value in record.items() if key.startswith("eval_")}
     checkpoints = complete_checkpoints(output_dir / "checkpoints")
     # Export folders appear whole or not at all (llmtune/atomic.py).
     hf, adapter = (output_dir / name if (output_dir / name).is_dir() else None for name in EXPORTS)
@@ -47,7 +49,7 @@ def run_result(output_dir: Path, step: int, total_steps: int, task_metrics: tupl
                      losses[-1] if losses else None, evals[-1] if evals else None,
                      min(evals) if evals else None, tests[-1] if tests else None,
                      {key: value for key, value in (trained[-1] if trained else {}).items() if key in task_metrics},
-                     {key: value for key, value in last_eval.items() if key.startswith("eval_")},
+                     newest_eval,
                      checkpoints[-1] if checkpoints else None, hf, adapter)
 
 
@@ -59,6 +61,10 @@ def run_summary(result: RunResult, seconds: float, outcome: str, resume: str) ->
         parts.append(f"last logged loss {result.loss:.4f}")
     if result.eval_loss is not None:
         parts.append(f"eval loss {result.eval_loss:.4f} at the end, best {result.best_eval_loss:.4f}")
+    generated = [f"{key} {value:.4f}" for key, value in result.eval_metrics.items()
+                 if key.startswith(GENERATION_METRICS)]
+    if generated:
+        parts.append(", ".join(generated) + " at the end")
     if result.test_loss is not None:
         parts.append(f"test loss {result.test_loss:.4f}")
     if result.checkpoint:

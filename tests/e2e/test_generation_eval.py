@@ -1,0 +1,87 @@
+"""Evaluation by generation (eval_generation) in a run: its eval_gen/<scorer> means in the records, the callbacks'
+on_evaluate and llmtune.train's result, every completion with its scores in generations.jsonl; checkpoint.save_best
+ranks by one; a scorer that raises or miscounts stops the run naming it, and one that cannot be imported is refused
+before any process starts."""
+
+import json
+
+import pytest
+
+import llmtune
+from llmtune.errors import UserError
+from tests.helpers import read_metrics, run_cli
+
+SCORERS = ["accuracy", "numeric_match", "regex_match", "tests.e2e.scorer_cases:length",
+           "tests.e2e.scorer_cases:unscored"]
+
+
+def recipe(tiny_model, sft_file, prompts_file, output_dir, **eval_generation) -> dict:
+    return {
+        "model": {"name_or_path": str(tiny_model)},
+        "data": {"train_files": [str(sft_file)], "chat_template": "basic", "max_seq_len": 64},
+        "train": {"output_dir": str(output_dir), "max_steps": 4, "per_device_train_batch_size": 4,
+                  "logging_steps": 4, "learning_rate": 2e-3},
+        "eval_generation": {"files": [str(prompts_file)], "answer_column": "response", "max_new_tokens": 6,
+                            "steps": 2, **eval_generation},
+        "monitor": {"plots": False},
+    }
+
+
+@pytest.fixture(scope="module")
+def scored_run(tiny_model, sft_file, prompts_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval_generation") / "run"
+    given = recipe(tiny_model, sft_file, prompts_file, out, scorers=SCORERS, regex=r"\s*\d", do_sample=True,
+                   num_return_sequences=2)
+    given["checkpoint"] = {"save_steps": 2, "save_best": True, "best_metric": "eval_gen/length"}
+    return llmtune.train("sft", given), out
+
+
+def test_the_scores_are_logged_and_every_completion_written(scored_run, prompts_file):
+    result, out = scored_run
+    evaluations = [r for r in read_metrics(out) if "eval_gen/accuracy" in r]
+    assert [r["step"] for r in evaluations] == [2, 4]
+    names = {"eval_gen/accuracy", "eval_gen/numeric_match", "eval_gen/regex_match", "eval_gen/length"}
+    assert names <= evaluations[-1].keys() and "eval_gen/unscored" not in evaluations[-1]
+    rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    prompts = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    assert len(rows) == 2 * 2 * len(prompts)
+    for evaluation in evaluations:
+        mine = [row for row in rows if row["step"] == evaluation["step"]]
+        assert [row["prompt"] for row in mine] == [p["prompt"] for p in prompts for _ in range(2)]
+        assert [row["response"] for row in mine] == [p["response"] for p in prompts for _ in range(2)]
+        assert evaluation["eval_gen/length"] == pytest.approx(sum(row["length"] for row in mine) / len(mine))
+        assert all(row["length"] == len(row["completion_ids"]) and row["unscored"] is None for row in mine)
+        # The completion in its prompt's form: the assistant's message for messages, else a string.
+        assert all(isinstance(row["completion"], list) == isinstance(row["prompt"], list) for row in mine)
+    assert result.eval_metrics["eval_gen/length"] == evaluations[-1]["eval_gen/length"]
+
+
+def test_save_best_ranks_by_a_generation_metric(scored_run):
+    _, out = scored_run
+    by_step = {r["step"]: r["eval_gen/length"] for r in read_metrics(out) if "eval_gen/length" in r}
+    best = max(by_step, key=lambda step: (by_step[step], -step))
+    state = json.loads((out / "checkpoints" / "best" / "trainer_state.json").read_text())
+    assert state["step"] == best
+
+
+@pytest.mark.parametrize("scorer, said", [
+    ("raises", "eval_generation.scorers: raises raised ValueError: no answer key"),
+    ("one_short", "eval_generation.scorers: one_short returned 7 values for 8 completions; return one float (or "
+                  "None) per completion")])
+def test_a_scorer_that_fails_stops_the_run_naming_it(tiny_model, sft_file, prompts_file, tmp_path, scorer, said):
+    given = recipe(tiny_model, sft_file, prompts_file, tmp_path / "run", scorers=[f"tests.e2e.scorer_cases:{scorer}"])
+    with pytest.raises(UserError) as raised:
+        llmtune.train("sft", given)
+    assert str(raised.value) == said
+
+
+def test_a_scorer_that_cannot_be_imported_is_refused_before_any_process_starts(tiny_model, sft_file, prompts_file,
+                                                                               tmp_path):
+    recipe_file = tmp_path / "recipe.json"
+    recipe_file.write_text(json.dumps(recipe(tiny_model, sft_file, prompts_file, tmp_path / "run",
+                                             scorers=["tests.e2e.no_such_scorers:score"])))
+    result = run_cli("sft", str(recipe_file), "--nproc", "2")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "llmtune: error: eval_generation.scorers: cannot import 'tests.e2e.no_such_scorers:score' (ModuleNotFoundError")
+    assert not (tmp_path / "run").exists(), "nothing started"
