@@ -86,6 +86,8 @@ class Plan:
     dequantized: int = 0  # model.quantize: the transient dequantization of the largest quantized weight
     experts: int = 0  # experts of a mixture-of-experts layer (the most of any layer; 0: none)
     routed: int = 0  # the largest layer's (token, expert) pairs' hidden states, [T x k, hidden] in the compute dtype
+    kv_cache: int = 0  # eval_generation: the keys and values of a batch of completions, every layer (0: no generation)
+    sharded_modules: int = 0  # the modules fully_shard wraps (layers, split experts, the root): all-gathers of a phase
 
     @property
     def kept_whole(self) -> bool:
@@ -128,6 +130,12 @@ class Plan:
         state = 0 if self.offload else self.sharded_state(grads)
         return state + (self.whole_grads if self.kept_whole else 0) + self.root + self.gathered + self.dequantized \
             + self.dispatch + self.activations + self.loss
+
+    @property
+    def generation_peak(self) -> int:
+        """A generation phase (eval_generation, generation/engine.py): the sharded state (the gradients freed), every
+        layer and the root gathered once for the whole phase, a batch's KV cache."""
+        return self.sharded_state(0) + self.all_layers + self.root + self.kv_cache
 
     def sharded_state(self, grads: int) -> int:
         """The sharded parameters, optimizer state, moving averages, reference copy and `grads` of gradients: on the
@@ -317,7 +325,22 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
         reshard_after_forward=parallel.reshard_after_forward, prefetch=parallel.prefetch_layers,
         reshard_between=parallel.reshard_between_micro_batches, quantized=sum(quantized.values()),
         dequantized=dequantized_bytes(max(quantized.values()), nf4) if quantized else 0,
-        experts=max((module.num_experts for module in experts), default=0), routed=max(routed))
+        experts=max((module.num_experts for module in experts), default=0), routed=max(routed),
+        kv_cache=kv_cache_bytes(config, model_config, compute) if config.eval_generation.files else 0,
+        sharded_modules=len(layers) + 1 + (len(experts) if layout.ep > 1 else 0))
+
+
+def kv_cache_bytes(config, model_config, compute: int) -> int:
+    """The keys and values of eval_generation's batch of completions, each of a prompt of up to data.max_seq_len
+    tokens (the plan reads no prompt) and max_new_tokens (TRL's 256 where the recipe leaves it to the model)."""
+    from llmtune.generation.engine import DEFAULTS
+
+    text = model_config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    cfg = config.eval_generation
+    length = config.data.max_seq_len + (cfg.max_new_tokens or DEFAULTS["max_new_tokens"])
+    return cfg.batch_size * length * text.num_hidden_layers * 2 * heads * head_dim * compute
 
 
 def gib(nbytes: float) -> str:
@@ -401,7 +424,7 @@ def changes(config, world_size: int, model_config):
 
 
 def fits(plan: Plan, device_gib: float) -> bool:
-    return plan.peak <= device_gib * GIB * USABLE_FRACTION
+    return max(plan.peak, plan.generation_peak if plan.kv_cache else 0) <= device_gib * GIB * USABLE_FRACTION
 
 
 def cheapest_fit(config, model_config, world_size: int, device_gib: float) -> str | None:
@@ -481,6 +504,16 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         "per rank:",
         *(f"  {name:<52} {gib(value) if value is not None else ''}".rstrip() for name, value in rows),
     ]
+    if plan.kv_cache:
+        gathers = f"{plan.sharded_modules} all-gathers a phase (one per sharded module), none per token" \
+            if layout.shard > 1 else "no all-gather (one rank holds every weight)"
+        lines += [
+            f"generation (eval_generation, {config.eval_generation.batch_size} completions a batch), per rank:",
+            f"  {'layers and root gathered, once a phase (' + dtype + ')':<52} "
+            f"{gib(plan.all_layers + plan.root)}",
+            f"  {'KV cache (prompts up to data.max_seq_len)':<52} {gib(plan.kv_cache)}",
+            f"  {'peak of a generation phase':<52} {gib(plan.generation_peak)}",
+            f"  {gathers}"]
     if device_gib is None:
         lines.append("fit: give --device-memory GiB to check it against a device")
     else:

@@ -388,3 +388,21 @@ def test_the_fit_advice_takes_back_memory_spent_on_speed_first_and_fewer_replica
     assert [plan_memory(changed, model_config, ranks).peak < before for _, changed, ranks in offered[:3]] == \
         [False, True, False]
     assert all(plan_memory(offered[i][1], model_config, 4).peak < before for i in replicas)
+
+
+def test_a_generation_phase_gathers_every_layer_once_and_holds_a_kv_cache(plan_recipe, capsys):
+    """eval_generation: the plan's generation phase holds the sharded state, every layer and the root gathered (once a
+    phase: one all-gather per sharded module, none per token) and the keys and values of a batch of completions."""
+    args = ["eval_generation.files=[prompts.jsonl]", "eval_generation.batch_size=8", "eval_generation.max_new_tokens=64"]
+    config = load_config(plan_recipe(), args, "pt", 2)
+    model_config = LlamaConfig.from_pretrained(config.model.config)
+    plan, without = plan_memory(config, model_config, 2), plan_memory(load_config(plan_recipe(), [], "pt", 2),
+                                                                        model_config, 2)
+    head_dim = LLAMA["hidden_size"] // LLAMA["num_attention_heads"]
+    assert plan.kv_cache == 8 * (512 + 64) * LLAMA["num_hidden_layers"] * 2 * LLAMA["num_key_value_heads"] * head_dim * 4
+    assert plan.generation_peak == plan.params + plan.optimizer + plan.all_layers + plan.root + plan.kv_cache
+    assert (without.kv_cache, plan.peak) == (0, without.peak), "a training step is planned as without generation"
+    assert cli.main(["plan", plan_recipe(), "--nproc", "2", "--task", "pt", *args]) == 0
+    out = capsys.readouterr().out
+    assert f"{LLAMA['num_hidden_layers'] + 1} all-gathers a phase (one per sharded module), none per token" in out
+    assert "peak of a generation phase" in out
