@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, MinPLogitsWarper,
                           RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
@@ -131,22 +130,21 @@ class _Chooser(LogitsProcessor):
 
 
 def generate(model, prompts: list[list[int]], sampling: Sampling, *, eos_ids: list[int], pad_id: int,
-             device: torch.device, seed: int = 0, step: int = 0, batch_size: int = BATCH_SIZE) -> list[Completion]:
+             device: torch.device, seed: int = 0, step: int = 0, batch_size: int = BATCH_SIZE,
+             state=None) -> list[Completion]:
     """Every prompt's num_return_sequences completions, in prompt order then sample order, on every rank.
 
     `model`: a CausalLMForTraining (the run's, every rank calling) or a transformers causal LM (on each process of
-    its own; over several processes they share the prompts too). `seed` and `step` seed the completions with the
-    prompts' indices in `prompts`."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    its own). `state`: the processes' ParallelState, over which they share the prompts (None: one process). `seed`
+    and `step` seed the completions with the prompts' indices in `prompts`."""
+    world, rank = (state.world_size, state.rank) if state else (1, 0)
     rows = [(p, s) for p in range(rank, len(prompts), world) for s in range(sampling.num_return_sequences)]
     rows.sort(key=lambda row: len(prompts[row[0]]))
     batches = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
     collective = isinstance(model, CausalLMForTraining) and bool(split_experts(model.hf_model))
     if collective and world > 1:  # every rank runs as many batches (an idle one decodes a prompt and drops it)
-        count = torch.tensor(len(batches), device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        batches += [[]] * (int(count) - len(batches))
+        [count] = state.highest([len(batches)])
+        batches += [[]] * (count - len(batches))
     mine = []
     with _ready(model):
         for batch in batches:
@@ -155,9 +153,7 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, eos_ids: li
                                    synced=collective and world > 1)
             mine += made if batch else []
     if world > 1:
-        shares = [None] * world
-        dist.all_gather_object(shares, mine)
-        mine = [c for share in shares for c in share]
+        mine = [c for share in state.all_gather_object(mine) for c in share]
     return sorted(mine, key=lambda c: (c.prompt, c.sample))
 
 

@@ -79,7 +79,8 @@ class GenerationEval:
     def evaluate(self, model, step: int) -> dict[str, float]:
         """The eval_gen/<scorer> means of the completions the model makes now, the same on every rank."""
         completions = generate(model, self.prompts, self.sampling, eos_ids=self.eos_ids, pad_id=self.pad_id,
-                               device=self.state.device, seed=self.seed, step=step, batch_size=self.cfg.batch_size)
+                               device=self.state.device, seed=self.seed, step=step, batch_size=self.cfg.batch_size,
+                               state=self.state)
         outcome = None
         if self.state.is_main:
             try:

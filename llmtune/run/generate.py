@@ -29,19 +29,19 @@ class Completer:
     """A loaded model folder and how it samples: prompts' token ids -> the texts of their completions."""
 
     def __init__(self, model_dir: str, tokenizer, sampling: Sampling, device: torch.device, seed: int,
-                 batch_size: int):
+                 batch_size: int, state: ParallelState | None):
         # fp32 on the CPU, where half precision computes slowly; on a GPU the dtype the folder was saved in.
         dtype = torch.float32 if device.type == "cpu" else "auto"
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False).to(device)
         self.tokenizer, self.sampling, self.device = tokenizer, sampling, device
-        self.seed, self.batch_size = seed, batch_size
+        self.seed, self.batch_size, self.state = seed, batch_size, state
         self.eos_ids = stop_ids(tokenizer, self.model.generation_config)
 
     def texts(self, prompts: list[list[int]], step: int = 0) -> list[tuple[int, str]]:
         """(prompt index, text) of every completion, prompt by prompt, each prompt's samples in order; the same on
         every process of a process group, which shares the prompts."""
         made = generate(self.model, prompts, self.sampling, eos_ids=self.eos_ids, pad_id=pad_token_id(self.tokenizer),
-                        device=self.device, seed=self.seed, step=step, batch_size=self.batch_size)
+                        device=self.device, seed=self.seed, step=step, batch_size=self.batch_size, state=self.state)
         return [(c.prompt, self.tokenizer.decode(c.ids, skip_special_tokens=True)) for c in made]
 
 
@@ -109,7 +109,7 @@ def run(parsed: Namespace) -> None:
     try:
         device = state.device if state else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         completer = Completer(parsed.model_dir, tokenizer, sampling, device, parsed.seed,
-                              parsed.batch_size or BATCH_SIZE)
+                              parsed.batch_size or BATCH_SIZE, state)
         if parsed.chat:
             chat(completer, typed_lines())
         elif parsed.file:

@@ -201,7 +201,7 @@ def test_chat_answers_the_whole_conversation(chat_model, loaded):
 @pytest.mark.parametrize("lines", [["hi", "exit", "never read"], ["hi"]])
 def test_chat_ends_on_exit_or_the_end_of_input(chat_model, lines, capsys):
     tokenizer = AutoTokenizer.from_pretrained(chat_model)
-    completer = Completer(str(chat_model), tokenizer, Sampling(max_new_tokens=2), torch.device("cpu"), 0, 64)
+    completer = Completer(str(chat_model), tokenizer, Sampling(max_new_tokens=2), torch.device("cpu"), 0, 64, None)
     conversation = chat(completer, iter(lines))
     assert [m["role"] for m in conversation] == ["user", "assistant"]
     assert capsys.readouterr().out == conversation[1]["content"] + "\n"
