@@ -31,7 +31,7 @@ from llmtune.checkpoint.best import BEST, better, keep_as_best
 from llmtune.checkpoint.folders import LATEST, complete_checkpoints
 from llmtune.checkpoint.manifest import files_written_by, write_manifest
 from llmtune.checkpoint.validate import check_base, check_complete, check_model_matches, init_from_plan
-from llmtune.config import RESUME_BEST, RESUME_NEWEST
+from llmtune.config import GENERATION_METRICS, RESUME_BEST, RESUME_NEWEST
 from llmtune.errors import TrainingStopped, UserError
 
 log = logging.getLogger(__name__)
@@ -130,11 +130,14 @@ class CheckpointManager:
         self.saved_step: int | None = None  # the step of the last save begun
         self.best: dict | None = None  # save_best: {"metric", "value", "step"} of checkpoints/best
 
-    @property
-    def evaluates_first(self) -> bool:
+    def evaluates_first(self, generation: bool) -> bool:
         """A save asks for an evaluation at its step (unless the step had one): checkpoint.eval_on_save, or save_best
-        ranking by an eval metric, which must describe the weights saved."""
-        return self.cfg.eval_on_save or (self.cfg.save_best and self.cfg.best_metric.startswith("eval_"))
+        ranking by a metric of that evaluation, which must describe the weights saved. generation: the evaluation by
+        generation (its eval_gen/ metrics), else the validation (the other eval_ ones)."""
+        metric = self.cfg.best_metric
+        ranked = metric.startswith(GENERATION_METRICS) if generation else \
+            metric.startswith("eval_") and not metric.startswith(GENERATION_METRICS)
+        return self.cfg.eval_on_save or (self.cfg.save_best and ranked)
 
     @property
     def logs_first(self) -> bool:

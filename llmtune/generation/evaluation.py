@@ -62,8 +62,13 @@ class GenerationEval:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.scorers = load_scorers(cfg) if self.rows else []
 
+    @property
+    def enabled(self) -> bool:
+        return bool(self.rows)
+
     def due(self, step: int, last: bool) -> bool:
-        return bool(self.rows) and (last or (self.every > 0 and step % self.every == 0))
+        """Every `steps` steps (when > 0) and at the run's last step."""
+        return self.enabled and (last or (self.every > 0 and step % self.every == 0))
 
     def begin(self, step: int) -> None:
         """Training starts after `step`: generations.jsonl starts fresh, or keeps the evaluations up to the

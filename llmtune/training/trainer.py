@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     """Every part is always there and decides for itself when it acts: validation when an evaluation is due
-    (never without validation data), the monitor when a record is due, the checkpoints when a save is due
+    (never without validation data), the evaluation by generation when one is due (never without its prompts), the
+    monitor when a record is due, the checkpoints when a save is due
     (never when the recipe saves none), the features on every micro-batch (none: unchanged), the callbacks at
     their events (none: nothing happens there), the test split once training has ended (none: no test). A
     callback's control adds to what is due: an evaluation, a record, a save, the end of training."""
@@ -135,11 +136,12 @@ class Trainer:
             final = self.step == self.total_steps or stopping or control.should_training_stop
             return control.should_save or self.checkpoints.due(self.step, self.data.epoch_done, epoch, final)
 
-        last, before_save = self.step == self.total_steps, saving() and self.checkpoints.evaluates_first
+        last = self.step == self.total_steps
         validate = (self.validation.due(self.step, last, finished_epoch) or control.should_evaluate
-                    or (before_save and self.validation.dataset is not None))
-        generate = self.generation.due(self.step, last) or ((control.should_evaluate or before_save)
-                                                              and self.generation.due(self.step, True))
+                    or (saving() and self.checkpoints.evaluates_first(False) and self.validation.dataset is not None))
+        generate = self.generation.due(self.step, last) or (
+            (control.should_evaluate or (saving() and self.checkpoints.evaluates_first(True)))
+            and self.generation.enabled)
         eval_metrics = self._evaluate(validate, generate) if validate or generate else None
         record = self.monitor.record(self.step, self.data.progress, stats, eval_metrics,
                                      force=control.should_log or (saving() and self.checkpoints.logs_first),
@@ -173,7 +175,7 @@ class Trainer:
                 with self.ema.swapped_in(decay):
                     metrics.update({f"eval_{name}_ema{self.ema.suffix(decay)}": value
                                     for name, value in self.evaluate(self.validation).items()})
-        if generate and self.generation.due(self.step, True):
+        if generate and self.generation.enabled:
             metrics.update(self.generation.evaluate(self.model, self.step))
         self.last_eval = {"step": self.step, **metrics}
         self._event("on_evaluate", metrics=metrics)
