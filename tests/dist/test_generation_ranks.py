@@ -1,9 +1,13 @@
 """Generation from the model a run trains (eval_generation, through generation/engine.py) on 1 and 2 processes:
 greedy completions are transformers' `generate` of the exported folder, token for token, for a dense model, with
 LoRA (the merged export) and for a mixture of experts, also under expert parallelism; sampled completions are the
-same token ids on 1 and 2 processes (each completion drawn by its own generator)."""
+same token ids on 1 and 2 processes (each completion drawn by its own generator); a generation phase all-gathers
+each sharded module once, whatever the completions' length, and leaves the model sharded as it was, its training
+unchanged."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
 
 from llmtune.generation.prompts import prompt_ids, stop_ids
 from tests.dist.case_worker import run_case
-from tests.helpers import launch_cases
+from tests.helpers import REPO, launch_cases, read_metrics
 
 NEW_TOKENS = 8
 GREEDY = ["eval_generation.do_sample=false"]
@@ -43,15 +47,23 @@ def runs(tiny_model, bare_tokenizer, sft_file, prompts_file, tmp_path_factory):
     }))
     moe_model = [f"model.config={moe}", "model.name_or_path=null", f"model.tokenizer={tiny_model}"]
     cases = {"dense": GREEDY, "lora": GREEDY + LORA, "moe": GREEDY + moe_model, "sampled": SAMPLED,
-             "moe_ep": GREEDY + moe_model + ["parallel.expert_parallel=2"]}
+             "moe_ep": GREEDY + moe_model + ["parallel.expert_parallel=2"],
+             # Three steps with an evaluation after each, and without any: the same training.
+             "every_step": GREEDY + ["eval_generation.steps=1", "train.max_steps=3", "train.logging_steps=1"],
+             "without": ["eval_generation.files=[]", "train.max_steps=3", "train.logging_steps=1"]}
     out = {}
     launched = []
     for name, overrides in cases.items():
         out[name, 2] = root / f"{name}_2"
         launched.append({"recipe": str(recipe), "overrides": [*overrides, f"train.output_dir={out[name, 2]}"]})
     launch_cases(launched, root)
+    out["gathers"] = root / "gathers.json"
+    gathered = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               str(REPO / "tests" / "dist" / "gathers_worker.py"), str(recipe), str(out["gathers"])],
+                              cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert gathered.returncode == 0, gathered.stderr[-4000:]
     for name, overrides in cases.items():
-        if name != "moe_ep":
+        if name in ("dense", "lora", "moe", "sampled"):
             out[name, 1] = root / f"{name}_1"
             run_case(str(recipe), [*overrides, f"train.output_dir={out[name, 1]}"], 1)
     return out
@@ -93,3 +105,19 @@ def test_sampled_completions_are_the_same_on_1_and_2_processes(runs):
     assert any(first["completion_ids"] != second["completion_ids"] for first, second in zip(one[::2], one[1::2]))
     greedy = [row["completion_ids"] for row in generations(runs["dense", 1])]
     assert [row["completion_ids"] for row in one[::2]] != greedy
+
+
+def test_a_generation_phase_gathers_each_module_once_and_leaves_the_model_as_it_was(runs):
+    report = json.loads(runs["gathers"].read_text())
+    # The tiny Llama's two layers and the root: three parameter groups, one all-gather each, at any length.
+    assert report["groups"] == 3
+    assert [g["tokens"] for g in report["gathers"]] == [4 * 3, 4 * 9]
+    assert [g["all_gathers"] for g in report["gathers"]] == [3, 3]
+    assert report["resharded"] and report["layouts_kept"] and report["training"]
+
+
+def test_evaluations_by_generation_leave_training_as_it_is(runs):
+    every_step, without = read_metrics(runs["every_step", 2]), read_metrics(runs["without", 2])
+    assert [r["step"] for r in every_step if "eval_gen/accuracy" in r] == [1, 2, 3]
+    assert [r["loss"] for r in every_step] == [r["loss"] for r in without]
+    assert [r["grad_norm"] for r in every_step] == [r["grad_norm"] for r in without]
