@@ -264,3 +264,21 @@ def assert_loads_bitwise(written: dict, reloaded: dict, layout: str) -> None:
             assert torch.equal(reloaded[key], value), f"{layout}: {key}"
         else:
             assert reloaded[key] == value, f"{layout}: {key}"
+
+
+def undocumented_options(script: Path) -> list:
+    """The options of a benchmark script's build_parser() without help, or missing from its --help output (an option
+    hidden on purpose, help=SUPPRESS, is neither). benchmarks/ is a folder of scripts, not a package: the module is
+    loaded from its file."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    options = [action for action in module.build_parser()._actions
+               if not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS]
+    assert options, f"{script.name} has no options"
+    shown = set(subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                               check=True).stdout.split())
+    return [action.option_strings for action in options if not action.help or not set(action.option_strings) & shown]

@@ -114,19 +114,21 @@ class _Chooser(LogitsProcessor):
         self.logprobs: list[torch.Tensor] = []  # by position in the completion
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logprobs = torch.log_softmax(scores / self.temperature, dim=-1)
-        processed = self.processors(input_ids, scores)
+        tempered = scores / self.temperature if self.temperature != 1.0 else scores
+        normalizer = torch.logsumexp(tempered, dim=-1)
+        processed = self.processors(input_ids, scores) if self.processors else scores
         if self.generators is None:
-            chosen = processed.argmax(dim=-1)
+            chosen = processed.argmax(dim=-1, keepdim=True)
         else:
             probs = torch.softmax(processed, dim=-1)
-            chosen = torch.cat([torch.multinomial(row, 1, generator=generator)
-                                for row, generator in zip(probs, self.generators)])
+            chosen = torch.stack([torch.multinomial(row, 1, generator=generator)
+                                  for row, generator in zip(probs, self.generators)])
         position = input_ids.shape[1] - self.prompt_length
         # transformers may decode a step past the end and take it back (its deferred stop check): kept by position.
         del self.logprobs[position:]
-        self.logprobs.append(logprobs.gather(1, chosen[:, None]).squeeze(1))
-        return torch.full_like(scores, -math.inf).scatter_(1, chosen[:, None], 0.0)
+        self.logprobs.append(tempered.gather(1, chosen).squeeze(1) - normalizer)
+        # In place: the scores are transformers' copy of the step's logits, which it keeps for nobody here.
+        return scores.fill_(-math.inf).scatter_(1, chosen, 0.0)
 
 
 def generate(model, prompts: list[list[int]], sampling: Sampling, *, eos_ids: list[int], pad_id: int,
