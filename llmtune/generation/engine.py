@@ -106,7 +106,7 @@ class _Chooser(LogitsProcessor):
 
     def __init__(self, rows: list[tuple[int, int]], sampling: Sampling, seed: int, step: int, prompt_length: int,
                  device: torch.device):
-        self.sampling, self.prompt_length = sampling, prompt_length
+        self.prompt_length = prompt_length
         self.processors = sampling.processors()
         self.temperature = sampling.temperature if sampling.do_sample else 1.0
         self.generators = [torch.Generator(device).manual_seed(completion_seed(seed, step, p, s)) for p, s in rows] \
@@ -147,12 +147,11 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, eos_ids: li
     if collective and world > 1:  # every rank runs as many batches (an idle one decodes a prompt and drops it)
         [count] = state.highest([len(batches)])
         batches += [[]] * (count - len(batches))
-    mine = []
+    mine, idle = [], [prompts[0] if prompts else [pad_id]]
     with _ready(model):
         for batch in batches:
-            made = _generate_batch(model, [prompts[p] for p, _ in batch] or [prompts[0] if prompts else [pad_id]],
-                                   batch or [(0, 0)], sampling, eos_ids, pad_id, device, seed, step,
-                                   synced=collective and world > 1)
+            made = _generate_batch(model, [prompts[p] for p, _ in batch] or idle, batch or [(0, 0)], sampling,
+                                   eos_ids, pad_id, device, seed, step, synced=collective and world > 1)
             mine += made if batch else []
     if world > 1:
         mine = [c for share in state.all_gather_object(mine) for c in share]

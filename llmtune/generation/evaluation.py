@@ -16,6 +16,7 @@ from llmtune.errors import UserError
 from llmtune.generation.engine import Sampling, generate
 from llmtune.generation.prompts import completion_value, prompt_ids, read_prompt_rows, stop_ids
 from llmtune.generation.scorers import answer_scorers, load_scorers, score
+from llmtune.monitor.metrics import restart_records
 
 log = logging.getLogger(__name__)
 GENERATIONS = "generations.jsonl"
@@ -73,13 +74,8 @@ class GenerationEval:
     def begin(self, step: int) -> None:
         """Training starts after `step`: generations.jsonl starts fresh, or keeps the evaluations up to the
         checkpoint's step (those of later steps are made again, the same)."""
-        if not self.state.is_main or not self.path.is_file():
-            return
-        if step == 0:
-            self.path.unlink()
-            return
-        kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        if self.state.is_main:
+            restart_records(self.path, step)
 
     def evaluate(self, model, step: int) -> dict[str, float]:
         """The eval_gen/<scorer> means of the completions the model makes now, the same on every rank."""
@@ -109,11 +105,11 @@ class GenerationEval:
             for i, (row, completion, value) in enumerate(zip(rows, completions, values)):
                 record = {"step": step, **row, "completion": value, "completion_ids": completion.ids,
                           "truncated": completion.truncated,
-                          **{name: values_[i] for name, values_ in scores.items()}}
+                          **{name: scored[i] for name, scored in scores.items()}}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
         means = {}
-        for name, values_ in scores.items():
-            given = [v for v in values_ if v is not None]
+        for name, scored in scores.items():
+            given = [v for v in scored if v is not None]
             if given:  # a scorer that scored nothing (None for every completion) logs no mean
                 means[f"{GENERATION_METRICS}{name}"] = sum(given) / len(given)
         return means

@@ -46,6 +46,26 @@ class StepRecord:
     loss_scale: float | None = None  # train.fp16's, after the step
 
 
+def restart_records(path: Path, step: int) -> None:
+    """A JSONL file of records by step (metrics.jsonl, generations.jsonl) as training starts after `step`: removed at
+    step 0; on resume, the records up to the checkpoint's step kept, those of later steps dropped (they are made
+    again), and so is a last line an interruption cut short."""
+    if step == 0:
+        path.unlink(missing_ok=True)
+        return
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if record["step"] <= step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 def flops_per_token(hf_model, seq_len: int) -> float:
     """6 x the weights every token is multiplied by, forward and backward, plus attention's 12 x layers x query width x
     sequence (PaLM's estimate; 6 x layers x (key width + value width) x sequence where they differ). The weights are
@@ -128,11 +148,7 @@ class TrainMonitor:
         if not self.is_main:
             return
         self.console = Console(self.total_steps, step, self.monitor_cfg.progress_bar)
-        if step == 0:
-            self.path.unlink(missing_ok=True)
-        elif self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        restart_records(self.path, step)
         self.trackers = Trackers(self.output_dir, self.monitor_cfg, self.recipe, step)
 
     def record(self, step: int, epoch: float, stats: StepRecord, eval_metrics: dict | None = None, force: bool = False,

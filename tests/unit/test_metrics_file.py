@@ -25,3 +25,10 @@ def test_resume_keeps_the_records_up_to_the_checkpoint_and_a_fresh_run_starts_an
     assert steps(path) == [1, 2, 3, 4]
     monitor(tmp_path).begin(0)
     assert not path.exists()
+
+
+def test_a_record_an_interruption_cut_short_is_dropped_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 4)) + '{"step": 4, "lo')
+    monitor(tmp_path).begin(6)
+    assert steps(path) == [1, 2, 3]
