@@ -33,11 +33,22 @@ def scored_run(tiny_model, sft_file, prompts_file, tmp_path_factory):
     given = recipe(tiny_model, sft_file, prompts_file, out, scorers=SCORERS, regex=r"\s*\d", do_sample=True,
                    num_return_sequences=2)
     given["checkpoint"] = {"save_steps": 2, "save_best": True, "best_metric": "eval_gen/length"}
-    return llmtune.train("sft", given), out
+    heard = HeardEvaluations()
+    return llmtune.train("sft", given, callbacks=[heard]), out, heard.metrics
+
+
+class HeardEvaluations:
+    """A callback keeping what on_evaluate hands it."""
+
+    def __init__(self):
+        self.metrics = []
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.metrics.append(dict(metrics))
 
 
 def test_the_scores_are_logged_and_every_completion_written(scored_run, prompts_file):
-    result, out = scored_run
+    result, out, heard = scored_run
     evaluations = [r for r in read_metrics(out) if "eval_gen/accuracy" in r]
     assert [r["step"] for r in evaluations] == [2, 4]
     names = {"eval_gen/accuracy", "eval_gen/numeric_match", "eval_gen/regex_match", "eval_gen/length"}
@@ -54,10 +65,11 @@ def test_the_scores_are_logged_and_every_completion_written(scored_run, prompts_
         # The completion in its prompt's form: the assistant's message for messages, else a string.
         assert all(isinstance(row["completion"], list) == isinstance(row["prompt"], list) for row in mine)
     assert result.eval_metrics["eval_gen/length"] == evaluations[-1]["eval_gen/length"]
+    assert [metrics["eval_gen/length"] for metrics in heard] == [r["eval_gen/length"] for r in evaluations]
 
 
 def test_save_best_ranks_by_a_generation_metric(scored_run):
-    _, out = scored_run
+    _, out, _ = scored_run
     by_step = {r["step"]: r["eval_gen/length"] for r in read_metrics(out) if "eval_gen/length" in r}
     best = max(by_step, key=lambda step: (by_step[step], -step))
     state = json.loads((out / "checkpoints" / "best" / "trainer_state.json").read_text())
