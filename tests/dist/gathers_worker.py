@@ -1,8 +1,11 @@
-"""Run by torchrun (2 processes) from test_generation_ranks.py: the run's sharded model (built as the worker builds
-it) generates at two completion lengths while FSDP2's all-gathers are counted; then every parameter group is
-checked to be sharded again, each with the layout after a forward it had before. Rank 0 writes OUT as JSON."""
+"""Run by torchrun (2 processes) from test_generation_ranks.py, in one launch (most of a launch is its start-up):
+first the training cases of CASES.json (case_worker.py's); then the run's sharded model of RECIPE (built as the
+worker builds it) generates at two completion lengths while FSDP2's all-gathers are counted, and every parameter
+group is checked to be sharded again, each with the layout after a forward it had before. Rank 0 writes OUT as
+JSON."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from llmtune.generation.engine import Sampling, generate
 from llmtune.run.parallel import ParallelState
 from llmtune.run.process_exit import run_and_exit
 from llmtune.run.worker import build_trainer
+from tests.dist.case_worker import run_case
 
 
 def param_groups(model) -> list:
@@ -21,7 +25,9 @@ def param_groups(model) -> list:
             for group in sub._get_fsdp_state()._fsdp_param_groups]
 
 
-def main(recipe: str, out: str) -> None:
+def main(cases: str, recipe: str, out: str) -> None:
+    for case in json.loads(Path(cases).read_text()):
+        run_case(case["recipe"], case["overrides"], int(os.environ["WORLD_SIZE"]), keep_process_group=True)
     state = ParallelState.initialize()
     try:
         config = load_config(recipe, [f"train.output_dir={Path(out).parent / 'gathers_run'}"], "sft", state.world_size)

@@ -6,6 +6,7 @@ each sharded module once, whatever the completions' length, and leaves the model
 unchanged."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
 
 from llmtune.generation.prompts import prompt_ids, stop_ids
 from tests.dist.case_worker import run_case
-from tests.helpers import REPO, launch_cases, read_metrics
+from tests.helpers import REPO, read_metrics
 
 NEW_TOKENS = 8
 GREEDY = ["eval_generation.do_sample=false"]
@@ -56,12 +57,13 @@ def runs(tiny_model, bare_tokenizer, sft_file, prompts_file, tmp_path_factory):
     for name, overrides in cases.items():
         out[name, 2] = root / f"{name}_2"
         launched.append({"recipe": str(recipe), "overrides": [*overrides, f"train.output_dir={out[name, 2]}"]})
-    launch_cases(launched, root)
+    (root / "cases.json").write_text(json.dumps(launched))
     out["gathers"] = root / "gathers.json"
-    gathered = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                               str(REPO / "tests" / "dist" / "gathers_worker.py"), str(recipe), str(out["gathers"])],
-                              cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert gathered.returncode == 0, gathered.stderr[-4000:]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    launch = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             str(REPO / "tests" / "dist" / "gathers_worker.py"), str(root / "cases.json"), str(recipe),
+                             str(out["gathers"])], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert launch.returncode == 0, launch.stderr[-4000:]
     for name, overrides in cases.items():
         if name in ("dense", "lora", "moe", "sampled"):
             out[name, 1] = root / f"{name}_1"
