@@ -1,11 +1,11 @@
 """`llmtune generate MODEL_DIR` on a tiny Llama folder with a chat template: greedy completions are transformers'
 own generate's, for text and messages prompts; a file split over 2 processes gives the file of one, byte for byte,
 sampling on; --out appears whole or not at all, a bad row refused before anything is written; --prompt prints;
---chat answers the whole conversation, turn after turn. Most run the CLI's main in this process (a process's start-up
-spared); the 2-process split and the chat read from stdin run bin/llmtune."""
+--chat answers the whole conversation, turn after turn. All but the 2-process split run the CLI's main in this process
+(a process's start-up spared)."""
 
+import io
 import json
-import os
 import subprocess
 
 import pytest
@@ -16,7 +16,7 @@ from llmtune.generation.engine import Sampling
 from llmtune.run import generate as generate_module
 from llmtune.run.cli import main as cli_main
 from llmtune.run.generate import Completer, chat
-from tests.helpers import REPO, run_cli, save_tiny_model
+from tests.helpers import run_cli, save_tiny_model
 
 NEW_TOKENS = 6
 ROWS = [{"prompt": "What is 27 + 48?", "id": 1},
@@ -70,13 +70,15 @@ def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out, err)
 
 
-def test_help_names_every_flag():
-    result = run_cli("generate", "--help")
-    assert result.returncode == 0, result.stderr
+def test_help_names_every_flag(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli_main(["generate", "--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
     for flag in ("--prompt", "--file", "--out", "--chat", "--nproc", "--max_new_tokens", "--do_sample",
                  "--temperature", "--top_p", "--top_k", "--min_p", "--repetition_penalty", "--num_return_sequences",
                  "--seed", "--batch_size"):
-        assert flag in result.stdout, flag
+        assert flag in shown, flag
 
 
 def test_file_completions_are_transformers_greedy_ones(chat_model, loaded, rows_file, tmp_path, capsys):
@@ -92,15 +94,16 @@ def test_file_completions_are_transformers_greedy_ones(chat_model, loaded, rows_
 
 
 @pytest.mark.slow
-def test_two_processes_write_the_file_of_one(chat_model, rows_file, tmp_path):
+def test_two_processes_write_the_file_of_one(chat_model, rows_file, tmp_path, capsys):
     sampling = ["--do_sample", "true", "--temperature", "0.8", "--num_return_sequences", "2", "--seed", "5",
                 "--max_new_tokens", str(NEW_TOKENS)]
-    files = {}
-    for nproc in (1, 2):
-        files[nproc] = tmp_path / f"out{nproc}.jsonl"
-        result = run_cli("generate", str(chat_model), "--file", str(rows_file), "--out", str(files[nproc]),
-                         "--nproc", str(nproc), *sampling)
-        assert result.returncode == 0, result.stderr
+    files = {nproc: tmp_path / f"out{nproc}.jsonl" for nproc in (1, 2)}
+    result = in_process(capsys, "generate", str(chat_model), "--file", str(rows_file), "--out", str(files[1]),
+                        *sampling)
+    assert result.returncode == 0, result.stderr
+    result = run_cli("generate", str(chat_model), "--file", str(rows_file), "--out", str(files[2]), "--nproc", "2",
+                     *sampling)
+    assert result.returncode == 0, result.stderr
     assert files[2].read_bytes() == files[1].read_bytes()
     written = read_rows(files[1])
     assert [row["id"] for row in written] == [1, 1, 2, 2, 3, 3], "n rows per prompt row, in order"
@@ -182,13 +185,11 @@ def test_prompt_prints_each_completion(chat_model, loaded, capsys):
     assert lines[0] == "--- completion 1 of 2 ---" and "--- completion 2 of 2 ---" in lines
 
 
-def test_chat_answers_the_whole_conversation(chat_model, loaded):
+def test_chat_answers_the_whole_conversation(chat_model, loaded, capsys, monkeypatch):
     """Two turns through the CLI, stdin ending with an empty line: the second reply is the model's greedy completion
     of the conversation that holds the first one."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}  # as run_cli's
-    result = subprocess.run([str(REPO / "bin" / "llmtune"), "generate", str(chat_model), "--chat",
-                             "--max_new_tokens", str(NEW_TOKENS)], input="hi\nhow are you\n\nnever read\n",
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nhow are you\n\nnever read\n"))
+    result = in_process(capsys, "generate", str(chat_model), "--chat", "--max_new_tokens", str(NEW_TOKENS))
     assert result.returncode == 0, result.stderr
     first = greedy(loaded, [{"role": "user", "content": "hi"}])
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first},

@@ -9,7 +9,8 @@ import pytest
 
 import llmtune
 from llmtune.errors import UserError
-from tests.helpers import read_metrics, run_cli
+from llmtune.run.cli import main as cli_main
+from tests.helpers import read_metrics
 
 SCORERS = ["accuracy", "numeric_match", "regex_match", "tests.e2e.scorer_cases:length",
            "tests.e2e.scorer_cases:unscored"]
@@ -88,12 +89,13 @@ def test_a_scorer_that_fails_stops_the_run_naming_it(tiny_model, sft_file, promp
 
 
 def test_a_scorer_that_cannot_be_imported_is_refused_before_any_process_starts(tiny_model, sft_file, prompts_file,
-                                                                               tmp_path):
+                                                                               tmp_path, capsys, monkeypatch):
+    """The CLI's main in this process, asked for 2 processes: it refuses before it would start them."""
     recipe_file = tmp_path / "recipe.json"
     recipe_file.write_text(json.dumps(recipe(tiny_model, sft_file, prompts_file, tmp_path / "run",
                                              scorers=["tests.e2e.no_such_scorers:score"])))
-    result = run_cli("sft", str(recipe_file), "--nproc", "2")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith(
+    monkeypatch.setattr("llmtune.run.launch.launch_local", lambda *args, **kwargs: pytest.fail("processes started"))
+    assert cli_main(["sft", str(recipe_file), "--nproc", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "llmtune: error: eval_generation.scorers: cannot import 'tests.e2e.no_such_scorers:score' (ModuleNotFoundError")
     assert not (tmp_path / "run").exists(), "nothing started"
