@@ -282,3 +282,22 @@ def undocumented_options(script: Path) -> list:
     shown = set(subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
                                check=True).stdout.split())
     return [action.option_strings for action in options if not action.help or not set(action.option_strings) & shown]
+
+
+def export_greedy(folder: Path):
+    """transformers' own greedy generate of an exported HF folder: a function (prompt in TRL's forms, new tokens) ->
+    the completion's token ids, stopping at the EOS ids llmtune's engine stops at."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmtune.generation.prompts import prompt_ids, stop_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    eos = stop_ids(tokenizer, model.generation_config)
+
+    def greedy(prompt, new_tokens: int) -> list[int]:
+        ids = prompt_ids(tokenizer, prompt)
+        return model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new_tokens, eos_token_id=eos,
+                              pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+    return greedy

@@ -1,7 +1,8 @@
 """Evaluation by generation (eval_generation) in a run: its eval_gen/<scorer> means in the records, the callbacks'
 on_evaluate and llmtune.train's result, every completion with its scores in generations.jsonl; checkpoint.save_best
 ranks by one; a scorer that raises or miscounts stops the run naming it, and one that cannot be imported is refused
-before any process starts."""
+before any process starts; pt, dpo and kto runs evaluate too, and a QLoRA run's nf4 base generates what its merged
+export does."""
 
 import json
 
@@ -10,7 +11,7 @@ import pytest
 import llmtune
 from llmtune.errors import UserError
 from llmtune.run.cli import main as cli_main
-from tests.helpers import read_metrics
+from tests.helpers import export_greedy, read_metrics
 
 SCORERS = ["accuracy", "numeric_match", "regex_match", "tests.e2e.scorer_cases:length",
            "tests.e2e.scorer_cases:unscored"]
@@ -99,3 +100,32 @@ def test_a_scorer_that_cannot_be_imported_is_refused_before_any_process_starts(t
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "llmtune: error: eval_generation.scorers: cannot import 'tests.e2e.no_such_scorers:score' (ModuleNotFoundError")
     assert not (tmp_path / "run").exists(), "nothing started"
+
+
+@pytest.mark.parametrize("task", ["pt", "dpo", "kto"])
+def test_every_task_evaluates_by_generation(task, tiny_model, assets, pairs_file, examples_file, prompts_file,
+                                            tmp_path):
+    """The evaluation is the Trainer's, not a task's: pt's documents, dpo's pairs and kto's examples train, and the
+    run's model generates, as sft's does above."""
+    data = {"pt": assets / "data" / "pt.jsonl", "dpo": pairs_file, "kto": examples_file}[task]
+    given = recipe(tiny_model, data, prompts_file, tmp_path / "run", steps=0, max_samples=2)
+    given["train"].update(max_steps=2, per_device_train_batch_size=2, global_batch_size=2)
+    result = llmtune.train(task, given)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [2, 2]
+    assert "eval_gen/accuracy" in result.eval_metrics
+
+
+def test_a_quantized_base_generates_what_its_merged_export_does(nf4_llama, sft_file, prompts_file, tmp_path):
+    """QLoRA: the nf4 base with its adapters generates, greedily, transformers' generate of the merged export (the
+    base dequantized, the adapters added in), token for token."""
+    given = recipe(nf4_llama, sft_file, prompts_file, tmp_path / "run", steps=0)
+    given["model"]["quantize"] = "nf4"
+    given["peft"] = {"method": "lora", "r": 4, "alpha": 8, "init_lora_weights": False}
+    given["train"].update(max_steps=2, learning_rate=1e-3)
+    given["checkpoint"] = {"export_dtype": "fp32", "export_merged": True}
+    llmtune.train("sft", given)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    greedy = export_greedy(tmp_path / "run" / "hf")
+    assert len(rows) == 8
+    assert [row["completion_ids"] for row in rows] == [greedy(row["prompt"], 6) for row in rows]
