@@ -891,6 +891,145 @@ class KTOConfig(PreferenceConfig):
         return out
 
 
+GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class GRPOConfig:
+    """grpo's keys, by TRL's GRPOConfig names and with its defaults (1.16)."""
+    section: typing.ClassVar[str] = "grpo"
+    reward_funcs: list[str] = _field([], "The reward functions, their rewards summed (weighted by reward_weights): "
+                                         "built-ins accuracy, numeric_match and regex_match (as eval_generation's "
+                                         "scorers) or package.module:function with TRL's reward-function signature "
+                                         "(prompts, completions, completion_ids, the data's other columns as keyword "
+                                         "lists; one float or None per completion).")
+    reward_weights: list[float] | None = _field(None, "One weight per reward function; default: 1 each.")
+    answer_column: str = _field("solution", "The column accuracy and numeric_match compare with.")
+    regex: str | None = _field(None, "regex_match's pattern (Python re, DOTALL).")
+    num_generations: int = _field(8, "Completions sampled per prompt: a group, whose rewards are normalized together.")
+    max_completion_length: int = _field(512, "The most tokens of a completion; a longer one is cut (truncated).")
+    generation_batch_size: int | None = _field(None, "Completions sampled per generation round, over all ranks: a "
+                                                     "multiple of num_generations; default per_device_train_batch_size"
+                                                     " x data-parallel size x steps_per_generation.")
+    steps_per_generation: int | None = _field(None, "Micro-batches per rank per generation round (TRL's); default "
+                                                    "train.gradient_accumulation_steps: one round per optimizer step.")
+    temperature: float = _field(1.0, "Sampling temperature; the policy's log-probabilities are taken at it too.")
+    top_p: float = _field(1.0, "Nucleus sampling's probability mass.")
+    top_k: int = _field(0, "Sample among the k likeliest tokens; 0: all.")
+    min_p: float | None = _field(None, "Drop tokens below min_p x the likeliest's probability.")
+    repetition_penalty: float = _field(1.0, "transformers' repetition penalty.")
+    loss_type: str = _field("dapo", "How token losses become the step's loss: grpo (each completion's mean, then the "
+                                    "mean over completions), bnpo and dapo (the mean over every completion token of "
+                                    "the step), dr_grpo (the sum over tokens / (completions x "
+                                    "max_completion_length)). Each is over the whole optimizer step, every rank and "
+                                    "micro-batch.")
+    scale_rewards: str = _field("group", "Advantages divided by the group's reward std (group), the round's (batch) "
+                                         "or not at all (none: Dr. GRPO).")
+    epsilon: float = _field(0.2, "The ratio's clipping range below 1 (and above 1 unless epsilon_high is set).")
+    epsilon_high: float | None = _field(None, "The ratio's clipping range above 1 (DAPO's clip-higher: 0.28); "
+                                              "default epsilon.")
+    importance_sampling_level: str = _field("token", "The importance ratio of each token (token) or of its whole "
+                                                     "completion, the geometric mean of its tokens' (sequence: GSPO).")
+    num_iterations: int = _field(1, "Optimizer passes over each generation round (mu); after the first, the ratio is "
+                                    "against the policy that sampled.")
+    beta: float = _field(0.0, "The KL penalty's weight (k3 estimate against the reference); 0 builds no reference.")
+    use_bias_correction_kl: bool = _field(True, "Multiply the KL term by the importance ratio (TRL's default).")
+    reference: str = _field("model", "The reference when beta > 0: model (a frozen copy of the starting weights, or "
+                                     "ref_model) or adapter_off (with peft adapters: the policy with its adapters "
+                                     "off).")
+    ref_model: str | None = _field(None, "reference model: a HF folder or Hub id to use instead of the starting "
+                                         "weights.")
+    mask_truncated_completions: bool = _field(False, "Truncated completions add nothing to the loss (DAPO).")
+    disable_dropout: bool = _field(False, "Dropout off in the policy (TRL's GRPO default: left on).")
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def sampling(self) -> dict:
+        """The sampling keys, as generation/engine.Sampling takes them: always sampled, num_generations completions of
+        each prompt."""
+        return {"max_new_tokens": self.max_completion_length, "do_sample": True, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty, "num_return_sequences": self.num_generations}
+
+    def problems(self) -> list[str]:
+        out = [_choice_problem(f"grpo.{key}", getattr(self, key), choices) for key, choices in
+               (("loss_type", GRPO_LOSSES), ("scale_rewards", SCALE_REWARDS),
+                ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS), ("reference", ("model", "adapter_off")))
+               if getattr(self, key) not in choices]
+        if self.num_generations < 2:
+            out.append(f"grpo.num_generations: {self.num_generations} must be at least 2: a group's advantages are "
+                       "its rewards less their mean")
+        for key in ("max_completion_length", "num_iterations", "generation_batch_size", "steps_per_generation"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                out.append(f"grpo.{key}: {value} must be at least 1")
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            out.append("grpo.generation_batch_size: set it or grpo.steps_per_generation, not both")
+        if self.temperature <= 0:
+            out.append(f"grpo.temperature: {self.temperature} must be above 0")
+        if not 0.0 < self.top_p <= 1.0:
+            out.append(f"grpo.top_p: {self.top_p} must be above 0 and at most 1")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            out.append(f"grpo.min_p: {self.min_p} must be between 0 and 1")
+        out += [f"grpo.{key}: {value} must not be negative" for key, value in
+                (("top_k", self.top_k), ("epsilon", self.epsilon), ("epsilon_high", self.epsilon_high or 0),
+                 ("beta", self.beta)) if value < 0]
+        if self.repetition_penalty <= 0:
+            out.append(f"grpo.repetition_penalty: {self.repetition_penalty} must be above 0")
+        out += [f"grpo.reward_funcs: {name!r} is neither a built-in ({', '.join(BUILTIN_SCORERS)}) nor written "
+                "package.module:function" for name in self.reward_funcs
+                if name not in BUILTIN_SCORERS and not re.fullmatch(r"[\w.]+:[\w.]+", name)]
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            out.append(f"grpo.reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward "
+                       "functions; give one per function")
+        if "regex_match" in self.reward_funcs and not self.regex:
+            out.append("grpo.regex: regex_match needs the pattern; set grpo.regex")
+        return out
+
+    def round_completions(self, train, dp_size: int) -> int:
+        """The completions of one generation round over all ranks (TRL's generation_batch_size)."""
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size
+        steps = self.steps_per_generation or train.gradient_accumulation_steps
+        return train.per_device_train_batch_size * dp_size * steps
+
+    def run_problems(self, config, dp_size: int) -> list[str]:
+        """What only a grpo run must have: reward functions, prompts it reads whole, a round cut into whole groups and
+        into the optimizer steps that train it."""
+        out = [] if self.reward_funcs else \
+            ["grpo.reward_funcs: name at least one reward function (accuracy, or package.module:function)"]
+        if config.data.streaming:
+            out.append("data.streaming: grpo reads its prompts whole before training; set data.streaming: false")
+        if config.data.has_validation_sources() or config.data.val_ratio or config.data.has_test_sources():
+            out.append("data.val_files: grpo has no validation or test loss; measure held-out prompts with "
+                       "eval_generation.files (and its scorers) instead")
+        return out + self._round_problems(config.train, dp_size)
+
+    def round_prompts(self, train, dp_size: int) -> int:
+        """The prompts of one generation round, each sampled num_generations times."""
+        return self.round_completions(train, dp_size) // self.num_generations
+
+    def _round_problems(self, train, dp_size: int) -> list[str]:
+        if not isinstance(train.per_device_train_batch_size, int):
+            return ["train.per_device_train_batch_size: grpo counts completions per micro-batch; give a number, not "
+                    "auto"]
+        per_step = train.per_device_train_batch_size * dp_size * train.gradient_accumulation_steps
+        completions = self.round_completions(train, dp_size)
+        if completions % self.num_generations:
+            return [f"grpo.generation_batch_size: a round of {completions} completions is not a whole number of "
+                    f"groups of num_generations={self.num_generations}; choose a multiple of {self.num_generations}"]
+        if completions != per_step or self.num_iterations != 1:
+            return [f"grpo.generation_batch_size: a round of {completions} completions for optimizer steps of "
+                    f"{per_step} (per_device_train_batch_size x data-parallel size x gradient_accumulation_steps), "
+                    f"{self.num_iterations} time(s): llmtune grpo trains each round in one optimizer step for now; "
+                    "leave generation_batch_size, steps_per_generation and num_iterations at their defaults"]
+        return []
+
+
 SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -902,6 +1041,7 @@ SECTIONS = {
     "eval_generation": EvalGenerationConfig,
     "dpo": DPOConfig,
     "kto": KTOConfig,
+    "grpo": GRPOConfig,
 }
 
 
@@ -918,6 +1058,7 @@ class Config:
     # The sections of tasks: only their own recipes give them.
     dpo: DPOConfig = field(default_factory=DPOConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval_generation: EvalGenerationConfig = field(default_factory=EvalGenerationConfig)
 
     def dp_size(self, world_size: int) -> int:
@@ -1060,6 +1201,7 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
         problems.append("checkpoint.export_ema: there is no moving average to export; set train.ema_decay")
     problems.extend(config.monitor.rank_problems(world_size))
     problems.extend(_task_problems(config, provided, task_flag))
+    problems.extend(_task_run_problems(config, world_size))
     problems.extend(_quantize_problems(config))
     if problems:
         raise UserError("\n".join(problems))
@@ -1204,7 +1346,8 @@ def _unknown_key(section: str, key: str, task: str, fields) -> str:
     elsewhere = [f"llmtune {owner} ({target})" for owner, entry in TASKS.items() if entry.section and owner != task
                  for target in sorted(key_names(owner).get(key, ())) if target.startswith(f"{entry.section}.")]
     if elsewhere:
-        return f"{here}; it belongs to {' and '.join(elsewhere)}, not to {task}"
+        owners = elsewhere[0] if len(elsewhere) == 1 else f"{', '.join(elsewhere[:-1])} and {elsewhere[-1]}"
+        return f"{here}; it belongs to {owners}, not to {task}"
     close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
     if close:
         return f"{here}; did you mean {' or '.join(repr(name) for name in sorted(names[close[0]]))}?"
@@ -1348,6 +1491,13 @@ def _task_problems(config: Config, provided: set[str], task_flag: bool) -> list[
         out.append(f"data.document_mask: false would let a row's second sequence attend to its first (a row holds "
                    f"both); leave data.document_mask true for {name}")
     return out
+
+
+def _task_run_problems(config: Config, world_size: int) -> list[str]:
+    """The task section's own checks of the whole recipe (its run_problems), where it has them."""
+    section = TASKS[config.task].section
+    check = getattr(getattr(config, section), "run_problems", None) if section else None
+    return check(config, config.dp_size(world_size)) if check and not config.parallel.layout_problem(world_size) else []
 
 
 def _quantize_problems(config: Config) -> list[str]:

@@ -290,7 +290,8 @@ def export_greedy(folder: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmtune.generation.prompts import prompt_ids, stop_ids
+    from llmtune.data.prompts import prompt_ids
+    from llmtune.generation.prompts import stop_ids
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

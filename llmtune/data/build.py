@@ -2,8 +2,8 @@
 
 Each task's rows (tasks/registry.py's `rows`) take their own path: documents are packed into blocks (pretrain.py),
 conversations become samples (sft.py), preference pairs rows of two sequences (preference.py), KTO's examples too,
-each with its KL completion, once the split's sources are mixed (unpaired.py); the path is read from the rows, never
-from the task's name.
+each with its KL completion, once the split's sources are mixed (unpaired.py), grpo's prompts their token ids and the
+row they came from (prompts.py); the path is read from the rows, never from the task's name.
 
 Preprocessing is paid once: the result is saved under a key of (source fingerprints: each
 file's size and mtime, a Hub dataset's repository, config, split and commit; tokenizer,
@@ -27,9 +27,9 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from llmtune.data import packing, preference, pretrain, sft, unpaired
+from llmtune.data import packing, preference, pretrain, prompts, sft, unpaired
 from llmtune.data.files import is_saved_dataset, resolve_data_files
-from llmtune.data.formats import (KTO_LABEL, ROWS_FORMS, canonical_columns, check_columns, detect_format,
+from llmtune.data.formats import (KTO_LABEL, PROMPT_ROW, ROWS_FORMS, canonical_columns, check_columns, detect_format,
                                   other_rows_error, to_canonical)
 from llmtune.data.preference import PairLimits, two_sequence_rows
 from llmtune.data.registry import Source, split_sources
@@ -37,7 +37,7 @@ from llmtune.data.sources import load_source, undecodable_error
 from llmtune.errors import UserError
 from llmtune.hub import dataset_source, fetch
 from llmtune.model.loss import IGNORE_INDEX
-from llmtune.tasks.registry import CONVERSATIONS, DOCUMENTS, PAIRS, TASKS, UNPAIRED
+from llmtune.tasks.registry import CONVERSATIONS, DOCUMENTS, PAIRS, PROMPTS, TASKS, UNPAIRED
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,13 @@ NOT_IN_KEY = ("shuffle", "shuffle_buffer", "num_proc", "cache_dir", "document_ma
 SPLITS = ("train", "val", "test")
 # The canonical columns that are not inferred: a sample, a pair or an example is one JSON value (formats.py says why).
 CANONICAL_FEATURES = {"sample": datasets.Json(), "pair": datasets.Json(), "example": datasets.Json(),
-                      **unpaired.EXAMPLE_VALUES}
+                      PROMPT_ROW: datasets.Json(), **unpaired.EXAMPLE_VALUES}
 
 
 def unit_name(task: str) -> str:
     """What a task's statistics count: pairs (dpo), examples (kto, each a row of two sequences with its KL
     sequence), else samples."""
-    return {PAIRS: "pairs", UNPAIRED: "examples"}.get(TASKS[task].rows, "samples")
+    return {PAIRS: "pairs", UNPAIRED: "examples", PROMPTS: "prompts"}.get(TASKS[task].rows, "samples")
 
 
 @dataclass
@@ -83,6 +83,10 @@ class DataStats:
         counted = f"{self.samples} {unit}"
         if rows == UNPAIRED:
             counted += f" ({self.desirable} desirable, {self.samples - self.desirable} undesirable)"
+        if rows == PROMPTS:
+            test = f", {self.test_samples} test {unit}" if self.test_samples else ""
+            return (f"{counted}, {self.tokens} tokens, {self.dropped_too_long} dropped as longer than "
+                    f"data.max_seq_len={self.max_seq_len}{test}")
         if rows == DOCUMENTS:
             kept = (f"{self.rows} rows of up to {self.max_seq_len} tokens ({self.dropped_tail_tokens} tokens of the "
                     "last, partial rows dropped)")
@@ -186,6 +190,9 @@ def tokenize_source(rows, form: str, tokenizer, data_cfg, source: Source, pair_l
         blocks = pretrain.pack_documents(docs, data_cfg.max_seq_len, data_cfg.pt_remainder,
                                          map_options(rows, data_cfg.num_proc, "pack"))
         return blocks, 0 if streamed else pretrain.token_count(docs) - pretrain.token_count(blocks)
+    if form in ROWS_FORMS[PROMPTS]:
+        return prompts.tokenize_prompts(rows, tokenizer, data_cfg.max_seq_len,
+                                        map_options(rows, data_cfg.num_proc, "tokenize")), 0
     if form in ROWS_FORMS[PAIRS]:
         return preference.tokenize_pairs(rows, tokenizer, data_cfg, pair_limits,
                                          map_options(rows, data_cfg.num_proc, "tokenize"), source.pattern), 0
@@ -218,9 +225,12 @@ def count_statuses(samples: datasets.Dataset) -> tuple[datasets.Dataset, dict[in
 
 
 def length_stats(samples: datasets.Dataset) -> tuple[np.ndarray, int]:
-    """Per-row lengths and the number of labels that count after the shift (all but each row's first)."""
+    """Per-row lengths and the number of labels that count after the shift (all but each row's first; none for rows
+    without labels, grpo's prompts)."""
     table = samples.data  # read back from the cache: flat, no indices mapping
     lengths = np.asarray(pc.list_value_length(table.column("input_ids")))
+    if "labels" not in table.column_names:
+        return lengths, 0
     labels = table.column("labels")
     labelled = pc.sum(pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX)).as_py() or 0
     first = pc.sum(pc.not_equal(pc.list_element(labels, 0), IGNORE_INDEX)).as_py() or 0
@@ -290,9 +300,9 @@ def build_stream(task: str, data_cfg, tokenizer, seed: int) -> datasets.Iterable
 
 def packed_split(split: datasets.Dataset | None, task: str, data_cfg) -> datasets.Dataset | None:
     """Samples (sft, pre-tokenized), pairs and KTO's examples packed into rows when data.packing is on; pt text
-    arrives as packed blocks."""
+    arrives as packed blocks; grpo's prompts stay one per row (their training rows are made of their completions)."""
     blocks = split is not None and TASKS[task].rows == DOCUMENTS and "position_ids" in split.column_names
-    if split is None or not data_cfg.packing or blocks:
+    if split is None or not data_cfg.packing or blocks or TASKS[task].rows == PROMPTS:
         return split
     return packing.pack_samples(split, data_cfg.max_seq_len, map_options(split, data_cfg.num_proc, "pack"))
 
@@ -398,7 +408,7 @@ def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, st
     train, val, test = (cached_split(folder, name) for name in SPLITS)
     counts = json.loads((folder / "counts.json").read_text())
     stats = describe(task, train, val, test, counts, data_cfg, batch_size, seed)
-    if not stats.label_tokens:
+    if not stats.label_tokens and TASKS[task].rows != PROMPTS:
         raise UserError(f"data.train_files: the {stats.rows} training rows hold no label token, so there is nothing "
                         f"to train on; check that the tokenizer in {tokenizer.name_or_path} fits the data and that "
                         f"data.max_seq_len ({data_cfg.max_seq_len}) holds whole documents")

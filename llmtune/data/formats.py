@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 
 from llmtune.errors import UserError
-from llmtune.tasks.registry import CONVERSATIONS, DOCUMENTS, PAIRS, TASKS, UNPAIRED
+from llmtune.tasks.registry import CONVERSATIONS, DOCUMENTS, PAIRS, PROMPTS, TASKS, UNPAIRED
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
@@ -29,6 +29,21 @@ REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 MESSAGE_KEYS = ("tool_call_id", "name")
 FUNCTION_CALL = "function_call"  # LLaMA-Factory's turn holding an assistant's tool call(s) as JSON text
 KTO_LABEL = "label"  # the label column of TRL's KTO form and of LLaMA-Factory's KTO files (their kto_tag)
+
+# A canonical prompt: the row as read, one JSON value (its columns may hold anything a reward function reads).
+PROMPT_ROW = "prompt_row"
+
+
+def prompt_problem(prompt) -> str | None:
+    """What is wrong with a `prompt` value, or None: TRL's prompt-only forms, a string or a list of messages."""
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                   and isinstance(m.get("content"), str) for m in prompt):
+        return None
+    return ("'prompt' must be a string or a list of messages ({'role': ..., 'content': ...}), as TRL's "
+            "prompt-only datasets hold it")
+
 
 # Each form's columns (role in the form -> column name), as auto-detection and LLaMA-Factory's defaults name them;
 # the required ones identify the form.
@@ -61,6 +76,8 @@ FORMS = {
                      ("messages", "kto_tag")),
     "messages_kto": ({"messages": "messages", "kto_tag": KTO_LABEL, "system": "system", "tools": "tools"},
                      ("messages", "kto_tag")),
+    # TRL's prompt-only forms (grpo): the other columns are kept for the reward functions.
+    "prompt_only": ({"prompt": "prompt"}, ("prompt",)),
 }
 # The forms of each kind of rows, in the order auto-detection tries them (a form whose columns are a subset of
 # another's comes after it).
@@ -69,6 +86,7 @@ ROWS_FORMS = {
     CONVERSATIONS: ("messages", "sharegpt", "alpaca", "prompt_completion", "prompt_response", "tokenized"),
     PAIRS: ("prompt_chosen_rejected", "alpaca_ranking", "sharegpt_ranking", "chosen_rejected"),
     UNPAIRED: ("prompt_completion_label", "alpaca_kto", "sharegpt_kto", "messages_kto"),
+    PROMPTS: ("prompt_only",),
 }
 # LLaMA-Factory's formattings of a ranking: true entry (dpo's) and of a kto_tag entry (kto's) -> the form that reads
 # it; the other kinds of rows read a formatting as the form of its name.
@@ -164,6 +182,8 @@ def canonical_columns(form: str) -> tuple[str, ...]:
         return ("input_ids", "labels")
     if form in ROWS_FORMS[UNPAIRED]:
         return ("example", "desirable", "where")
+    if form in ROWS_FORMS[PROMPTS]:
+        return (PROMPT_ROW,)
     return ("pair",) if form in ROWS_FORMS[PAIRS] else ("sample",)
 
 
@@ -183,6 +203,8 @@ def to_canonical(row: dict, row_format: RowFormat, where: str) -> dict:
         return {"pair": reader.pair()}
     if row_format.form in ROWS_FORMS[UNPAIRED]:
         return {"example": reader.example(), "desirable": reader.desirable(), "where": where}
+    if row_format.form in ROWS_FORMS[PROMPTS]:
+        return {PROMPT_ROW: reader.prompt_row()}
     return {"sample": reader.sample()}
 
 
@@ -242,6 +264,13 @@ class _Row:
         if tools:
             sample["tools"] = tools
         return sample
+
+    def prompt_row(self) -> dict:
+        """grpo's prompt: the row with its prompt under `prompt`, every other column as given."""
+        prompt = self.row.get(self.column("prompt"))
+        if problem := prompt_problem(prompt):
+            raise UserError(f"{self.where}: {problem}")
+        return {**self.row, "prompt": prompt}
 
     def pair(self) -> dict:
         """The canonical pair: {"prompt", "chosen", "rejected"} (and "tools"), all messages or all strings."""

@@ -32,6 +32,7 @@ from llmtune.data.build import build_stream, load_or_build, load_or_build_stream
 from llmtune.data.collate import collate, pad_token_id
 from llmtune.data.preference import PairLimits, two_sequence_rows
 from llmtune.errors import UserError
+from llmtune.tasks.registry import PROMPTS, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -145,15 +146,16 @@ def loader(dataset, data_cfg, cuda: bool, **kwargs) -> DataLoader:
 
 
 class DataManager:
-    def __init__(self, dataset: datasets.Dataset, data_cfg, train_cfg, pad_id: int, dp_size: int, dp_rank: int,
-                 cuda: bool = False, two_sequences: bool = False):
-        micro_batch = train_cfg.per_device_train_batch_size
-        self.accumulation = train_cfg.gradient_accumulation_steps
+    """The optimizer steps of a map-style dataset, each `accumulation` micro-batches of `micro_batch` samples on each
+    of dp_size ranks, made by `collate_fn`."""
+
+    def __init__(self, dataset: datasets.Dataset, data_cfg, micro_batch: int, accumulation: int, dp_size: int,
+                 dp_rank: int, seed: int, collate_fn, cuda: bool = False):
+        self.accumulation = accumulation
         self.sampler = StepSampler(len(dataset), micro_batch, self.accumulation, dp_size, dp_rank, data_cfg.shuffle,
-                                   train_cfg.seed)
+                                   seed)
         self.loader = loader(dataset, data_cfg, cuda, batch_size=micro_batch, sampler=self.sampler,
-                             collate_fn=partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
-                                                two_sequences=two_sequences))
+                             collate_fn=collate_fn)
         self.steps_per_epoch = self.sampler.steps_per_epoch
         self.global_batch = self.sampler.global_batch
         self.epoch = 0
@@ -311,7 +313,13 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
                               partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
                                       two_sequences=two_sequences))
             train, val, test = splits["train"], splits["val"], splits["test"]
-        data = DataManager(train, data_cfg, train_cfg, pad_id, state.dp_size, state.dp_rank, cuda, two_sequences)
+        rows_collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
+                               two_sequences=two_sequences)
+        data = DataManager(train, data_cfg, train_cfg.per_device_train_batch_size,
+                           train_cfg.gradient_accumulation_steps, state.dp_size, state.dp_rank, train_cfg.seed,
+                           rows_collate, cuda) if TASKS[config.task].rows != PROMPTS else \
+            DataManager(train, data_cfg, config.grpo.round_prompts(train_cfg, state.dp_size), 1, 1, 0,
+                        train_cfg.seed, list, cuda)
 
     def held_out(split, cfg) -> Validation:
         return Validation(split, train_cfg.per_device_eval_batch_size, pad_id, data_cfg, state.dp_size, state.dp_rank,

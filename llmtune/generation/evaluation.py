@@ -12,14 +12,16 @@ from pathlib import Path
 
 from llmtune.config import GENERATION_METRICS
 from llmtune.data.files import resolve_data_files
+from llmtune.data.prompts import prompt_ids
 from llmtune.errors import UserError
 from llmtune.generation.engine import Sampling, generate
-from llmtune.generation.prompts import completion_value, prompt_ids, read_prompt_rows, stop_ids
+from llmtune.generation.prompts import completion_value, read_prompt_rows, stop_ids
 from llmtune.generation.scorers import answer_scorers, load_scorers, score
 from llmtune.monitor.metrics import restart_records
 
 log = logging.getLogger(__name__)
 GENERATIONS = "generations.jsonl"
+SCORERS_KEY = "eval_generation.scorers"
 
 
 def prompt_rows(cfg) -> list[dict]:
@@ -30,13 +32,18 @@ def prompt_rows(cfg) -> list[dict]:
     return rows[:cfg.max_samples] if cfg.max_samples is not None else rows
 
 
+def scorers_of(cfg) -> list:
+    """eval_generation's scorers, loaded."""
+    return load_scorers(cfg.scorers, cfg.answer_column, cfg.regex, SCORERS_KEY)
+
+
 def check_eval_generation(cfg, has_chat_template: bool) -> None:
     """Before any process starts: the prompt files read, the scorers imported, the answer column in every row, a
     chat template for prompts given as messages."""
     if not cfg.files:
         return
     rows = prompt_rows(cfg)
-    load_scorers(cfg)
+    scorers_of(cfg)
     if answer_scorers(cfg.scorers):
         lacking = next((i for i, row in enumerate(rows) if cfg.answer_column not in row), None)
         if lacking is not None:
@@ -61,7 +68,7 @@ class GenerationEval:
         self.sampling = Sampling.resolve(cfg.sampling(), defaults)
         self.eos_ids = stop_ids(tokenizer, defaults)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.scorers = load_scorers(cfg) if self.rows else []
+        self.scorers = scorers_of(cfg) if self.rows else []
 
     @property
     def enabled(self) -> bool:
@@ -100,7 +107,8 @@ class GenerationEval:
         values = [completion_value(row["prompt"], text) for row, text in zip(rows, texts)]
         names = dict.fromkeys(key for row in self.rows for key in row if key != "prompt")
         columns = {key: [row.get(key) for row in rows] for key in names}
-        scores = score(self.scorers, [row["prompt"] for row in rows], values, [c.ids for c in completions], columns)
+        scores = score(self.scorers, [row["prompt"] for row in rows], values, [c.ids for c in completions], columns,
+                       SCORERS_KEY, f"the completions of step {step}")
         with self.path.open("a", encoding="utf-8") as f:
             for i, (row, completion, value) in enumerate(zip(rows, completions, values)):
                 record = {"step": step, **row, "completion": value, "completion_ids": completion.ids,

@@ -1,14 +1,12 @@
-"""Prompts as TRL's prompt-only forms take them, a JSONL `prompt` column: a string (tokenized as it is, as llmtune
-trains a text prompt: with the tokenizer's own special tokens) or a list of messages (rendered with the chat
-template and its generation prompt); their token ids; the completions in the prompt's form; the EOS ids a completion
-stops at."""
+"""Files of prompts as TRL's prompt-only forms take them, a JSONL `prompt` column (read and tokenized as
+data/prompts.py reads grpo's); the completions in the prompt's form; the EOS ids a completion stops at."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from llmtune.data.templates import render, text_ids, text_prompt_ids
+from llmtune.data.formats import prompt_problem
 from llmtune.errors import UserError
 
 
@@ -34,24 +32,6 @@ def read_prompt_rows(path: str | Path, limit: int | None = None) -> list[dict]:
     if not rows:
         raise UserError(f"{path}: no prompts; write JSONL rows with a 'prompt' column")
     return rows
-
-
-def prompt_problem(prompt) -> str | None:
-    """What is wrong with a `prompt` value, or None: TRL's prompt-only forms, a string or a list of messages."""
-    if isinstance(prompt, str):
-        return None
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                   and isinstance(m.get("content"), str) for m in prompt):
-        return None
-    return ("'prompt' must be a string or a list of messages ({'role': ..., 'content': ...}), as TRL's "
-            "prompt-only datasets hold it")
-
-
-def prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
-    """The token ids a completion of `prompt` follows."""
-    if isinstance(prompt, str):
-        return text_prompt_ids(tokenizer, prompt)
-    return text_ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True))
 
 
 def completion_value(prompt: str | list[dict], text: str) -> str | list[dict]:

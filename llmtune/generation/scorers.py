@@ -60,17 +60,18 @@ def _regex_match(pattern: str):
 
 
 def answer_scorers(names: list[str]) -> list[str]:
-    """The built-ins among `names` that compare with eval_generation.answer_column."""
+    """The built-ins among `names` that compare with an answer column."""
     return [name for name in names if name in ("accuracy", "numeric_match")]
 
 
-def load_scorers(cfg) -> list[Scorer]:
-    """eval_generation.scorers, imported; UserError naming the entry that cannot be had."""
-    builtins = {"accuracy": lambda: _accuracy(cfg.answer_column),
-                "numeric_match": lambda: _numeric_match(cfg.answer_column),
-                "regex_match": lambda: _regex_match(cfg.regex)}
+def load_scorers(names: list[str], answer_column: str, regex: str | None, key: str) -> list[Scorer]:
+    """The scoring functions `names` (the recipe's `key`: eval_generation.scorers, grpo.reward_funcs), the built-ins
+    made with answer_column and regex, the others imported; UserError naming the entry that cannot be had."""
+    builtins = {"accuracy": lambda: _accuracy(answer_column),
+                "numeric_match": lambda: _numeric_match(answer_column),
+                "regex_match": lambda: _regex_match(regex)}
     scorers = []
-    for name in cfg.scorers:
+    for name in names:
         if name in builtins:
             scorers.append(Scorer(name, builtins[name]()))
             continue
@@ -78,29 +79,30 @@ def load_scorers(cfg) -> list[Scorer]:
         try:
             function = operator.attrgetter(attribute)(importlib.import_module(module_name))
         except (ImportError, AttributeError, ValueError) as err:
-            raise UserError(f"eval_generation.scorers: cannot import {name!r} ({type(err).__name__}: {err}); make the "
+            raise UserError(f"{key}: cannot import {name!r} ({type(err).__name__}: {err}); make the "
                             "module importable from where llmtune runs (the working directory or PYTHONPATH)") from None
         if not callable(function):
-            raise UserError(f"eval_generation.scorers: {name!r} is not a function")
+            raise UserError(f"{key}: {name!r} is not a function")
         scorers.append(Scorer(getattr(function, "__name__", attribute), function))
     return scorers
 
 
 def score(scorers: list[Scorer], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list]) -> dict[str, list[float | None]]:
+          columns: dict[str, list], key: str, batch: str) -> dict[str, list[float | None]]:
     """Every scorer's scores of the completions. A scorer that raises, or returns other than one float or None per
-    completion, is a UserError naming it: its scores would be no measure of the model."""
+    completion, is a UserError naming it (the recipe's `key` that named it) and the `batch` it scored: its scores
+    would be no measure of the model."""
     scores = {}
     for scorer in scorers:
         try:
             values = scorer.function(prompts=prompts, completions=completions, completion_ids=completion_ids,
                                      **columns)
         except Exception as err:
-            raise UserError(f"eval_generation.scorers: {scorer.name} raised {type(err).__name__}: {err}") from None
+            raise UserError(f"{key}: {scorer.name} raised {type(err).__name__}: {err} (scoring {batch})") from None
         if not isinstance(values, (list, tuple)) or len(values) != len(completions) or not all(
                 v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
-            raise UserError(f"eval_generation.scorers: {scorer.name} returned {got} for {len(completions)} "
-                            "completions; return one float (or None) per completion")
+            raise UserError(f"{key}: {scorer.name} returned {got} for {len(completions)} completions (scoring "
+                            f"{batch}); return one float (or None) per completion")
         scores[scorer.name] = [None if v is None else float(v) for v in values]
     return scores

@@ -10,6 +10,7 @@ the initial weights do not depend on the number of ranks.
 """
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -84,10 +85,8 @@ class CausalLMForTraining(nn.Module):
         sequence_ids [b, S]: the index in the micro-batch of each token's sequence, -1 for padding (it never reaches
         the decoder); None: each row is one sequence. sequences: how many there are, 0: as many as the ids name (which
         reads them on the host)."""
-        outputs = self._decode(input_ids, attention_mask, position_ids, model_kwargs)
-        head = self.hf_model.get_output_embeddings()
-        logps = token_logps(outputs.last_hidden_state, head.weight, head.bias, shift_labels, self.loss_options,
-                            labelled)
+        logps, _, terms = self._labelled_logps(input_ids, attention_mask, position_ids, shift_labels, labelled,
+                                               sequence_ids, self.loss_options, False, model_kwargs)
         if sequence_ids is None:
             sequence_ids = torch.arange(len(input_ids), device=input_ids.device)[:, None].expand(input_ids.shape)
         sequences = sequences or int(sequence_ids.max()) + 1
@@ -97,9 +96,31 @@ class CausalLMForTraining(nn.Module):
         owners = sequence_ids.flatten().clamp(min=0)
         sums = logps.new_zeros(sequences).index_add(0, owners, logps.flatten().where(counted, 0.0))
         counts = logps.new_zeros(sequences).index_add(0, owners, counted.to(logps.dtype))
+        return sums, counts, terms
+
+    def token_logps(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None, labelled=None,
+                    sequence_ids=None, temperature: float = 1.0, with_entropy: bool = False,
+                    **model_kwargs) -> tuple[Tensor, Tensor | None, Tensor]:
+        """(each labelled token's log-probability at `temperature` (its logits divided by it), fp32 [b, S], 0.0
+        elsewhere; with_entropy: its distribution's entropy there, without gradient, else None; the features' loss
+        terms summed), from the same decoder and LossOptions as forward (grpo's per-token ratios). A third forward
+        method, registered with FSDP."""
+        options = dataclasses.replace(self.loss_options, temperature=temperature)
+        return self._labelled_logps(input_ids, attention_mask, position_ids, shift_labels, labelled, sequence_ids,
+                                    options, with_entropy, model_kwargs)
+
+    def _labelled_logps(self, input_ids, attention_mask, position_ids, shift_labels, labelled, sequence_ids,
+                        options: LossOptions, with_entropy: bool, model_kwargs: dict):
+        """The one decoder call of sequence_logps and token_logps: (per-token log-probabilities, entropies or None,
+        the features' loss terms)."""
+        outputs = self._decode(input_ids, attention_mask, position_ids, model_kwargs)
+        head = self.hf_model.get_output_embeddings()
+        found = token_logps(outputs.last_hidden_state, head.weight, head.bias, shift_labels, options, labelled,
+                            with_entropy)
+        logps, entropy = found if with_entropy else (found, None)
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       shift_labels=shift_labels, sequence_ids=sequence_ids, **model_kwargs)
-        return sums, counts, sum(self.features.loss_terms(outputs, inputs), logps.new_zeros(()))
+        return logps, entropy, sum(self.features.loss_terms(outputs, inputs), logps.new_zeros(()))
 
     def generate(self, **kwargs) -> Tensor:
         """transformers' generate of the HF model, a forward method of the FSDP root (registered in build_model), so
@@ -240,6 +261,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     prefetch(layers, state.parallel.prefetch_layers)
     # FSDP unshards the root's own parameters (embeddings, lm_head) around `forward` alone.
     register_fsdp_forward_method(module, "sequence_logps")
+    register_fsdp_forward_method(module, "token_logps")
     register_fsdp_forward_method(module, "generate")
     if pretrained:
         buffers = {name: buffer.clone() for name, buffer in module.named_buffers()}

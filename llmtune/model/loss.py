@@ -52,6 +52,9 @@ class LossOptions:
     z_loss: float = 0.0
     label_smoothing: float = 0.0
     fused: bool = False
+    # Divides the (capped) logits of the log-probabilities token_logps gives (grpo's, at its sampling temperature);
+    # the loss never reads it.
+    temperature: float = 1.0
 
     @classmethod
     def of_run(cls, train_cfg, model_config) -> "LossOptions":
@@ -303,52 +306,64 @@ def _softmax_and_lse_(logits: torch.Tensor):
 
 
 def token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shifted_labels: torch.Tensor,
-                options: LossOptions = LossOptions(), labelled: torch.Tensor | None = None) -> torch.Tensor:
+                options: LossOptions = LossOptions(), labelled: torch.Tensor | None = None,
+                with_entropy: bool = False):
     """fp32 log p(label) of every token, in the shape of shifted_labels, 0.0 (and no gradient) where the label is
-    IGNORE_INDEX; hidden [..., H], weight [V, H], bias [V] or None.
+    IGNORE_INDEX; hidden [..., H], weight [V, H], bias [V] or None. with_entropy: (those, the entropy of each labelled
+    token's distribution, 0.0 elsewhere, with no gradient).
 
     These are the model's log-probabilities: options.logit_softcap applies, since the capping is part of the model
     (Gemma), and z_loss and label_smoothing do not, since they are terms of the training loss, not of the model's
-    distribution. options.fused is not used: Liger's fused op returns the reduced loss, never a value per token, so
-    the chunked path serves (options.chunk_size; 0 computes the full [tokens, vocab] logits, the reference).
-    labelled: labelled_positions(shifted_labels), if known (None: computed here).
+    distribution; options.temperature divides the capped logits (1: the model's own distribution). options.fused is
+    not used: Liger's fused op returns the reduced loss, never a value per token, so the chunked path serves
+    (options.chunk_size; 0 computes the full [tokens, vocab] logits, the reference). labelled:
+    labelled_positions(shifted_labels), if known (None: computed here).
     """
     labels = shifted_labels.reshape(-1)
     hidden = hidden.reshape(-1, hidden.size(-1))
     if options.chunk_size:
         labelled = labelled_positions(labels) if labelled is None else labelled
     if not options.chunk_size:
-        logps = _full_logits_token_logps(hidden, weight, bias, labels, options)
+        logps, entropy = _full_logits_token_logps(hidden, weight, bias, labels, options, with_entropy)
     # Decided here, not in forward: there grad mode is always off (as in _chunked_cross_entropy_sum).
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        logps = _ChunkedTokenLogps.apply(hidden, weight, bias, labels, labelled, options)
+        logps, entropy = _ChunkedTokenLogps.apply(hidden, weight, bias, labels, labelled, options, with_entropy)
     else:
-        logps, _ = _chunked_token_logps(hidden, weight, bias, labels, labelled, options)
-    return logps.view(shifted_labels.shape)
+        logps, _, entropy = _chunked_token_logps(hidden, weight, bias, labels, labelled, options, with_entropy)
+    logps = logps.view(shifted_labels.shape)
+    return (logps, entropy.view(shifted_labels.shape)) if with_entropy else logps
 
 
-def _full_logits_token_logps(hidden, weight, bias, labels, options: LossOptions) -> torch.Tensor:
+def _full_logits_token_logps(hidden, weight, bias, labels, options: LossOptions, with_entropy: bool):
     labelled = labels != IGNORE_INDEX
-    logps = _full_logits(hidden, weight, bias, options).log_softmax(dim=-1)
+    logps = (_full_logits(hidden, weight, bias, options) / options.temperature).log_softmax(dim=-1)
     picked = logps.gather(1, labels.where(labelled, 0)[:, None]).squeeze(1)
-    return picked.where(labelled, 0.0)
+    entropy = torch.special.entr(logps.detach().exp()).sum(dim=-1).where(labelled, 0.0) if with_entropy else None
+    return picked.where(labelled, 0.0), entropy
 
 
-def _chunked_token_logps(hidden, weight, bias, labels, labelled, options: LossOptions):
-    """(fp32 log-probs [T], 0 where ignored; the logsumexp of each labelled token's logits, in the order of
-    `labelled`), one [chunk, V] block at a time."""
+def _chunked_token_logps(hidden, weight, bias, labels, labelled, options: LossOptions, with_entropy: bool = False):
+    """(fp32 log-probs [T], 0 where ignored; the logsumexp of each labelled token's (tempered) logits, in the order
+    of `labelled`; with_entropy: each labelled token's entropy [T], 0 elsewhere, else None), one [chunk, V] block at a
+    time."""
     logps = torch.zeros(len(labels), dtype=torch.float32, device=hidden.device)
+    entropy = torch.zeros_like(logps) if with_entropy else None
     chunks = labelled.split(options.chunk_size)
     blocks = _Blocks.for_chunks(chunks, weight)
     lse = []
     for chunk in chunks:
         logits = blocks.logits(hidden.index_select(0, chunk), weight, bias)
         logits, _ = _softcap_(logits, options.logit_softcap, need_slope=False)
+        if options.temperature != 1.0:
+            logits.div_(options.temperature)
         picked = logits.gather(1, labels.index_select(0, chunk)[:, None]).squeeze(1)
-        _, chunk_lse = _softmax_and_lse_(logits)
+        probs, chunk_lse = _softmax_and_lse_(logits)
         logps.index_copy_(0, chunk, picked - chunk_lse)
+        if with_entropy:
+            # -sum p log p, from the probabilities the block now holds: entr(0) is 0 where p underflowed.
+            entropy.index_copy_(0, chunk, torch.special.entr(probs).sum(dim=-1))
         lse.append(chunk_lse)
-    return logps, torch.cat(lse) if lse else logps.new_empty(0)
+    return logps, torch.cat(lse) if lse else logps.new_empty(0), entropy
 
 
 class _ChunkedTokenLogps(torch.autograd.Function):
@@ -359,14 +374,16 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     vocabulary."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, labelled, options):
-        logps, lse = _chunked_token_logps(hidden, weight, bias, labels, labelled, options)
+    def forward(ctx, hidden, weight, bias, labels, labelled, options, with_entropy):
+        logps, lse, entropy = _chunked_token_logps(hidden, weight, bias, labels, labelled, options, with_entropy)
         ctx.save_for_backward(hidden, weight, bias, labels, labelled, lse)
         ctx.options = options
-        return logps
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logps, entropy
 
     @staticmethod
-    def backward(ctx, grad_logps):
+    def backward(ctx, grad_logps, _):
         hidden, weight, bias, labels, labelled, lse = ctx.saved_tensors
         options = ctx.options
         grads = _grad_accumulators(hidden, weight, bias, ctx.needs_input_grad[:3])
@@ -376,12 +393,16 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             chunk_hidden = hidden.index_select(0, chunk)
             logits = blocks.logits(chunk_hidden, weight, bias)
             logits, tanh_slope = _softcap_(logits, options.logit_softcap, need_slope=True)
+            if options.temperature != 1.0:
+                logits.div_(options.temperature)
             grad = grad_logps.index_select(0, chunk)
             # d log p(label) / d s = onehot(label) - p, with p = exp(s - lse), scaled per token by its grad_output;
             # all in the block, which holds the logits.
             grad_logits = logits.sub_(chunk_lse[:, None]).exp_().mul_(-grad[:, None])
             grad_logits[torch.arange(len(chunk), device=chunk.device), labels.index_select(0, chunk)] += grad
+            if options.temperature != 1.0:  # through s / T
+                grad_logits /= options.temperature
             if tanh_slope is not None:
                 grad_logits *= tanh_slope
             _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks)
-        return *_in_input_dtypes(grads, weight, bias), None, None, None
+        return *_in_input_dtypes(grads, weight, bias), None, None, None, None

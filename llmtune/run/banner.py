@@ -37,6 +37,7 @@ class Banner:
     peak: str  # the plan's peak per rank, or why there is none
     quantized: int = 0  # parameters held in nf4 (model.quantize), whole-model count
     kept: int = 0  # model.quantize: those of the frozen linear weights nf4 cannot hold (not whole groups)
+    batch: str | None = None  # the objective's own words for the global batch (Objective.global_batch_words)
 
     def lines(self) -> list[str]:
         if self.rows is None:
@@ -49,8 +50,8 @@ class Banner:
             data += f", resuming after step {self.first_step}"
         return [
             data,
-            f"global batch {self.global_batch} {self.unit} = micro-batch {self.micro_batch} x accumulation "
-            f"{self.accumulation} x {self.dp} data-parallel",
+            f"global batch {self.batch or f'{self.global_batch} {self.unit}'} = micro-batch {self.micro_batch} x "
+            f"accumulation {self.accumulation} x {self.dp} data-parallel",
             f"layout {self.layout}",
             f"parameters {self.params:,}, trainable {self.trainable:,} (weight decay: {self.decay[1]:,} in "
             f"{self.decay[0]} tensors; no decay: {self.no_decay[1]:,} in {self.no_decay[0]})"
@@ -66,7 +67,9 @@ def rows_called(objective) -> str:
     """The banner's name for the rows a step is cut from, in the objective's unit (metrics.jsonl's samples_per_s or
     pairs_per_s): the unit itself where the objective counts rows as its samples (pt, sft), else rows of it (dpo's
     pairs, one or more to a row, which the data statistics line counts: counting them here would read every row
-    again)."""
+    again); the objective's own name of them where it has one (grpo's prompts)."""
+    if objective.rows_called:
+        return objective.rows_called
     return objective.unit if objective.samples == "rows" else f"rows of {objective.unit}"
 
 
@@ -107,7 +110,7 @@ def start_banner(trainer, config, world_size: int, peak: str) -> Banner:
         dp=world_size // config.parallel.cp_size, layout=config.parallel.describe(world_size),
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
-        peak=peak,
+        peak=peak, batch=trainer.objective.global_batch_words(data.global_batch),
         quantized=sum(p.numel() for p in params if is_quantized(p)),
         kept=sum(linear.weight.numel() for linear in frozen_linears(model.hf_model, decoder_layers(model.hf_model))
                  .values() if not is_quantized(linear.weight)) if config.model.quantize != "none" else 0)

@@ -16,9 +16,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from llmtune.atomic import write_text
 from llmtune.config import ParallelConfig
 from llmtune.data.collate import pad_token_id
+from llmtune.data.prompts import prompt_ids
 from llmtune.errors import UserError
 from llmtune.generation.engine import BATCH_SIZE, Sampling, generate
-from llmtune.generation.prompts import completion_value, prompt_ids, read_prompt_rows, stop_ids
+from llmtune.generation.prompts import completion_value, read_prompt_rows, stop_ids
 from llmtune.run.launch import launched_by_torchrun
 from llmtune.run.parallel import LONG_WAIT, ParallelState
 

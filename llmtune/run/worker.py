@@ -86,7 +86,7 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     model = build_model(model_config, local.model, config.train, state, features)
     # The task's loss and metrics, and any extra model it needs (a reference); its hook may add to the data.
     objective = build_objective(config, local=local, model_config=model_config, model=model, features=features,
-                                state=state)
+                                state=state, tokenizer=tokenizer)
     data, validation, test = build_data(local, tokenizer, state, objective.annotate)
     check_ranks_agree(state, config, data, validation, test, model.hf_model)
     # From here on ranks draw different random numbers (dropout), each from its own stream.

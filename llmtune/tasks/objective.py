@@ -46,6 +46,12 @@ class Objective:
     samples: str = "rows"
     unit: str = "samples"
     shown: tuple[str, ...] = ()
+    rows_called: str | None = None  # the start banner's name of the data's rows, where not derived from unit
+
+    def global_batch_words(self, global_batch: int) -> str | None:
+        """The start banner's words for a step's global batch of `global_batch` data rows, where the objective has
+        its own (grpo: prompts sampled into completions); None: the rows in the objective's unit."""
+        return None
 
     def count(self, inputs: dict, batch, cp_rank: int) -> list[float]:
         """This micro-batch's values of `counts` (inputs: as the model gets them, after the features' transform)."""
@@ -55,6 +61,12 @@ class Objective:
         """Before the first loss of a step, or of a held-out split: `micro_batches`, an iterable of (inputs, batch),
         for an objective whose loss needs a value of all of them (KTO's reference point). The default reads
         nothing (an evaluation's iterable is then never run)."""
+
+    def rollout(self, model, step: int, micro_batches: list) -> list:
+        """The micro-batches of optimizer step `step` (0 for the first) as the data gave them -> those the loss
+        reads, before anything is counted: grpo's prompts -> their completions, sampled from `model`. The default
+        hands them on."""
+        return micro_batches
 
     def terms(self, model, inputs: dict, batch) -> Terms:
         raise NotImplementedError

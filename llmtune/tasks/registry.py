@@ -17,6 +17,7 @@ DOCUMENTS = "documents"  # text packed into blocks, every token trained (pt)
 CONVERSATIONS = "conversations"  # samples rendered by the chat template, the assistant's tokens trained (sft)
 PAIRS = "pairs"  # a prompt with a chosen and a rejected response, both rendered (dpo)
 UNPAIRED = "unpaired"  # a prompt and one response labelled desirable or undesirable (kto)
+PROMPTS = "prompts"  # a prompt alone, its completions sampled during training (grpo)
 
 
 @dataclass(frozen=True)
@@ -39,4 +40,7 @@ TASKS = {
     "kto": Task("llmtune.tasks.kto:KTO", UNPAIRED, "kto",
                 "KTO: prompts with one response each, labelled desirable or undesirable, the policy moved towards the "
                 "desirable ones against a reference model."),
+    "grpo": Task("llmtune.tasks.grpo:GRPO", PROMPTS, "grpo",
+                 "Online RL (GRPO and its kin): completions sampled from the policy for each prompt, scored by reward "
+                 "functions, the policy moved towards the completions better than their group's mean."),
 }

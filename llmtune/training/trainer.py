@@ -116,7 +116,7 @@ class Trainer:
             self.open_epoch = epoch
             self.callbacks("on_epoch_begin")
         self.callbacks.control = TrainerControl()
-        step_inputs = self.prepare(micro_batches)
+        step_inputs = self.prepare(self.objective.rollout(self.model, self.step, micro_batches))
         self.callbacks("on_step_begin")
         stats = self.train_step(step_inputs)
         stats.data_wait, stats.step_time = data_wait, time.perf_counter() - started

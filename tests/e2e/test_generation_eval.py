@@ -79,9 +79,9 @@ def test_save_best_ranks_by_a_generation_metric(scored_run):
 
 
 @pytest.mark.parametrize("scorer, said", [
-    ("raises", "eval_generation.scorers: raises raised ValueError: no answer key"),
-    ("one_short", "eval_generation.scorers: one_short returned 7 values for 8 completions; return one float (or "
-                  "None) per completion")])
+    ("raises", "eval_generation.scorers: raises raised ValueError: no answer key (scoring the completions of step 2)"),
+    ("one_short", "eval_generation.scorers: one_short returned 7 values for 8 completions (scoring the completions of "
+                  "step 2); return one float (or None) per completion")])
 def test_a_scorer_that_fails_stops_the_run_naming_it(tiny_model, sft_file, prompts_file, tmp_path, scorer, said):
     given = recipe(tiny_model, sft_file, prompts_file, tmp_path / "run", scorers=[f"tests.e2e.scorer_cases:{scorer}"])
     with pytest.raises(UserError) as raised:

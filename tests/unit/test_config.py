@@ -44,7 +44,8 @@ def test_unknown_key_names_section_and_closest_key(tmp_path):
     ("dpo", "loss_type", "did you mean 'dpo.loss_type'?"),
     ("dpo", "max_length", "did you mean 'dpo.max_length'?"),
     ("sft", "save_total_limit", "did you mean 'checkpoint.save_total_limit'?"),
-    ("sft", "beta", "it belongs to llmtune dpo (dpo.beta) and llmtune kto (kto.beta), not to sft"),
+    ("sft", "beta", "it belongs to llmtune dpo (dpo.beta), llmtune kto (kto.beta) and llmtune grpo (grpo.beta), not "
+                    "to sft"),
     ("sft", "pref_beta", "it belongs to llmtune dpo (dpo.beta) and llmtune kto (kto.beta), not to sft"),
 ])
 def test_a_key_in_the_wrong_section_is_sent_to_the_section_that_has_it(tmp_path, task, key, answer):

@@ -291,9 +291,13 @@ def test_the_test_split_is_built_and_cached_beside_validation_and_read_whole(tmp
                                                                      ["test", "train", "val"])
 
 
+def rows_collate(rows):
+    return collate(rows, pad_id=0)
+
+
 def steps_of(dataset, dp, micro, acc, count, shuffle=True, state=None):
-    train = TrainConfig(per_device_train_batch_size=micro, gradient_accumulation_steps=acc, seed=1, max_steps=count)
-    managers = [DataManager(dataset, DataConfig(shuffle=shuffle), train, 0, dp, rank) for rank in range(dp)]
+    managers = [DataManager(dataset, DataConfig(shuffle=shuffle), micro, acc, dp, rank, 1, rows_collate)
+                for rank in range(dp)]
     if state:
         for m in managers:
             m.load_state_dict(state)
@@ -318,8 +322,7 @@ def test_a_micro_batch_holds_the_same_samples_on_one_rank_or_spread_over_ranks()
     dataset = [{"input_ids": [i]} for i in range(37)]
 
     def micro_batches(dp, acc, state=None):
-        train = TrainConfig(per_device_train_batch_size=2, gradient_accumulation_steps=acc, seed=1, max_steps=6)
-        managers = [DataManager(dataset, DataConfig(), train, 0, dp, rank) for rank in range(dp)]
+        managers = [DataManager(dataset, DataConfig(), 2, acc, dp, rank, 1, rows_collate) for rank in range(dp)]
         for manager in managers:
             if state:
                 manager.load_state_dict(state)

@@ -1,0 +1,30 @@
+"""grpo's rows: TRL's prompt-only forms, a `prompt` column holding a string (tokenized as it is, as llmtune trains a
+text prompt: with the tokenizer's own special tokens) or a list of messages (rendered with the chat template and its
+generation prompt) -> its token ids, with the row's other columns kept whole for the reward functions (TRL hands
+them the data's columns). The same reading serves the evaluation by generation and `llmtune generate`
+(generation/prompts.py)."""
+
+import datasets
+
+from llmtune.data.formats import PROMPT_ROW
+from llmtune.data.sft import KEPT, TOO_LONG
+from llmtune.data.templates import render, text_ids, text_prompt_ids
+
+
+def prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """The token ids a completion of `prompt` follows."""
+    if isinstance(prompt, str):
+        return text_prompt_ids(tokenizer, prompt)
+    return text_ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True))
+
+
+def tokenize_prompts(rows: datasets.Dataset, tokenizer, max_length: int, map_kw: dict) -> datasets.Dataset:
+    """Canonical prompts -> input_ids (the prompt's), the row, and status: a prompt longer than `max_length` tokens
+    is dropped (counted as too long)."""
+
+    def encode(row):
+        ids = prompt_ids(tokenizer, row[PROMPT_ROW]["prompt"])
+        fits = len(ids) <= max_length
+        return {"input_ids": ids if fits else [], "status": KEPT if fits else TOO_LONG}
+
+    return rows.map(encode, **map_kw).select_columns(["input_ids", PROMPT_ROW, "status"])

@@ -1,0 +1,224 @@
+"""grpo: online RL with group-relative advantages (GRPO, Shao et al. 2024, and its kin DAPO, Dr. GRPO and GSPO, as
+TRL's GRPOTrainer computes them).
+
+Each optimizer step is one generation round (`rollout`, before the step's counts):
+1. The round's prompts (every rank is handed all of them, data/manager.py) are each sampled num_generations times by
+   the policy as it is now, through the generation engine (generation/engine.py): each rank generates whole groups
+   (every world-th prompt), every completion seeded by (seed, step, prompt, sample), so the completions do not depend
+   on the layout or on a resume; every rank learns them all.
+2. Rank 0 scores them with the reward functions and every rank learns the rewards (a reward function that fails stops
+   every rank with its name); the advantages are computed from them on every rank alike (tasks/grpo_losses.py).
+3. The round's completions, in (prompt, sample) order, are cut as the data of any other task is: data-parallel rank r
+   takes the r-th run of per_device_train_batch_size x gradient_accumulation_steps of them, in micro-batches of
+   per_device_train_batch_size consecutive completions, each micro-batch one packed row of its prompt + completion
+   sequences (the documents kept apart as in every packed row), the completion's tokens labelled.
+
+The loss of a micro-batch recomputes the completions' log-probabilities with the training forward at the sampling
+temperature (the sampler's are not used: the ratio is then exactly 1 on the first iteration, as the old policy is the
+policy). Per token t of completion s, with w the importance ratio (token: pi / pi_old; sequence, GSPO: the geometric
+mean of its tokens') and A_s its advantage:
+
+    loss_t = -min(w A_s, clip(w, 1 - epsilon, 1 + epsilon_high) A_s)
+
+weighted by loss_type's token weight and summed over the step, divided by the step's completions or completion
+tokens over every rank and micro-batch (tasks/grpo_losses.py), plus the features' terms over the labelled tokens.
+Under context parallelism a sequence-level ratio is a function of the whole completion: its loss is computed per
+completion from the cp peers' sums (tasks/preference.py's whole_sums), counted once.
+"""
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from llmtune.data.collate import collate, pad_token_id
+from llmtune.data.formats import PROMPT_ROW
+from llmtune.errors import UserError
+from llmtune.generation.engine import Sampling, generate
+from llmtune.generation.prompts import completion_value, stop_ids
+from llmtune.generation.scorers import load_scorers, score
+from llmtune.model.loss import IGNORE_INDEX
+from llmtune.monitor.metrics import restart_records
+from llmtune.tasks.grpo_losses import (DIVISORS, advantages, combined_rewards, nanstd, token_losses,
+                                       token_weights)
+from llmtune.tasks.objective import Objective, Terms
+from llmtune.tasks.preference import disable_dropout, whole_sums
+
+COMPLETIONS = "completions.jsonl"
+REWARD_FUNCS = "grpo.reward_funcs"
+
+
+class GRPO(Objective):
+    counts = ("completions", "completion_tokens")
+    samples = unit = "completions"
+    shown = ("reward", "reward_std", "completions/mean_length")
+    rows_called = "prompts"
+
+    def __init__(self, cfg, state, tokenizer, generation_config, seed: int, output_dir: Path, batch_size: int,
+                 document_mask: bool, logging_steps: int):
+        self.cfg, self.state, self.tokenizer, self.seed = cfg, state, tokenizer, seed
+        self.divisors = (DIVISORS[cfg.loss_type], "label_tokens")
+        clipped = "completion_tokens" if cfg.importance_sampling_level == "token" else "completions"
+        self.metrics = (("entropy", "completion_tokens"), ("clip_ratio/low_mean", clipped),
+                        ("clip_ratio/high_mean", clipped), ("clip_ratio/region_mean", clipped))
+        self.scorers = load_scorers(cfg.reward_funcs, cfg.answer_column, cfg.regex, REWARD_FUNCS)
+        self.reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(self.scorers), dtype=torch.float64)
+        self.sampling = Sampling(**cfg.sampling())
+        self.eos_ids = stop_ids(tokenizer, generation_config)
+        self.pad_id = pad_token_id(tokenizer)
+        self.micro_batch, self.document_mask = batch_size, document_mask
+        self.path, self.logging_steps, self.restarted = output_dir / COMPLETIONS, logging_steps, False
+        self.round_values: dict[str, float] = {}  # the rollout's metrics of the step being trained
+
+    @classmethod
+    def build(cls, config, model, state, tokenizer, **parts) -> "GRPO":
+        if config.grpo.disable_dropout:
+            disable_dropout(model.hf_model)
+        return cls(config.grpo, state, tokenizer, model.hf_model.generation_config, config.train.seed,
+                   Path(config.train.output_dir), config.train.per_device_train_batch_size, config.data.document_mask,
+                   config.train.logging_steps)
+
+    def global_batch_words(self, global_batch: int) -> str:
+        """A step's round: its prompts, each sampled num_generations times."""
+        generations = self.cfg.num_generations
+        return f"{global_batch * generations} completions ({global_batch} prompts x {generations} generations)"
+
+    def metric_names(self) -> tuple[str, ...]:
+        names = [f"rewards/{scorer.name}/{stat}" for scorer in self.scorers for stat in ("mean", "std")]
+        return (*super().metric_names(), "reward", "reward_std", *names, "frac_reward_zero_std",
+                *(f"completions/{name}" for name in ("mean_length", "min_length", "max_length", "clipped_ratio",
+                                                      "mean_terminated_length", "min_terminated_length",
+                                                      "max_terminated_length")),
+                "generation/time_s", "generation/completions_per_s")
+
+    def summary(self, sums: list[float], totals: list[float]) -> dict[str, float]:
+        """Objective.summary, and the metrics of the round the step trained (a training step's; an evaluation has
+        none)."""
+        return {**super().summary(sums, totals), **self.round_values}
+
+    def count(self, inputs: dict, batch, cp_rank: int) -> list[float]:
+        completions = float(len(batch.sequences["length"])) * (cp_rank == 0)
+        return [completions, float((inputs["shift_labels"] != IGNORE_INDEX).sum())]
+
+    def rollout(self, model, step: int, prompts: list[list[dict]]) -> list:
+        """The step's micro-batches for this rank: its prompts' completions sampled by `model`, scored and laid out
+        (the module's docstring); the round's metrics kept for the step's record."""
+        [rows] = prompts
+        started = time.perf_counter()
+        completions = generate(model, [row["input_ids"] for row in rows], self.sampling, eos_ids=self.eos_ids,
+                               pad_id=self.pad_id, device=self.state.device, seed=self.seed, step=step,
+                               state=self.state)
+        elapsed = time.perf_counter() - started
+        per_function = self._rewards(rows, completions, step)
+        rewards = combined_rewards(per_function, self.reward_weights)
+        advantage, zero_std = advantages(rewards, self.cfg.num_generations, self.cfg.scale_rewards)
+        self.round_values = {**self._round_metrics(per_function, rewards, zero_std, completions),
+                             "generation/time_s": elapsed, "generation/completions_per_s": len(completions) / elapsed}
+        return self._micro_batches(rows, completions, advantage)
+
+    def _rewards(self, rows: list[dict], completions, step: int) -> torch.Tensor:
+        """[completions, reward functions] (NaN where a function returned None), scored on rank 0 and learnt by every
+        rank; rank 0 also writes the round's samples to completions.jsonl at a logging step. The file starts afresh
+        with a run, or keeps the records up to the step a resumed run goes on from (those after it are made again,
+        the same)."""
+        outcome = None
+        if self.state.is_main:
+            if not self.restarted:
+                restart_records(self.path, step)
+                self.restarted = True
+            try:
+                outcome = self._scored(rows, completions, step)
+            except UserError as err:
+                outcome = str(err)
+        outcome = self.state.broadcast_object(outcome)
+        if isinstance(outcome, str):
+            raise UserError(outcome)
+        return torch.tensor(outcome, dtype=torch.float64).view(len(completions), len(self.scorers))
+
+    def _scored(self, rows: list[dict], completions, step: int) -> list[list[float]]:
+        given = [rows[c.prompt][PROMPT_ROW] for c in completions]
+        texts = [self.tokenizer.decode(c.ids, skip_special_tokens=True) for c in completions]
+        values = [completion_value(row["prompt"], text) for row, text in zip(given, texts)]
+        names = dict.fromkeys(key for row in given for key in row if key != "prompt")
+        columns = {key: [row.get(key) for row in given] for key in names}
+        scores = score(self.scorers, [row["prompt"] for row in given], values, [c.ids for c in completions], columns,
+                       REWARD_FUNCS, f"the completions of step {step + 1}")
+        logged = (step + 1) % self.logging_steps == 0 or step == 0
+        with self.path.open("a", encoding="utf-8") as f:
+            for i, (row, completion, value) in enumerate(zip(given, completions, values) if logged else ()):
+                record = {"step": step + 1, **row, "completion": value, "completion_ids": completion.ids,
+                          "truncated": completion.truncated, **{name: got[i] for name, got in scores.items()}}
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        return [[math.nan if got[i] is None else got[i] for got in scores.values()] for i in range(len(completions))]
+
+    def _round_metrics(self, per_function, rewards, zero_std, completions) -> dict[str, float]:
+        """TRL's names and definitions of a round's reward and length metrics."""
+        values = {"reward": rewards.nanmean().item(), "reward_std": nanstd(rewards).item(),
+                  "frac_reward_zero_std": zero_std.double().mean().item()}
+        for i, scorer in enumerate(self.scorers):
+            values[f"rewards/{scorer.name}/mean"] = per_function[:, i].nanmean().item()
+            values[f"rewards/{scorer.name}/std"] = nanstd(per_function[:, i]).item()
+        lengths = [len(c.ids) for c in completions]
+        ended = [len(c.ids) for c in completions if not c.truncated] or [0]
+        values.update({"completions/mean_length": sum(lengths) / len(lengths),
+                       "completions/min_length": min(lengths), "completions/max_length": max(lengths),
+                       "completions/clipped_ratio": sum(c.truncated for c in completions) / len(completions),
+                       "completions/mean_terminated_length": sum(ended) / len(ended),
+                       "completions/min_terminated_length": min(ended),
+                       "completions/max_terminated_length": max(ended)})
+        return values
+
+    def _micro_batches(self, rows: list[dict], completions, advantage: torch.Tensor) -> list:
+        """This data-parallel rank's share of the round, in micro-batches of micro_batch completions, each one packed
+        row of prompt + completion sequences with the completion's tokens labelled (none where
+        mask_truncated_completions drops a truncated one) and, per sequence, its advantage and loss tokens."""
+        share = len(completions) // self.state.dp_size
+        mine = range(self.state.dp_rank * share, (self.state.dp_rank + 1) * share)
+        batches = []
+        for first in range(mine.start, mine.stop, self.micro_batch):
+            row = {"input_ids": [], "labels": [], "position_ids": [], "advantage": [], "loss_tokens": []}
+            for i in range(first, first + self.micro_batch):
+                completion, prompt = completions[i], rows[completions[i].prompt]["input_ids"]
+                trained = not (self.cfg.mask_truncated_completions and completion.truncated)
+                ids = list(prompt) + list(completion.ids)
+                row["input_ids"] += ids
+                row["labels"] += [IGNORE_INDEX] * len(prompt) + (list(completion.ids) if trained else
+                                                                 [IGNORE_INDEX] * len(completion.ids))
+                row["position_ids"] += list(range(len(ids)))
+                row["advantage"].append(float(advantage[i]))
+                row["loss_tokens"].append(float(len(completion.ids) if trained else 0))
+            batches.append(collate([row], self.pad_id, self.document_mask, two_sequences=True))
+        return batches
+
+    def terms(self, model, inputs: dict, batch) -> Terms:
+        logps, entropy, features_terms = model.token_logps(**inputs, temperature=self.cfg.temperature,
+                                                           with_entropy=True)
+        sequence_ids = inputs["sequence_ids"]
+        mask = (inputs["shift_labels"] != IGNORE_INDEX) & (sequence_ids >= 0)
+        owners = sequence_ids.clamp(min=0)
+        advantage = batch.sequences["advantage"].to(logps.dtype)
+        loss_tokens = batch.sequences["loss_tokens"]
+        weight = token_weights(self.cfg.loss_type, loss_tokens, self.cfg.max_completion_length).to(logps.dtype)
+        # The first iteration: the old policy is the policy (its log-probabilities without their gradient).
+        log_ratio = logps - logps.detach()
+        epsilon_low, epsilon_high = self.cfg.epsilon, self.cfg.clip_high
+        if self.cfg.importance_sampling_level == "token":
+            losses, low, high = token_losses(log_ratio, advantage[owners], epsilon_low, epsilon_high)
+            policy = (losses * weight[owners]).where(mask, 0.0).sum()
+            clipped = torch.stack([low.where(mask, False).sum(), high.where(mask, False).sum(),
+                                   (low | high).where(mask, False).sum()]).double()
+        else:
+            # GSPO: one ratio per completion, the mean of its tokens' log-ratios over the whole completion.
+            sums = log_ratio.new_zeros(len(advantage)).index_add(0, owners.flatten(),
+                                                                  log_ratio.where(mask, 0.0).flatten())
+            mean_log_ratio = whole_sums(sums, self.state) / loss_tokens.to(logps.dtype).clamp(min=1)
+            losses, low, high = token_losses(mean_log_ratio, advantage, epsilon_low, epsilon_high)
+            # The sequence's loss times the sum of its tokens' weights, counted once over the cp peers.
+            policy = (losses * weight * loss_tokens.to(logps.dtype)).sum() / self.state.cp_size
+            clipped = torch.stack([low.sum(), high.sum(), (low | high).sum()]).double() * (self.state.cp_rank == 0)
+        loss = torch.stack([policy, features_terms.reshape(())])
+        with torch.no_grad():
+            metrics = torch.cat([entropy.where(mask, 0.0).sum().double().reshape(1), clipped])
+        return Terms(loss, metrics)
