@@ -944,6 +944,10 @@ class GRPOConfig:
     mask_truncated_completions: bool = _field(False, "Truncated completions add nothing to the loss (DAPO).")
     disable_dropout: bool = _field(False, "Dropout off in the policy (TRL's GRPO default: left on).")
 
+    def needs_reference(self) -> bool:
+        """The KL term's reference, built when beta > 0 (TRL's: none at its default beta 0)."""
+        return self.beta > 0
+
     @property
     def clip_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
@@ -988,6 +992,9 @@ class GRPOConfig:
                        "functions; give one per function")
         if "regex_match" in self.reward_funcs and not self.regex:
             out.append("grpo.regex: regex_match needs the pattern; set grpo.regex")
+        if self.ref_model is not None and self.reference == "adapter_off":
+            out.append("grpo.ref_model: the adapter_off reference is the policy itself; set grpo.reference: model to "
+                       "use ref_model")
         return out
 
     def round_completions(self, train, dp_size: int) -> int:
@@ -1070,10 +1077,17 @@ class Config:
         found = getattr(self, section) if section else None
         return found if isinstance(found, PreferenceConfig) else None
 
+    def reference_section(self) -> "PreferenceConfig | GRPOConfig | None":
+        """The task's section that names a reference model (reference, ref_model): dpo's, kto's, grpo's; None for
+        another task."""
+        section = TASKS[self.task].section
+        found = getattr(self, section) if section else None
+        return found if hasattr(found, "ref_model") else None
+
     def holds_reference_copy(self) -> bool:
         """Whether the run holds a second, frozen copy of the model while it trains (reference: model)."""
-        preference = self.preference()
-        return preference is not None and preference.needs_reference() and preference.reference == "model"
+        section = self.reference_section()
+        return section is not None and section.needs_reference() and section.reference == "model"
 
     def use_micro_batch(self, micro_batch: int, world_size: int) -> None:
         """per_device_train_batch_size: auto, resolved: this micro-batch, and the accumulation that keeps
@@ -1465,6 +1479,7 @@ def _task_problems(config: Config, provided: set[str], task_flag: bool) -> list[
     out = [f"{name}: this section is for llmtune {owners[name]}, not {config.task}; "
            + (f"pass --task {owners[name]}" if task_flag else f"leave it out of a {config.task} recipe")
            for name in sorted({key.partition(".")[0] for key in provided} & set(owners)) if name != section]
+    out += _reference_problems(config)
     preference = config.preference()
     if preference is None:
         return out
@@ -1473,14 +1488,6 @@ def _task_problems(config: Config, provided: set[str], task_flag: bool) -> list[
         out.append(f"{name}.max_length: two sequences of {preference.max_length} tokens do not fit a row of "
                    f"data.max_seq_len={data.max_seq_len}; raise data.max_seq_len to {2 * preference.max_length} or "
                    f"lower {name}.max_length")
-    if preference.reference == "adapter_off" and preference.needs_reference() and config.peft.method == "none":
-        out.append(f"{name}.reference: adapter_off is the policy with its adapters off, and this run trains no "
-                   f"adapters; set peft.method (lora or dora) or {name}.reference: model")
-    if config.model.init_from and preference.needs_reference() and preference.reference != "adapter_off" \
-            and not preference.ref_model:
-        out.append(f"{name}.reference: {preference.reference} is built from model.name_or_path, but model.init_from "
-                   f"starts the policy from other weights; set {name}.ref_model to the weights the reference should "
-                   "have (e.g. the folder init_from's run exported)")
     for key, value in (("z_loss", train.z_loss), ("label_smoothing", train.label_smoothing)):
         if value:
             out.append(f"train.{key}: applies to the token loss of pt and sft; preference losses use the "
@@ -1498,6 +1505,22 @@ def _task_run_problems(config: Config, world_size: int) -> list[str]:
     section = TASKS[config.task].section
     check = getattr(getattr(config, section), "run_problems", None) if section else None
     return check(config, config.dp_size(world_size)) if check and not config.parallel.layout_problem(world_size) else []
+
+
+def _reference_problems(config: Config) -> list[str]:
+    """A reference the run cannot build as its task's section names it."""
+    section = config.reference_section()
+    if section is None or not section.needs_reference():
+        return []
+    name, out = section.section, []
+    if section.reference == "adapter_off" and config.peft.method == "none":
+        out.append(f"{name}.reference: adapter_off is the policy with its adapters off, and this run trains no "
+                   f"adapters; set peft.method (lora or dora) or {name}.reference: model")
+    if config.model.init_from and section.reference != "adapter_off" and not section.ref_model:
+        out.append(f"{name}.reference: {section.reference} is built from model.name_or_path, but model.init_from "
+                   f"starts the policy from other weights; set {name}.ref_model to the weights the reference should "
+                   "have (e.g. the folder init_from's run exported)")
+    return out
 
 
 def _quantize_problems(config: Config) -> list[str]:

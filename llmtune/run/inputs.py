@@ -41,15 +41,16 @@ def _model_repo(model, text: str | None, tokenizer_only: bool) -> HubRepo | None
 
 
 def _reference_key(config) -> str:
-    preference = config.preference()
-    return f"{preference.section}.ref_model" if preference else ""
+    section = config.reference_section()
+    return f"{section.section}.ref_model" if section else ""
 
 
 def _reference_repo(config) -> HubRepo | None:
-    """A preference task's ref_model, a model of its own: model.revision names the policy's revision, not its."""
-    preference = config.preference()
-    return model_repo(preference.ref_model, None, config.model.trust_remote_code, tokenizer_only=False) \
-        if preference else None
+    """A task's ref_model (dpo's, kto's, grpo's), a model of its own: model.revision names the policy's revision, not
+    its."""
+    section = config.reference_section()
+    return model_repo(section.ref_model, None, config.model.trust_remote_code, tokenizer_only=False) \
+        if section else None
 
 
 def pin_hub_inputs(config) -> dict[HubRepo, str]:
@@ -80,9 +81,9 @@ def local_inputs(config, folders: dict[HubRepo, Path]):
     local_model = replace(model, name_or_path=folder(model.name_or_path, tokenizer_only=False),
                           tokenizer=folder(model.tokenizer, tokenizer_only=True), revision=None)
     reference = _reference_repo(config)
-    # A preference task's reference model: its folder too.
-    task_section = {config.preference().section: replace(config.preference(), ref_model=str(folders[reference]))} \
-        if reference else {}
+    # A task's reference model: its folder too.
+    section = config.reference_section()
+    task_section = {section.section: replace(section, ref_model=str(folders[reference]))} if reference else {}
     local_data = replace(data, train_files=sources(data.train_files, "data.train_files"),
                          val_files=sources(data.val_files, "data.val_files"),
                          test_files=sources(data.test_files, "data.test_files"))
@@ -186,7 +187,7 @@ def check_inputs(config) -> None:
     but pt's documents) has a chat template; optional sinks are installed."""
     check_optional_packages(config)
     check_model_paths(config.model)
-    reference = config.preference() and config.preference().ref_model
+    reference = config.reference_section() and config.reference_section().ref_model
     if reference and not (Path(reference) / "config.json").is_file():
         raise UserError(f"{_reference_key(config)}: {reference} is not a HF model folder (no config.json there); point it at a "
                         "folder written by save_pretrained, or at a Hub id (org/name)")

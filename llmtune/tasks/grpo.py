@@ -41,10 +41,11 @@ from llmtune.generation.prompts import completion_value, stop_ids
 from llmtune.generation.scorers import load_scorers, score
 from llmtune.model.loss import IGNORE_INDEX
 from llmtune.monitor.metrics import restart_records
-from llmtune.tasks.grpo_losses import (DIVISORS, advantages, combined_rewards, nanstd, token_losses,
+from llmtune.tasks.grpo_losses import (DIVISORS, advantages, combined_rewards, k3_kl, nanstd, token_losses,
                                        token_weights)
 from llmtune.tasks.objective import Objective, Terms
 from llmtune.tasks.preference import disable_dropout, whole_sums
+from llmtune.tasks.reference import build_reference
 
 COMPLETIONS = "completions.jsonl"
 REWARD_FUNCS = "grpo.reward_funcs"
@@ -57,12 +58,14 @@ class GRPO(Objective):
     rows_called = "prompts"
 
     def __init__(self, cfg, state, tokenizer, generation_config, seed: int, output_dir: Path, batch_size: int,
-                 document_mask: bool, logging_steps: int):
-        self.cfg, self.state, self.tokenizer, self.seed = cfg, state, tokenizer, seed
+                 document_mask: bool, logging_steps: int, reference=None):
+        self.cfg, self.state, self.tokenizer, self.seed, self.reference = cfg, state, tokenizer, seed, reference
         self.divisors = (DIVISORS[cfg.loss_type], "label_tokens")
         clipped = "completion_tokens" if cfg.importance_sampling_level == "token" else "completions"
+        # TRL's names; kl where there is a KL term.
         self.metrics = (("entropy", "completion_tokens"), ("clip_ratio/low_mean", clipped),
-                        ("clip_ratio/high_mean", clipped), ("clip_ratio/region_mean", clipped))
+                        ("clip_ratio/high_mean", clipped), ("clip_ratio/region_mean", clipped),
+                        *((("kl", "completion_tokens"),) if reference is not None else ()))
         self.scorers = load_scorers(cfg.reward_funcs, cfg.answer_column, cfg.regex, REWARD_FUNCS)
         self.reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(self.scorers), dtype=torch.float64)
         self.sampling = Sampling(**cfg.sampling())
@@ -73,12 +76,14 @@ class GRPO(Objective):
         self.round_values: dict[str, float] = {}  # the rollout's metrics of the step being trained
 
     @classmethod
-    def build(cls, config, model, state, tokenizer, **parts) -> "GRPO":
+    def build(cls, config, local, model_config, model, features, state, tokenizer, **parts) -> "GRPO":
         if config.grpo.disable_dropout:
             disable_dropout(model.hf_model)
+        reference = build_reference(config, local, model_config, model, features, state) \
+            if config.grpo.needs_reference() else None
         return cls(config.grpo, state, tokenizer, model.hf_model.generation_config, config.train.seed,
                    Path(config.train.output_dir), config.train.per_device_train_batch_size, config.data.document_mask,
-                   config.train.logging_steps)
+                   config.train.logging_steps, reference)
 
     def global_batch_words(self, global_batch: int) -> str:
         """A step's round: its prompts, each sampled num_generations times."""
@@ -203,22 +208,34 @@ class GRPO(Objective):
         weight = token_weights(self.cfg.loss_type, loss_tokens, self.cfg.max_completion_length).to(logps.dtype)
         # The first iteration: the old policy is the policy (its log-probabilities without their gradient).
         log_ratio = logps - logps.detach()
+        kl = k3_kl(logps, self.reference.token_logps(inputs, self.cfg.temperature)).where(mask, 0.0) \
+            if self.reference is not None else None
         epsilon_low, epsilon_high = self.cfg.epsilon, self.cfg.clip_high
         if self.cfg.importance_sampling_level == "token":
             losses, low, high = token_losses(log_ratio, advantage[owners], epsilon_low, epsilon_high)
+            if kl is not None:
+                losses = losses + self.cfg.beta * kl * (log_ratio.exp() if self.cfg.use_bias_correction_kl else 1.0)
             policy = (losses * weight[owners]).where(mask, 0.0).sum()
             clipped = torch.stack([low.where(mask, False).sum(), high.where(mask, False).sum(),
                                    (low | high).where(mask, False).sum()]).double()
         else:
-            # GSPO: one ratio per completion, the mean of its tokens' log-ratios over the whole completion.
-            sums = log_ratio.new_zeros(len(advantage)).index_add(0, owners.flatten(),
-                                                                  log_ratio.where(mask, 0.0).flatten())
-            mean_log_ratio = whole_sums(sums, self.state) / loss_tokens.to(logps.dtype).clamp(min=1)
+            # GSPO: one ratio per completion, the mean of its tokens' log-ratios over the whole completion; its loss
+            # (and its KL term, weighted by that ratio) computed per completion from the cp peers' sums, counted once.
+            def whole(values):
+                local = values.new_zeros(len(advantage)).index_add(0, owners.flatten(), values.flatten())
+                return whole_sums(local, self.state)
+
+            tokens = loss_tokens.to(logps.dtype)
+            mean_log_ratio = whole(log_ratio.where(mask, 0.0)) / tokens.clamp(min=1)
             losses, low, high = token_losses(mean_log_ratio, advantage, epsilon_low, epsilon_high)
-            # The sequence's loss times the sum of its tokens' weights, counted once over the cp peers.
-            policy = (losses * weight * loss_tokens.to(logps.dtype)).sum() / self.state.cp_size
+            losses = losses * tokens
+            if kl is not None:
+                losses = losses + self.cfg.beta * whole(kl) * (
+                    mean_log_ratio.exp() if self.cfg.use_bias_correction_kl else 1.0)
+            policy = (losses * weight).sum() / self.state.cp_size
             clipped = torch.stack([low.sum(), high.sum(), (low | high).sum()]).double() * (self.state.cp_rank == 0)
         loss = torch.stack([policy, features_terms.reshape(())])
         with torch.no_grad():
-            metrics = torch.cat([entropy.where(mask, 0.0).sum().double().reshape(1), clipped])
+            sums = [entropy.where(mask, 0.0).sum().double().reshape(1), clipped]
+            metrics = torch.cat(sums + ([kl.sum().double().reshape(1)] if kl is not None else []))
         return Terms(loss, metrics)

@@ -52,6 +52,13 @@ class ModelReference:
         reshard(self.module)
         return self.state.cp_sum(local)
 
+    def token_logps(self, inputs: dict, temperature: float) -> torch.Tensor:
+        """Each labelled token's log-probability at `temperature`, of this rank's slice (grpo's KL term)."""
+        with torch.no_grad():
+            logps, _, _ = self.module.token_logps(**inputs, temperature=temperature)
+        reshard(self.module)
+        return logps
+
 
 class AdapterOffReference:
     def __init__(self, model, state):
@@ -62,6 +69,11 @@ class AdapterOffReference:
             local, _, _ = self.model.sequence_logps(**inputs, sequences=sequence_count(batch))
         return self.state.cp_sum(local)
 
+    def token_logps(self, inputs: dict, temperature: float) -> torch.Tensor:
+        with torch.no_grad(), Adapters.disabled(self.model.hf_model):
+            logps, _, _ = self.model.token_logps(**inputs, temperature=temperature)
+        return logps
+
 
 class PrecomputedReference:
     def logps(self, inputs: dict, batch) -> torch.Tensor:
@@ -69,9 +81,9 @@ class PrecomputedReference:
 
 
 def reference_source(config, local, model_config):
-    """(model section, transformers config) of the reference's weights: dpo.ref_model, else the policy's own.
-    `local`: the recipe with its Hub ids fetched (dpo.ref_model's too)."""
-    ref_model = local.preference().ref_model
+    """(model section, transformers config) of the reference's weights: the task's ref_model (dpo.ref_model, ...),
+    else the policy's own. `local`: the recipe with its Hub ids fetched (ref_model's too)."""
+    ref_model = local.reference_section().ref_model
     if not ref_model:
         return local.model, model_config
     model_cfg = replace(local.model, name_or_path=ref_model, config=None, init_from=None)
@@ -88,9 +100,9 @@ def reference_model(config, local, model_config, features, state) -> ModelRefere
 
 
 def build_reference(config, local, model_config, model, features, state):
-    """The reference dpo.reference names for training (precomputed: what reads the values tasks/precompute.py
-    added to the rows)."""
-    kind = config.preference().reference
+    """The reference the task's section names for training (dpo.reference, ...; precomputed: what reads the values
+    tasks/precompute.py added to the rows)."""
+    kind = config.reference_section().reference
     if kind == "adapter_off":
         return AdapterOffReference(model, state)
     if kind == "precomputed":

@@ -1,0 +1,118 @@
+"""llmtune grpo over layouts: for every loss_type (and GSPO's sequence-level ratio with a KL term against a reference
+copy), 1 process accumulating 4 micro-batches, 1 process with the step in one micro-batch, 2 data-parallel processes
+accumulating 2 and 2 context-parallel peers give the same per-step losses and gradient norms (1e-5 relative) and sample the same completions, token for token, at
+every step (the later steps' from the weights the earlier steps trained); and a 2-process run killed after step 3 and
+resumed continues bitwise: the same losses, completions and final weights. Every 2-process run but the killed one
+trains in one launch; the 1-process runs in pytest's own process."""
+
+import json
+import shutil
+import signal
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import llmtune
+from tests.dist.test_resume import logged_steps, signal_tree, wait_for
+from tests.helpers import kill_tree, launch_cases, read_metrics, run_cli, start_cli
+
+STEPS = 4
+VARIANTS = {
+    "grpo": {"grpo.loss_type": "grpo"},
+    "bnpo": {"grpo.loss_type": "bnpo"},
+    "dr_grpo": {"grpo.loss_type": "dr_grpo"},
+    "dapo": {},
+    "gspo_kl": {"grpo.importance_sampling_level": "sequence", "grpo.beta": 0.1, "grpo.loss_type": "grpo"},
+}
+LAYOUTS = {"dp2": {"train.gradient_accumulation_steps": 2}, "cp2": {"parallel.cp_size": 2}}
+# On one process: the step's 8 completions in one micro-batch (a normalizer per micro-batch would differ here).
+WHOLE = {"train.per_device_train_batch_size": 8, "train.gradient_accumulation_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def prompts(assets, tmp_path_factory):
+    """16 of the demo's held-out questions with their answers, every other one as messages (TRL's two prompt-only
+    forms)."""
+    rows = [json.loads(line) for line in (assets / "data" / "sft_eval.jsonl").read_text().splitlines()[:16]]
+    path = tmp_path_factory.mktemp("grpo_prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": row["prompt"] if i % 2 else [{"role": "user",
+                                                                                 "content": row["prompt"]}],
+                                        "solution": row["response"]}) + "\n" for i, row in enumerate(rows)))
+    return path
+
+
+def settings(output_dir, **more) -> dict:
+    """Rounds of 2 prompts x 4 completions, micro-batches of 2 completions; rewards that differ within groups of the
+    random model's completions (a digit anywhere, the answer's number); a learning rate that moves the samples."""
+    return {"train.output_dir": str(output_dir), "train.max_steps": STEPS, "train.per_device_train_batch_size": 2,
+            "train.gradient_accumulation_steps": 4, "train.learning_rate": 5e-2, "train.logging_steps": 1,
+            "checkpoint.save_steps": 2, "checkpoint.export_dtype": "fp32", "monitor.plots": False,
+            "grpo.reward_funcs": ["regex_match", "numeric_match"], "grpo.regex": r".*\d", "grpo.num_generations": 4,
+            "grpo.max_completion_length": 6, **more}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, prompts, tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_ranks")
+    recipe = root / "grpo.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"name_or_path": str(tiny_model)},
+                                      "data": {"train_files": [str(prompts)], "chat_template": "basic",
+                                               "max_seq_len": 64}}))
+    two = {f"{variant}_{layout}": settings(root / f"{variant}_{layout}", **values, **changes)
+           for variant, values in VARIANTS.items() for layout, changes in LAYOUTS.items()}
+    launch_cases([{"recipe": str(recipe), "task": "grpo", "overrides": [f"{k}={v}" for k, v in values.items()]}
+                  for values in two.values()], root)
+    for variant, values in VARIANTS.items():
+        llmtune.train("grpo", str(recipe), **settings(root / f"{variant}_one", **values))
+        llmtune.train("grpo", str(recipe), **settings(root / f"{variant}_whole", **values, **WHOLE))
+
+    # Killed once step 3 is logged: stopped, its folder copied (what a SIGKILL leaves then), then killed.
+    killed, resumed = root / "killed", root / "resumed"
+    words = ["grpo", str(recipe), *(f"{k}={v}" for k, v in settings(killed, **LAYOUTS["dp2"]).items()), "--nproc", "2"]
+    process = start_cli(*words)
+    wait_for(lambda: 3 in logged_steps(killed), process)
+    signal_tree(process, signal.SIGSTOP)
+    shutil.copytree(killed, resumed)
+    kill_tree(process)
+    result = run_cli(*[word.replace(str(killed), str(resumed)) for word in words],
+                     "--resume_from_checkpoint", "latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming after step 2" in result.stderr
+    return root
+
+
+def records(folder) -> list[dict]:
+    return [r for r in read_metrics(folder) if "loss" in r]
+
+
+def completions(folder) -> list[tuple[int, list[int]]]:
+    return [(row["step"], row["completion_ids"]) for row in
+            map(json.loads, (folder / "completions.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "whole"])
+def test_every_layout_gives_the_losses_gradients_and_completions_of_one_process(runs, variant, layout):
+    one, other = records(runs / f"{variant}_one"), records(runs / f"{variant}_{layout}")
+    assert [r["step"] for r in other] == [r["step"] for r in one] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm", "reward", "entropy", *(["kl"] if "kl" in variant else [])):
+        # At ratio 1 a group's token terms cancel: grpo's loss is 0 up to rounding (1e-8), compared absolutely there.
+        assert [r[key] for r in other] == pytest.approx([r[key] for r in one], rel=1e-5, abs=1e-7), key
+    assert any(r["grad_norm"] > 0 for r in one), "the rewards must differ within a group, or nothing trains"
+    assert completions(runs / f"{variant}_{layout}") == completions(runs / f"{variant}_one")
+    sampled = completions(runs / f"{variant}_one")
+    assert {step for step, _ in sampled} == set(range(1, STEPS + 1)) and len(sampled) == 8 * STEPS
+    assert sampled[:8] != sampled[-8:], "the steps sample different prompts"
+
+
+def test_a_killed_run_resumes_bitwise_completions_included(runs):
+    straight, resumed = runs / "dapo_dp2", runs / "resumed"
+    assert [r["step"] for r in records(resumed)] == list(range(1, STEPS + 1))
+    assert [(r["loss"], r["grad_norm"], r["reward"]) for r in records(resumed)] == \
+        [(r["loss"], r["grad_norm"], r["reward"]) for r in records(straight)]
+    assert completions(resumed) == completions(straight)
+    reference = load_file(straight / "hf" / "model.safetensors")
+    weights = load_file(resumed / "hf" / "model.safetensors")
+    assert weights.keys() == reference.keys() and all(torch.equal(reference[k], weights[k]) for k in reference)
