@@ -1020,6 +1020,12 @@ class GRPOConfig:
         """The prompts of one generation round, each sampled num_generations times."""
         return self.round_completions(train, dp_size) // self.num_generations
 
+    def round_steps(self, train, dp_size: int) -> int:
+        """The optimizer steps that share one round's completions (each trains per_device_train_batch_size x
+        data-parallel size x gradient_accumulation_steps of them); the round is trained num_iterations times over."""
+        return self.round_completions(train, dp_size) // (train.per_device_train_batch_size * dp_size
+                                                          * train.gradient_accumulation_steps)
+
     def _round_problems(self, train, dp_size: int) -> list[str]:
         if not isinstance(train.per_device_train_batch_size, int):
             return ["train.per_device_train_batch_size: grpo counts completions per micro-batch; give a number, not "
@@ -1029,11 +1035,10 @@ class GRPOConfig:
         if completions % self.num_generations:
             return [f"grpo.generation_batch_size: a round of {completions} completions is not a whole number of "
                     f"groups of num_generations={self.num_generations}; choose a multiple of {self.num_generations}"]
-        if completions != per_step or self.num_iterations != 1:
-            return [f"grpo.generation_batch_size: a round of {completions} completions for optimizer steps of "
-                    f"{per_step} (per_device_train_batch_size x data-parallel size x gradient_accumulation_steps), "
-                    f"{self.num_iterations} time(s): llmtune grpo trains each round in one optimizer step for now; "
-                    "leave generation_batch_size, steps_per_generation and num_iterations at their defaults"]
+        if completions % per_step:
+            return [f"grpo.generation_batch_size: a round of {completions} completions is not a whole number of "
+                    f"optimizer steps of {per_step} (per_device_train_batch_size x data-parallel size x "
+                    f"gradient_accumulation_steps); choose a multiple of {per_step}"]
         return []
 
 

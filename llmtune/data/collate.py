@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmtune.data.packing import TOKEN_COLUMNS
-from llmtune.model.loss import IGNORE_INDEX, shift_labels
+from llmtune.model.loss import IGNORE_INDEX, TOKEN_VALUES, shift_labels
 
 
 # Inputs the model's forward reads on the host (the attention's document spans, model/attention.py): they stay in
@@ -81,6 +81,11 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_seque
             positions[i, :n] = torch.tensor(row["position_ids"])
             positions[i, n:] = torch.arange(length - n)
     inputs = {"input_ids": input_ids, "shift_labels": shift_labels(labels)}
+    for column in (column for column in TOKEN_VALUES if column in rows[0]):
+        values = torch.zeros((len(rows), length), dtype=torch.float32)
+        for i, row in enumerate(rows):
+            values[i, :len(row[column])] = torch.tensor(row[column], dtype=torch.float32)
+        inputs[column] = values
     if packed:
         inputs["position_ids"] = positions
         if not document_mask:
@@ -105,6 +110,6 @@ def number_sequences(batch: MicroBatch, rows: list[dict]) -> MicroBatch:
         first += int(starts.sum())
     batch.inputs["sequence_ids"] = ids
     batch.sequences["length"] = torch.bincount(ids[ids >= 0], minlength=first)
-    for column in (column for column in rows[0] if column not in TOKEN_COLUMNS):
+    for column in (column for column in rows[0] if column not in TOKEN_COLUMNS + TOKEN_VALUES):
         batch.sequences[column] = torch.tensor([value for row in rows for value in row[column]], dtype=torch.float64)
     return batch

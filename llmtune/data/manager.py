@@ -147,11 +147,14 @@ def loader(dataset, data_cfg, cuda: bool, **kwargs) -> DataLoader:
 
 class DataManager:
     """The optimizer steps of a map-style dataset, each `accumulation` micro-batches of `micro_batch` samples on each
-    of dp_size ranks, made by `collate_fn`."""
+    of dp_size ranks, made by `collate_fn`; each batch handed to `repeat` optimizer steps in a row (grpo's round of
+    prompts, trained over several steps)."""
 
     def __init__(self, dataset: datasets.Dataset, data_cfg, micro_batch: int, accumulation: int, dp_size: int,
-                 dp_rank: int, seed: int, collate_fn, cuda: bool = False):
-        self.accumulation = accumulation
+                 dp_rank: int, seed: int, collate_fn, cuda: bool = False, repeat: int = 1):
+        self.accumulation, self.repeat = accumulation, repeat
+        self.given = repeat  # the steps the current batch was handed to (repeat: it is done)
+        self._current = None
         self.sampler = StepSampler(len(dataset), micro_batch, self.accumulation, dp_size, dp_rank, data_cfg.shuffle,
                                    seed)
         self.loader = loader(dataset, data_cfg, cuda, batch_size=micro_batch, sampler=self.sampler,
@@ -173,7 +176,7 @@ class DataManager:
     def total_steps(self, train_cfg) -> int:
         if train_cfg.max_steps > 0:
             return train_cfg.max_steps
-        return math.ceil(train_cfg.num_train_epochs * self.steps_per_epoch)
+        return math.ceil(train_cfg.num_train_epochs * self.steps_per_epoch * self.repeat)
 
     def steps(self, count: int):
         """Yield (epoch, micro-batches of one optimizer step) `count` times, from the saved position on.
@@ -182,27 +185,33 @@ class DataManager:
         same global batch on every layout.
         """
         for _ in range(count):
-            if self.step_in_epoch == self.steps_per_epoch:
-                self.epoch, self.step_in_epoch = self.epoch + 1, 0
-            if self.step_in_epoch == 0 or self._batches is None:
-                self.sampler.epoch, self.sampler.start_step = self.epoch, self.step_in_epoch
-                self._batches = iter(self.loader)
-            micro_batches = [next(self._batches) for _ in range(self.accumulation)]
-            self.step_in_epoch += 1
-            yield self.epoch, micro_batches
+            if self._current is None or self.given == self.repeat:
+                self.given %= self.repeat  # a resume inside a batch's steps reads the batch again (load_state_dict)
+                if self.step_in_epoch == self.steps_per_epoch:
+                    self.epoch, self.step_in_epoch = self.epoch + 1, 0
+                if self.step_in_epoch == 0 or self._batches is None:
+                    self.sampler.epoch, self.sampler.start_step = self.epoch, self.step_in_epoch
+                    self._batches = iter(self.loader)
+                self._current = [next(self._batches) for _ in range(self.accumulation)]
+                self.step_in_epoch += 1
+            self.given += 1
+            yield self.epoch, self._current
 
     @property
     def epoch_done(self) -> bool:
-        return self.step_in_epoch == self.steps_per_epoch
+        return self.step_in_epoch == self.steps_per_epoch and self.given == self.repeat
 
     @property
     def progress(self) -> float:
         """Epochs done, fractional, as the HF Trainer logs `epoch`: 1.5 is halfway through the second epoch."""
-        return self.epoch + self.step_in_epoch / self.steps_per_epoch
+        steps = self.step_in_epoch * self.repeat - (self.repeat - self.given if self.step_in_epoch else 0)
+        return self.epoch + steps / (self.steps_per_epoch * self.repeat)
 
     def state_dict(self) -> dict:
-        """The position in samples, so that a resume with another split of the same global batch continues."""
-        return {"epoch": self.epoch, "samples_in_epoch": self.step_in_epoch * self.global_batch}
+        """The position in samples, so that a resume with another split of the same global batch continues; with
+        repeat, also the steps the current batch was handed to."""
+        state = {"epoch": self.epoch, "samples_in_epoch": self.step_in_epoch * self.global_batch}
+        return {**state, "given": self.given} if self.repeat > 1 else state
 
     def load_state_dict(self, state: dict) -> None:
         steps, rest = divmod(state["samples_in_epoch"], self.global_batch)
@@ -211,7 +220,10 @@ class DataManager:
                             f"not a whole number of global batches of {self.global_batch}; resume with the global "
                             "batch size of the checkpoint")
         self.epoch, self.step_in_epoch = state["epoch"], steps
-        self._batches = None
+        self.given = state.get("given", self.repeat)
+        if self.given < self.repeat:  # inside a batch's steps: it is read again, and handed to the rest of them
+            self.step_in_epoch -= 1
+        self._batches = self._current = None
 
 
 class StreamingDataManager:
@@ -319,7 +331,8 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
                            train_cfg.gradient_accumulation_steps, state.dp_size, state.dp_rank, train_cfg.seed,
                            rows_collate, cuda) if TASKS[config.task].rows != PROMPTS else \
             DataManager(train, data_cfg, config.grpo.round_prompts(train_cfg, state.dp_size), 1, 1, 0,
-                        train_cfg.seed, list, cuda)
+                        train_cfg.seed, list, cuda, config.grpo.round_steps(train_cfg, state.dp_size)
+                        * config.grpo.num_iterations)
 
     def held_out(split, cfg) -> Validation:
         return Validation(split, train_cfg.per_device_eval_batch_size, pad_id, data_cfg, state.dp_size, state.dp_rank,

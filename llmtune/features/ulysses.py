@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from llmtune.features.base import Feature
 from llmtune.model import attention
 from llmtune.model.attention import attend, backend_function, document_positions, is_varlen, varlen_kwargs
-from llmtune.model.loss import IGNORE_INDEX
+from llmtune.model.loss import IGNORE_INDEX, TOKEN_VALUES
 
 ATTENTION = "llmtune_ulysses"
 
@@ -115,6 +115,8 @@ class SequenceShard:
                   "position_ids": positions[:, part].contiguous(), "document_positions": documents.contiguous()}
         if "sequence_ids" in inputs:  # a preference task's: which sequence each token belongs to (-1: padding)
             sliced["sequence_ids"] = F.pad(inputs["sequence_ids"], (0, extra), value=-1)[:, part].contiguous()
+        for key in (key for key in TOKEN_VALUES if key in inputs):  # values in line with the labels
+            sliced[key] = F.pad(inputs[key], (0, extra))[:, part].contiguous()
         return sliced
 
 

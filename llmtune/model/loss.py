@@ -37,6 +37,10 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+# Values of a row given per token, in line with its shifted labels (the value at position t is that of the label of
+# t, token t + 1): grpo's old policy's log-probabilities. They travel with the labels (a context-parallel rank gets
+# its slice) and are the objective's, never the model's.
+TOKEN_VALUES = ("old_logps",)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ completion from the cp peers' sums (tasks/preference.py's whole_sums), counted o
 import json
 import math
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +40,8 @@ from llmtune.errors import UserError
 from llmtune.generation.engine import Sampling, generate
 from llmtune.generation.prompts import completion_value, stop_ids
 from llmtune.generation.scorers import load_scorers, score
-from llmtune.model.loss import IGNORE_INDEX
+from llmtune.model.build import reshard
+from llmtune.model.loss import IGNORE_INDEX, TOKEN_VALUES
 from llmtune.monitor.metrics import restart_records
 from llmtune.tasks.grpo_losses import (DIVISORS, advantages, combined_rewards, k3_kl, nanstd, token_losses,
                                        token_weights)
@@ -51,6 +53,25 @@ COMPLETIONS = "completions.jsonl"
 REWARD_FUNCS = "grpo.reward_funcs"
 
 
+@dataclass
+class Round:
+    """A generation round, as a checkpoint holds it (plain data): the step it began at, its completions ([prompt,
+    sample, token ids, truncated], in prompt then sample order), their advantages, the order its optimizer steps take
+    them in, its metrics, and, for a round trained more than once, every completion's old log-probabilities (by
+    completion: its labelled tokens' in order)."""
+    step: int
+    completions: list[list]
+    advantages: list[float]
+    order: list[int]
+    values: dict[str, float]
+    old: dict[int, list[float]] | None = None
+
+
+def model_inputs(inputs: dict) -> dict:
+    """A micro-batch's inputs without the objective's own per-token values."""
+    return {key: value for key, value in inputs.items() if key not in TOKEN_VALUES}
+
+
 class GRPO(Objective):
     counts = ("completions", "completion_tokens")
     samples = unit = "completions"
@@ -58,7 +79,7 @@ class GRPO(Objective):
     rows_called = "prompts"
 
     def __init__(self, cfg, state, tokenizer, generation_config, seed: int, output_dir: Path, batch_size: int,
-                 document_mask: bool, logging_steps: int, reference=None):
+                 document_mask: bool, logging_steps: int, round_steps: int = 1, reference=None):
         self.cfg, self.state, self.tokenizer, self.seed, self.reference = cfg, state, tokenizer, seed, reference
         self.divisors = (DIVISORS[cfg.loss_type], "label_tokens")
         clipped = "completion_tokens" if cfg.importance_sampling_level == "token" else "completions"
@@ -73,7 +94,11 @@ class GRPO(Objective):
         self.pad_id = pad_token_id(tokenizer)
         self.micro_batch, self.document_mask = batch_size, document_mask
         self.path, self.logging_steps, self.restarted = output_dir / COMPLETIONS, logging_steps, False
-        self.round_values: dict[str, float] = {}  # the rollout's metrics of the step being trained
+        self.round_values: dict[str, float] = {}  # the round's metrics, for the record of the step being trained
+        # A round: round_steps optimizer steps (each a share of its completions), num_iterations times over.
+        self.round_steps = round_steps
+        self.steps_per_round = round_steps * cfg.num_iterations
+        self.round: Round | None = None
 
     @classmethod
     def build(cls, config, local, model_config, model, features, state, tokenizer, **parts) -> "GRPO":
@@ -83,12 +108,17 @@ class GRPO(Objective):
             if config.grpo.needs_reference() else None
         return cls(config.grpo, state, tokenizer, model.hf_model.generation_config, config.train.seed,
                    Path(config.train.output_dir), config.train.per_device_train_batch_size, config.data.document_mask,
-                   config.train.logging_steps, reference)
+                   config.train.logging_steps, config.grpo.round_steps(config.train, state.dp_size), reference)
 
     def global_batch_words(self, global_batch: int) -> str:
-        """A step's round: its prompts, each sampled num_generations times."""
-        generations = self.cfg.num_generations
-        return f"{global_batch * generations} completions ({global_batch} prompts x {generations} generations)"
+        """A step's completions, and the round they come from: `global_batch` prompts, each sampled num_generations
+        times, trained over round_steps optimizer steps, num_iterations times."""
+        generations, completions = self.cfg.num_generations, global_batch * self.cfg.num_generations
+        words = f"{completions // self.round_steps} completions (a round of {global_batch} prompts x {generations} " \
+                f"generations = {completions} completions"
+        if self.steps_per_round > 1:
+            words += f" over {self.round_steps} step(s), {self.cfg.num_iterations} time(s)"
+        return words + ")"
 
     def metric_names(self) -> tuple[str, ...]:
         names = [f"rewards/{scorer.name}/{stat}" for scorer in self.scorers for stat in ("mean", "std")]
@@ -97,6 +127,16 @@ class GRPO(Objective):
                                                       "mean_terminated_length", "min_terminated_length",
                                                       "max_terminated_length")),
                 "generation/time_s", "generation/completions_per_s")
+
+    def state_dict(self) -> dict:
+        """The round being trained, where a resume inside it needs it (a round of several optimizer steps)."""
+        return {"round": asdict(self.round)} if self.round is not None and self.steps_per_round > 1 else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        found = state.get("round")
+        if found is not None:
+            old = found["old"]
+            self.round = Round(**{**found, "old": {int(k): v for k, v in old.items()} if old is not None else None})
 
     def summary(self, sums: list[float], totals: list[float]) -> dict[str, float]:
         """Objective.summary, and the metrics of the round the step trained (a training step's; an evaluation has
@@ -107,10 +147,25 @@ class GRPO(Objective):
         completions = float(len(batch.sequences["length"])) * (cp_rank == 0)
         return [completions, float((inputs["shift_labels"] != IGNORE_INDEX).sum())]
 
-    def rollout(self, model, step: int, prompts: list[list[dict]]) -> list:
-        """The step's micro-batches for this rank: its prompts' completions sampled by `model`, scored and laid out
-        (the module's docstring); the round's metrics kept for the step's record."""
+    def rollout(self, model, step: int, prompts: list[list[dict]], prepare) -> list:
+        """The step's micro-batches for this rank: at the first step of a round its prompts' completions sampled by
+        `model`, scored, their advantages computed (and, for a round trained more than once, the old policy's
+        log-probabilities); at every step the round's slice for this step laid out (the module's docstring). The
+        round's metrics are kept for the step's record. prepare(micro-batch): it as the model takes it (the
+        trainer's)."""
         [rows] = prompts
+        if self.state.is_main and not self.restarted:
+            restart_records(self.path, step)
+            self.restarted = True
+        position = step % self.steps_per_round
+        if position == 0 or self.round is None or self.round.step != step - position:
+            if position:
+                raise RuntimeError(f"step {step + 1} is inside a generation round that was not restored")
+            self.round = self._new_round(model, step, rows, prepare)
+        self.round_values = self.round.values
+        return self._micro_batches(rows, self.round, position % self.round_steps)
+
+    def _new_round(self, model, step: int, rows: list[dict], prepare) -> Round:
         started = time.perf_counter()
         completions = generate(model, [row["input_ids"] for row in rows], self.sampling, eos_ids=self.eos_ids,
                                pad_id=self.pad_id, device=self.state.device, seed=self.seed, step=step,
@@ -119,20 +174,46 @@ class GRPO(Objective):
         per_function = self._rewards(rows, completions, step)
         rewards = combined_rewards(per_function, self.reward_weights)
         advantage, zero_std = advantages(rewards, self.cfg.num_generations, self.cfg.scale_rewards)
-        self.round_values = {**self._round_metrics(per_function, rewards, zero_std, completions),
-                             "generation/time_s": elapsed, "generation/completions_per_s": len(completions) / elapsed}
-        return self._micro_batches(rows, completions, advantage)
+        values = {**self._round_metrics(per_function, rewards, zero_std, completions),
+                  "generation/time_s": elapsed, "generation/completions_per_s": len(completions) / elapsed}
+        # A round of several optimizer steps: each trains a seeded share of its completions, mixed over the groups.
+        order = torch.randperm(len(completions), generator=torch.Generator().manual_seed(self.seed + step)).tolist() \
+            if self.round_steps > 1 else list(range(len(completions)))
+        found = Round(step, [[c.prompt, c.sample, c.ids, c.truncated] for c in completions], advantage.tolist(),
+                      order, values)
+        if self.steps_per_round > 1:
+            found.old = self._old_logps(model, rows, found, prepare)
+        return found
+
+    def _old_logps(self, model, rows: list[dict], found: Round, prepare) -> dict[int, list[float]]:
+        """Every completion's tokens' log-probabilities under the policy that sampled them, at the sampling
+        temperature, from the training forward (no gradient): each rank computes those of the micro-batches it
+        trains in the round (a cp peer those of its slice of each), and every rank learns them all."""
+        mine = {}
+        with torch.no_grad():
+            for share in range(self.round_steps):
+                for batch, indices in zip(*self._layout(rows, found, share)):
+                    inputs = prepare(batch).inputs
+                    logps, _, _ = model.token_logps(**model_inputs(inputs), temperature=self.cfg.temperature)
+                    sequence_ids = inputs["sequence_ids"]
+                    labelled = (inputs["shift_labels"] != IGNORE_INDEX) & (sequence_ids >= 0)
+                    for local, index in enumerate(indices):
+                        mine[index] = logps[labelled & (sequence_ids == local)].tolist()
+        reshard(model)
+        old: dict[int, list[float]] = {}
+        # A cp peer holds a contiguous slice of each row, in the order of the cp ranks: their values in that order.
+        for _, values in sorted(self.state.all_gather_object((self.state.cp_rank, mine)), key=lambda x: x[0]):
+            for index, part in values.items():
+                old.setdefault(index, []).extend(part)
+        return old
 
     def _rewards(self, rows: list[dict], completions, step: int) -> torch.Tensor:
         """[completions, reward functions] (NaN where a function returned None), scored on rank 0 and learnt by every
-        rank; rank 0 also writes the round's samples to completions.jsonl at a logging step. The file starts afresh
-        with a run, or keeps the records up to the step a resumed run goes on from (those after it are made again,
+        rank; rank 0 also writes the round's samples to completions.jsonl at a logging step (the file starts afresh
+        with a run, or keeps the records up to the step a resumed run goes on from: those after it are made again,
         the same)."""
         outcome = None
         if self.state.is_main:
-            if not self.restarted:
-                restart_records(self.path, step)
-                self.restarted = True
             try:
                 outcome = self._scored(rows, completions, step)
             except UserError as err:
@@ -175,30 +256,45 @@ class GRPO(Objective):
                        "completions/max_terminated_length": max(ended)})
         return values
 
-    def _micro_batches(self, rows: list[dict], completions, advantage: torch.Tensor) -> list:
-        """This data-parallel rank's share of the round, in micro-batches of micro_batch completions, each one packed
-        row of prompt + completion sequences with the completion's tokens labelled (none where
-        mask_truncated_completions drops a truncated one) and, per sequence, its advantage and loss tokens."""
-        share = len(completions) // self.state.dp_size
-        mine = range(self.state.dp_rank * share, (self.state.dp_rank + 1) * share)
-        batches = []
-        for first in range(mine.start, mine.stop, self.micro_batch):
+    def _micro_batches(self, rows: list[dict], found: Round, share: int) -> list:
+        return self._layout(rows, found, share)[0]
+
+    def _layout(self, rows: list[dict], found: Round, share: int) -> tuple[list, list[list[int]]]:
+        """(this data-parallel rank's micro-batches of the round's `share`-th optimizer step, the round's indices of
+        the completions of each): the step's completions cut as any task's samples (data-parallel rank r takes the
+        r-th run of micro_batch x accumulation), in micro-batches of micro_batch completions, each one packed row of
+        prompt + completion sequences, the completion's tokens labelled (none where mask_truncated_completions drops
+        a truncated one) and, per sequence, its advantage and loss tokens, and per token the old policy's
+        log-probability where the round has them."""
+        per_step = len(found.completions) // self.round_steps
+        step_order = found.order[share * per_step:(share + 1) * per_step]
+        per_rank = per_step // self.state.dp_size
+        mine = step_order[self.state.dp_rank * per_rank:(self.state.dp_rank + 1) * per_rank]
+        batches, owned = [], []
+        for first in range(0, len(mine), self.micro_batch):
+            indices = mine[first:first + self.micro_batch]
             row = {"input_ids": [], "labels": [], "position_ids": [], "advantage": [], "loss_tokens": []}
-            for i in range(first, first + self.micro_batch):
-                completion, prompt = completions[i], rows[completions[i].prompt]["input_ids"]
-                trained = not (self.cfg.mask_truncated_completions and completion.truncated)
-                ids = list(prompt) + list(completion.ids)
-                row["input_ids"] += ids
-                row["labels"] += [IGNORE_INDEX] * len(prompt) + (list(completion.ids) if trained else
-                                                                 [IGNORE_INDEX] * len(completion.ids))
-                row["position_ids"] += list(range(len(ids)))
-                row["advantage"].append(float(advantage[i]))
-                row["loss_tokens"].append(float(len(completion.ids) if trained else 0))
+            if found.old is not None:
+                row["old_logps"] = []
+            for index in indices:
+                prompt_index, _, ids, truncated = found.completions[index]
+                prompt = rows[prompt_index]["input_ids"]
+                trained = not (self.cfg.mask_truncated_completions and truncated)
+                row["input_ids"] += list(prompt) + list(ids)
+                row["labels"] += [IGNORE_INDEX] * len(prompt) + (list(ids) if trained else [IGNORE_INDEX] * len(ids))
+                row["position_ids"] += list(range(len(prompt) + len(ids)))
+                row["advantage"].append(found.advantages[index])
+                row["loss_tokens"].append(float(len(ids) if trained else 0))
+                if found.old is not None:
+                    # In line with the shifted labels: the value of position t is that of token t + 1.
+                    old = found.old[index] if trained else [0.0] * len(ids)
+                    row["old_logps"] += [0.0] * (len(prompt) - 1) + old + [0.0]
             batches.append(collate([row], self.pad_id, self.document_mask, two_sequences=True))
-        return batches
+            owned.append(indices)
+        return batches, owned
 
     def terms(self, model, inputs: dict, batch) -> Terms:
-        logps, entropy, features_terms = model.token_logps(**inputs, temperature=self.cfg.temperature,
+        logps, entropy, features_terms = model.token_logps(**model_inputs(inputs), temperature=self.cfg.temperature,
                                                            with_entropy=True)
         sequence_ids = inputs["sequence_ids"]
         mask = (inputs["shift_labels"] != IGNORE_INDEX) & (sequence_ids >= 0)
@@ -206,9 +302,10 @@ class GRPO(Objective):
         advantage = batch.sequences["advantage"].to(logps.dtype)
         loss_tokens = batch.sequences["loss_tokens"]
         weight = token_weights(self.cfg.loss_type, loss_tokens, self.cfg.max_completion_length).to(logps.dtype)
-        # The first iteration: the old policy is the policy (its log-probabilities without their gradient).
-        log_ratio = logps - logps.detach()
-        kl = k3_kl(logps, self.reference.token_logps(inputs, self.cfg.temperature)).where(mask, 0.0) \
+        # The old policy's log-probabilities: the round's, or, in a round of one optimizer step, the policy's own
+        # without their gradient (the same values).
+        log_ratio = logps - inputs.get("old_logps", logps.detach())
+        kl = k3_kl(logps, self.reference.token_logps(model_inputs(inputs), self.cfg.temperature)).where(mask, 0.0) \
             if self.reference is not None else None
         epsilon_low, epsilon_high = self.cfg.epsilon, self.cfg.clip_high
         if self.cfg.importance_sampling_level == "token":

@@ -62,11 +62,18 @@ class Objective:
         for an objective whose loss needs a value of all of them (KTO's reference point). The default reads
         nothing (an evaluation's iterable is then never run)."""
 
-    def rollout(self, model, step: int, micro_batches: list) -> list:
+    def rollout(self, model, step: int, micro_batches: list, prepare) -> list:
         """The micro-batches of optimizer step `step` (0 for the first) as the data gave them -> those the loss
-        reads, before anything is counted: grpo's prompts -> their completions, sampled from `model`. The default
-        hands them on."""
+        reads, before anything is counted: grpo's prompts -> their completions, sampled from `model`.
+        prepare(micro-batch) gives one as the model takes it, on the device. The default hands them on."""
         return micro_batches
+
+    def state_dict(self) -> dict:
+        """What a resume needs of the objective (plain data, in trainer_state.json): grpo's round being trained."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's state_dict()."""
 
     def terms(self, model, inputs: dict, batch) -> Terms:
         raise NotImplementedError

@@ -116,7 +116,8 @@ class Trainer:
             self.open_epoch = epoch
             self.callbacks("on_epoch_begin")
         self.callbacks.control = TrainerControl()
-        step_inputs = self.prepare(self.objective.rollout(self.model, self.step, micro_batches))
+        step_inputs = self.prepare(self.objective.rollout(self.model, self.step, micro_batches,
+                                                          lambda batch: self._prepared(batch)[0]))
         self.callbacks("on_step_begin")
         stats = self.train_step(step_inputs)
         stats.data_wait, stats.step_time = data_wait, time.perf_counter() - started
@@ -201,7 +202,7 @@ class Trainer:
                 "skipped_steps": self.monitor.skipped_steps, "data": self.data.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "features": self.features.state_dict(),
                 "callbacks": self.callbacks.state_dict(), "loss_scale": self.loss_scale.state_dict(),
-                "log_history": self.callbacks.state.log_history}
+                "log_history": self.callbacks.state.log_history, "objective": self.objective.state_dict()}
 
     def tensor_state(self) -> dict:
         """Sharded tensors besides model and optimizer that a checkpoint holds (DCP, loaded in place): the moving
@@ -218,6 +219,7 @@ class Trainer:
         self.callbacks.state.log_history = state.get("log_history", [])  # none in those written before it
         self.last_eval = state.get("eval_metrics", {})
         self.loss_scale.load_state_dict(state.get("loss_scale", {}))
+        self.objective.load_state_dict(state.get("objective", {}))  # none in checkpoints written before grpo
         if "ema" in state.get("missing_tensors", ()):
             if self.state.is_main:
                 log.warning("checkpoint: it holds no moving averages (written without train.ema_decay); they start "

@@ -1,9 +1,10 @@
-"""llmtune grpo over layouts: for every loss_type (and GSPO's sequence-level ratio with a KL term against a reference
-copy), 1 process accumulating 4 micro-batches, 1 process with the step in one micro-batch, 2 data-parallel processes
-accumulating 2 and 2 context-parallel peers give the same per-step losses and gradient norms (1e-5 relative) and sample the same completions, token for token, at
-every step (the later steps' from the weights the earlier steps trained); and a 2-process run killed after step 3 and
-resumed continues bitwise: the same losses, completions and final weights. Every 2-process run but the killed one
-trains in one launch; the 1-process runs in pytest's own process."""
+"""llmtune grpo over layouts: for every loss_type, for GSPO's sequence-level ratio with a KL term against a reference
+copy, and for rounds of completions trained over 2 steps twice (ratios against the old policy, clipped), 1 process
+accumulating 4 micro-batches, 1 process with the step in one micro-batch, 2 data-parallel processes accumulating 2
+and 2 context-parallel peers give the same per-step losses and gradient norms (1e-5 relative) and sample the same
+completions, token for token (the later rounds' from the weights the earlier steps trained); and a 2-process run
+killed inside a round resumes bitwise: the same losses, completions and final weights. Every 2-process run but the
+killed one trains in one launch; the 1-process runs in pytest's own process."""
 
 import json
 import shutil
@@ -25,7 +26,14 @@ VARIANTS = {
     "dr_grpo": {"grpo.loss_type": "dr_grpo"},
     "dapo": {},
     "gspo_kl": {"grpo.importance_sampling_level": "sequence", "grpo.beta": 0.1, "grpo.loss_type": "grpo"},
+    # A round of 16 completions trained over 2 steps, twice: ratios against the old policy's log-probabilities.
+    "rounds": {"grpo.generation_batch_size": 16, "grpo.num_iterations": 2, "grpo.epsilon_high": 0.28,
+               "grpo.beta": 0.1},
 }
+# The killed run: rounds over 2 steps, a checkpoint at every step; killed once step 3's is written, it resumes inside
+# the round of steps 3 and 4, then samples the rounds of steps 5 and 6 itself.
+KILLED = {"train.max_steps": 6, "checkpoint.save_steps": 1, "grpo.generation_batch_size": 16,
+          **{"train.gradient_accumulation_steps": 2}}
 LAYOUTS = {"dp2": {"train.gradient_accumulation_steps": 2}, "cp2": {"parallel.cp_size": 2}}
 # On one process: the step's 8 completions in one micro-batch (a normalizer per micro-batch would differ here).
 WHOLE = {"train.per_device_train_batch_size": 8, "train.gradient_accumulation_steps": 1}
@@ -62,24 +70,26 @@ def runs(tiny_model, prompts, tmp_path_factory):
                                                "max_seq_len": 64}}))
     two = {f"{variant}_{layout}": settings(root / f"{variant}_{layout}", **values, **changes)
            for variant, values in VARIANTS.items() for layout, changes in LAYOUTS.items()}
+    two["straight"] = settings(root / "straight", **KILLED)
     launch_cases([{"recipe": str(recipe), "task": "grpo", "overrides": [f"{k}={v}" for k, v in values.items()]}
                   for values in two.values()], root)
     for variant, values in VARIANTS.items():
         llmtune.train("grpo", str(recipe), **settings(root / f"{variant}_one", **values))
         llmtune.train("grpo", str(recipe), **settings(root / f"{variant}_whole", **values, **WHOLE))
 
-    # Killed once step 3 is logged: stopped, its folder copied (what a SIGKILL leaves then), then killed.
+    # Stopped once step 3's checkpoint is written, its folder copied (what a SIGKILL leaves then), then killed.
     killed, resumed = root / "killed", root / "resumed"
-    words = ["grpo", str(recipe), *(f"{k}={v}" for k, v in settings(killed, **LAYOUTS["dp2"]).items()), "--nproc", "2"]
+    words = ["grpo", str(recipe), *(f"{k}={v}" for k, v in settings(killed, **KILLED).items()), "--nproc", "2"]
     process = start_cli(*words)
-    wait_for(lambda: 3 in logged_steps(killed), process)
+    latest = killed / "checkpoints" / "latest"
+    wait_for(lambda: latest.is_file() and latest.read_text() == "global_step_3", process)
     signal_tree(process, signal.SIGSTOP)
     shutil.copytree(killed, resumed)
     kill_tree(process)
     result = run_cli(*[word.replace(str(killed), str(resumed)) for word in words],
                      "--resume_from_checkpoint", "latest")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming after step 2" in result.stderr
+    assert "resuming after step 3" in result.stderr
     return root
 
 
@@ -103,16 +113,20 @@ def test_every_layout_gives_the_losses_gradients_and_completions_of_one_process(
     assert any(r["grad_norm"] > 0 for r in one), "the rewards must differ within a group, or nothing trains"
     assert completions(runs / f"{variant}_{layout}") == completions(runs / f"{variant}_one")
     sampled = completions(runs / f"{variant}_one")
-    assert {step for step, _ in sampled} == set(range(1, STEPS + 1)) and len(sampled) == 8 * STEPS
-    assert sampled[:8] != sampled[-8:], "the steps sample different prompts"
+    rounds = range(1, STEPS + 1, 4 if variant == "rounds" else 1)  # a round's completions are logged as it begins
+    assert [step for step, _ in sampled] == [step for step in rounds for _ in range(len(sampled) // len(rounds))]
+    assert sampled[:8] != sampled[-8:], "the rounds sample different prompts"
+    if variant == "rounds":
+        assert any(r["clip_ratio/region_mean"] > 0 for r in one), "the later steps' ratios must leave the clip range"
 
 
 def test_a_killed_run_resumes_bitwise_completions_included(runs):
-    straight, resumed = runs / "dapo_dp2", runs / "resumed"
-    assert [r["step"] for r in records(resumed)] == list(range(1, STEPS + 1))
+    straight, resumed = runs / "straight", runs / "resumed"
+    assert [r["step"] for r in records(resumed)] == list(range(1, 7))
     assert [(r["loss"], r["grad_norm"], r["reward"]) for r in records(resumed)] == \
         [(r["loss"], r["grad_norm"], r["reward"]) for r in records(straight)]
     assert completions(resumed) == completions(straight)
+    assert [step for step, _ in completions(resumed)] == [1] * 16 + [3] * 16 + [5] * 16
     reference = load_file(straight / "hf" / "model.safetensors")
     weights = load_file(resumed / "hf" / "model.safetensors")
     assert weights.keys() == reference.keys() and all(torch.equal(reference[k], weights[k]) for k in reference)
