@@ -192,7 +192,7 @@ def tokenize_source(rows, form: str, tokenizer, data_cfg, source: Source, pair_l
         return blocks, 0 if streamed else pretrain.token_count(docs) - pretrain.token_count(blocks)
     if form in ROWS_FORMS[PROMPTS]:
         return prompts.tokenize_prompts(rows, tokenizer, data_cfg.max_seq_len,
-                                        map_options(rows, data_cfg.num_proc, "tokenize")), 0
+                                        map_options(rows, data_cfg.num_proc, "tokenize"), source.pattern), 0
     if form in ROWS_FORMS[PAIRS]:
         return preference.tokenize_pairs(rows, tokenizer, data_cfg, pair_limits,
                                          map_options(rows, data_cfg.num_proc, "tokenize"), source.pattern), 0

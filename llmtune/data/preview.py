@@ -3,7 +3,7 @@
 It builds (or reads) the same tokenization cache entry as the run, on one process and with no process group, then
 prints the first samples with their trained tokens marked (a task of preference pairs: the first pairs, the prompt
 once, then the chosen and the rejected response; kto: the first examples, the prompt, then the completion and its
-label, not the KL sequence), the statistics the run logs and a histogram of the sample (pair, example) lengths.
+label, not the KL sequence; grpo: the first prompts as rendered, with their other columns), the statistics the run logs and a histogram of the sample (pair, example) lengths.
 """
 
 import math
@@ -14,13 +14,14 @@ import numpy as np
 import pyarrow.compute as pc
 
 from llmtune.data.build import OneProcess, load_or_build, unit_name
+from llmtune.data.formats import PROMPT_ROW
 from llmtune.data.packing import TOKEN_COLUMNS
 from llmtune.data.preference import RESPONSES, PairLimits, two_sequence_rows
 from llmtune.data.templates import recipe_tokenizer
 from llmtune.data.unpaired import DESIRABLE
 from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
-from llmtune.tasks.registry import PAIRS, TASKS, UNPAIRED
+from llmtune.tasks.registry import PAIRS, PROMPTS, TASKS, UNPAIRED
 
 GREEN, RESET = "\033[32m", "\033[0m"
 OPEN, CLOSE = "[[", "]]"
@@ -42,7 +43,7 @@ def preview(task: str, local, count: int) -> None:
     # The arguments of build_data (manager.py): the same cache key, so the run and this command share one entry.
     train, _, _, stats = load_or_build(task, local.data, tokenizer, local.train.seed,
                                        local.train.per_device_train_batch_size, OneProcess(), PairLimits.of(local))
-    show = {PAIRS: show_pairs, UNPAIRED: show_examples}.get(TASKS[task].rows, show_samples)
+    show = {PAIRS: show_pairs, UNPAIRED: show_examples, PROMPTS: show_prompts}.get(TASKS[task].rows, show_samples)
     show(tokenizer, train, count, sys.stdout.isatty())
     # The line the run logs; it counts the validation samples too.
     print(f"data: {stats.summary()}")
@@ -59,6 +60,16 @@ def show_samples(tokenizer, train, count: int, color: bool) -> None:
         note = " (continues a document of the previous row)" if continued else ""
         print(f"sample {number}: {len(ids)} tokens, {sum(trained)} trained{note}")
         print(render(tokenizer, ids, trained, color))
+        print()
+
+
+def show_prompts(tokenizer, train, count: int, color: bool) -> None:
+    """grpo's prompts as the model is given them (rendered, the generation prompt included; nothing of them is
+    trained: the completions sampled from them are), with the columns the reward functions are handed."""
+    for number, row in enumerate(train.select(range(min(count, len(train)))), 1):
+        columns = {key: value for key, value in row[PROMPT_ROW].items() if key != "prompt"}
+        print(f"prompt {number}: {len(row['input_ids'])} tokens; reward functions also get: {columns}")
+        print(render(tokenizer, row["input_ids"], [False] * len(row["input_ids"]), color))
         print()
 
 

@@ -9,6 +9,7 @@ import datasets
 from llmtune.data.formats import PROMPT_ROW
 from llmtune.data.sft import KEPT, TOO_LONG
 from llmtune.data.templates import render, text_ids, text_prompt_ids
+from llmtune.errors import UserError
 
 
 def prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
@@ -18,13 +19,16 @@ def prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
     return text_ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True))
 
 
-def tokenize_prompts(rows: datasets.Dataset, tokenizer, max_length: int, map_kw: dict) -> datasets.Dataset:
-    """Canonical prompts -> input_ids (the prompt's), the row, and status: a prompt longer than `max_length` tokens
-    is dropped (counted as too long)."""
+def tokenize_prompts(rows: datasets.Dataset, tokenizer, max_length: int, map_kw: dict, source: str) -> datasets.Dataset:
+    """Canonical prompts of `source` -> input_ids (the prompt's), the row, and status: a prompt longer than
+    `max_length` tokens is dropped (counted as too long); one of no tokens is refused (a completion needs a token to
+    follow)."""
 
-    def encode(row):
+    def encode(row, index):
         ids = prompt_ids(tokenizer, row[PROMPT_ROW]["prompt"])
+        if not ids:
+            raise UserError(f"{source}: row {index + 1}: the prompt has no tokens; give it text, or leave the row out")
         fits = len(ids) <= max_length
         return {"input_ids": ids if fits else [], "status": KEPT if fits else TOO_LONG}
 
-    return rows.map(encode, **map_kw).select_columns(["input_ids", PROMPT_ROW, "status"])
+    return rows.map(encode, with_indices=True, **map_kw).select_columns(["input_ids", PROMPT_ROW, "status"])

@@ -99,9 +99,11 @@ def score(scorers: list[Scorer], prompts: list, completions: list, completion_id
                                      **columns)
         except Exception as err:
             raise UserError(f"{key}: {scorer.name} raised {type(err).__name__}: {err} (scoring {batch})") from None
-        if not isinstance(values, (list, tuple)) or len(values) != len(completions) or not all(
-                v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
-            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+        odd = next((v for v in values if not (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))),
+                   None) if isinstance(values, (list, tuple)) else None
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions) or odd is not None:
+            got = type(values).__name__ if not isinstance(values, (list, tuple)) else \
+                f"{len(values)} values" if len(values) != len(completions) else f"{odd!r}, a {type(odd).__name__},"
             raise UserError(f"{key}: {scorer.name} returned {got} for {len(completions)} completions (scoring "
                             f"{batch}); return one float (or None) per completion")
         scores[scorer.name] = [None if v is None else float(v) for v in values]

@@ -42,12 +42,14 @@ def check_run(local, world_size: int):
     from llmtune.features.registry import check_features
     from llmtune.model.build import check_model, load_model_config
     from llmtune.generation.evaluation import check_eval_generation
+    from llmtune.tasks.objective import objective_class
     from llmtune.training.callbacks import import_callback
 
     for path in local.train.callbacks:  # importable, before any process starts
         import_callback(path)
     check_eval_generation(local.eval_generation, bool(local.data.chat_template) or has_chat_template(
         Path(local.model.tokenizer or local.model.name_or_path)))
+    objective_class(local.task).check(local)
     model_config = load_model_config(local.model)
     check_features(local, model_config, world_size)
     check_model(local.model, local.train, model_config)

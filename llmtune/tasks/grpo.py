@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from llmtune.data.collate import collate, pad_token_id
+from llmtune.data.files import resolve_data_files
 from llmtune.data.formats import PROMPT_ROW
 from llmtune.errors import UserError
 from llmtune.generation.engine import Sampling, generate
@@ -109,6 +110,22 @@ class GRPO(Objective):
         return cls(config.grpo, state, tokenizer, model.hf_model.generation_config, config.train.seed,
                    Path(config.train.output_dir), config.train.per_device_train_batch_size, config.data.document_mask,
                    config.train.logging_steps, config.grpo.round_steps(config.train, state.dp_size), reference)
+
+    @classmethod
+    def check(cls, config) -> None:
+        """The reward functions imported, and the first row of every local JSONL prompt file holding a `prompt`."""
+        cfg = config.grpo
+        load_scorers(cfg.reward_funcs, cfg.answer_column, cfg.regex, REWARD_FUNCS)
+        for name in resolve_data_files(config.data.train_files, "data.train_files"):
+            if Path(name).suffix != ".jsonl":
+                continue  # read by datasets in the run, which names a row without a prompt as well
+            with open(name, encoding="utf-8") as f:
+                first = json.loads(next(line for line in f if line.strip()))
+            if not isinstance(first, dict) or "prompt" not in first:
+                raise UserError(f"data.train_files: {name}: line 1 has no 'prompt' column (columns: "
+                                f"{', '.join(first) if isinstance(first, dict) else type(first).__name__}); grpo "
+                                "reads TRL's prompt-only forms: a 'prompt' string or list of messages per row, the "
+                                "other columns handed to the reward functions")
 
     def global_batch_words(self, global_batch: int) -> str:
         """A step's completions, and the round they come from: `global_batch` prompts, each sampled num_generations

@@ -53,6 +53,11 @@ class Objective:
         its own (grpo: prompts sampled into completions); None: the rows in the objective's unit."""
         return None
 
+    @classmethod
+    def check(cls, config) -> None:
+        """Before any process starts (run/preflight.py): what the objective can refuse of the recipe then, as a
+        UserError (grpo: its reward functions imported). The default refuses nothing."""
+
     def count(self, inputs: dict, batch, cp_rank: int) -> list[float]:
         """This micro-batch's values of `counts` (inputs: as the model gets them, after the features' transform)."""
         return []
@@ -121,8 +126,13 @@ class Objective:
         return values
 
 
+def objective_class(task: str) -> type[Objective]:
+    """The registry's objective class of `task`, imported."""
+    module, _, name = TASKS[task].objective.partition(":")
+    return getattr(import_module(module), name)
+
+
 def build_objective(config, **parts) -> Objective:
-    """The objective of config.task (the registry's class), built by its `build(config, **parts)`: the parts of the
-    run it may need (the model, features, state, ...), passed by the worker."""
-    module, _, name = TASKS[config.task].objective.partition(":")
-    return getattr(import_module(module), name).build(config, **parts)
+    """The objective of config.task, built by its `build(config, **parts)`: the parts of the run it may need (the
+    model, features, state, ...), passed by the worker."""
+    return objective_class(config.task).build(config, **parts)
