@@ -20,7 +20,7 @@ import yaml
 
 from llmtune.atomic import write_text
 from llmtune.errors import UserError
-from llmtune.tasks.registry import TASKS
+from llmtune.tasks.registry import PROMPTS, TASKS
 
 DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response", "tokenized",
                 "prompt_chosen_rejected", "chosen_rejected", "alpaca_ranking", "sharegpt_ranking",
@@ -1088,6 +1088,13 @@ class Config:
         section = TASKS[self.task].section
         found = getattr(self, section) if section else None
         return found if hasattr(found, "ref_model") else None
+
+    def micro_batch_shape(self) -> tuple[int, int]:
+        """(rows, tokens of each) of a micro-batch at its largest: per_device_train_batch_size rows of data.max_seq_len;
+        grpo's, one packed row of its completions, each after a prompt of up to data.max_seq_len tokens."""
+        if TASKS[self.task].rows == PROMPTS:
+            return 1, self.train.per_device_train_batch_size * (self.data.max_seq_len + self.grpo.max_completion_length)
+        return self.train.per_device_train_batch_size, self.data.max_seq_len
 
     def holds_reference_copy(self) -> bool:
         """Whether the run holds a second, frozen copy of the model while it trains (reference: model)."""

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmtune.config import ParallelConfig
 from llmtune.errors import UserError
+from llmtune.tasks.registry import PROMPTS, TASKS
 
 GIB = 2**30
 # The share of a GPU's memory a plan may fill: the CUDA context and the caching allocator's fragmentation take
@@ -86,7 +87,8 @@ class Plan:
     dequantized: int = 0  # model.quantize: the transient dequantization of the largest quantized weight
     experts: int = 0  # experts of a mixture-of-experts layer (the most of any layer; 0: none)
     routed: int = 0  # the largest layer's (token, expert) pairs' hidden states, [T x k, hidden] in the compute dtype
-    kv_cache: int = 0  # eval_generation: the keys and values of a batch of completions, every layer (0: no generation)
+    kv_cache: int = 0  # the keys and values of a batch of completions, every layer (0: no generation)
+    generation: str = ""  # what generates (eval_generation, grpo's rounds) and in batches of how many completions
     sharded_modules: int = 0  # the modules fully_shard wraps (layers, split experts, the root): all-gathers of a phase
 
     @property
@@ -276,9 +278,9 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
                  } if config.model.quantize != "none" else {}
 
     parallel = config.parallel
-    layout = Layout(world_size, parallel.cp_size, train.per_device_train_batch_size,
-                    train.gradient_accumulation_steps, config.data.max_seq_len, parallel.dp_replicate,
-                    parallel.expert_parallel)
+    rows, row_tokens = config.micro_batch_shape()
+    layout = Layout(world_size, parallel.cp_size, rows, train.gradient_accumulation_steps, row_tokens,
+                    parallel.dp_replicate, parallel.expert_parallel)
     experts = experts_modules(hf_model)
     # parallel.expert_parallel: the experts modules' parameters split over the ep ranks (model/expert_parallel.py).
     split = {id(p) for module in experts for p in module.parameters(recurse=False)} if layout.ep > 1 else set()
@@ -326,21 +328,38 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
         reshard_between=parallel.reshard_between_micro_batches, quantized=sum(quantized.values()),
         dequantized=dequantized_bytes(max(quantized.values()), nf4) if quantized else 0,
         experts=max((module.num_experts for module in experts), default=0), routed=max(routed),
-        kv_cache=kv_cache_bytes(config, model_config, compute) if config.eval_generation.files else 0,
+        **generation_phase(config, model_config, compute, world_size),
         sharded_modules=len(layers) + 1 + (len(experts) if layout.ep > 1 else 0))
 
 
-def kv_cache_bytes(config, model_config, compute: int) -> int:
-    """The keys and values of eval_generation's batch of completions, each of a prompt of up to data.max_seq_len
-    tokens (the plan reads no prompt) and max_new_tokens (TRL's 256 where the recipe leaves it to the model)."""
-    from llmtune.generation.engine import DEFAULTS
+def generation_phase(config, model_config, compute: int, world_size: int) -> dict:
+    """Plan's kv_cache and generation of the run's largest batch of completions: eval_generation's, grpo's rounds'
+    (a rank's completions of a round, up to the engine's batch); none where the run generates nothing."""
+    from llmtune.generation.engine import BATCH_SIZE, DEFAULTS
 
+    batches = []  # (completions a batch, tokens of each: a prompt of up to data.max_seq_len and its completion, what)
+    cfg = config.eval_generation
+    if cfg.files:
+        batches.append((cfg.batch_size, cfg.max_new_tokens or DEFAULTS["max_new_tokens"], "eval_generation"))
+    if TASKS[config.task].rows == PROMPTS:
+        grpo, dp = config.grpo, config.dp_size(world_size)
+        rank_completions = -(-grpo.round_prompts(config.train, dp) // world_size) * grpo.num_generations
+        batches.append((min(BATCH_SIZE, rank_completions), grpo.max_completion_length, "grpo's rounds"))
+    if not batches:
+        return {}
+    sizes = [(kv_cache_bytes(model_config, batch, config.data.max_seq_len + new, compute), batch, what)
+             for batch, new, what in batches]
+    kv_cache, batch, what = max(sizes)
+    return {"kv_cache": kv_cache, "generation": f"{what}, {batch} completions a batch"}
+
+
+def kv_cache_bytes(model_config, batch: int, length: int, compute: int) -> int:
+    """The keys and values of `batch` sequences of `length` tokens, every layer: a batch of completions, each of a
+    prompt of up to data.max_seq_len tokens (the plan reads no prompt) and its new tokens."""
     text = model_config.get_text_config()
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    cfg = config.eval_generation
-    length = config.data.max_seq_len + (cfg.max_new_tokens or DEFAULTS["max_new_tokens"])
-    return cfg.batch_size * length * text.num_hidden_layers * 2 * heads * head_dim * compute
+    return batch * length * text.num_hidden_layers * 2 * heads * head_dim * compute
 
 
 def gib(nbytes: float) -> str:
@@ -475,7 +494,8 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         ("gradients (fp32, sharded)", plan.grads),
         ("optimizer state (AdamW's two moments, fp32)", plan.optimizer),
         *([("moving averages (train.ema_decay, fp32, sharded)", plan.averages)] if plan.averages else []),
-        *([(f"reference model (dpo.reference: model; frozen, {dtype}, sharded)", plan.reference)]
+        *([(f"reference model ({config.reference_section().section}.reference: model; frozen, {dtype}, sharded)",
+            plan.reference)]
           if plan.reference else []),
         (f"decoder layers gathered, with one gradient ({dtype})", plan.gathered),
         *([("largest quantized weight dequantized, transient", plan.dequantized)] if plan.dequantized else []),
@@ -508,7 +528,7 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         gathers = f"{plan.sharded_modules} all-gathers a phase (one per sharded module), none per token" \
             if layout.shard > 1 else "no all-gather (one rank holds every weight)"
         lines += [
-            f"generation (eval_generation, {config.eval_generation.batch_size} completions a batch), per rank:",
+            f"generation ({plan.generation}), per rank:",
             f"  {'layers and root gathered, once a phase (' + dtype + ')':<52} "
             f"{gib(plan.all_layers + plan.root)}",
             f"  {'KV cache (prompts up to data.max_seq_len)':<52} {gib(plan.kv_cache)}",

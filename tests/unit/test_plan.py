@@ -326,13 +326,14 @@ def test_a_dpo_reference_copy_adds_the_model_in_the_compute_dtype_unless_precomp
     model_config = load_model_config(sft.model)
     plain = plan_memory(sft, model_config, 2)
     fp32_params = plan_memory(load_config(plan_recipe(), [], "sft", 2), model_config, 2).params
-    with_copy = plan_memory(load_config(plan_recipe(bf16=bf16), [], "dpo", 2), model_config, 2)
+    dpo = load_config(plan_recipe(bf16=bf16), [], "dpo", 2)
+    with_copy = plan_memory(dpo, model_config, 2)
     precomputed = plan_memory(load_config(plan_recipe(bf16=bf16), ["dpo.reference=precomputed"], "dpo", 2),
                               model_config, 2)
     assert plain.reference == precomputed.reference == 0
     assert with_copy.reference == fp32_params // (2 if bf16 else 1)
     assert with_copy.peak - plain.peak == with_copy.reference
-    assert "reference model (dpo.reference: model" in render(with_copy, sft, model_config, None, None)
+    assert "reference model (dpo.reference: model" in render(with_copy, dpo, model_config, None, None)
 
 
 def test_cpu_offload_leaves_the_sharded_state_out_of_the_device_peak(plan_recipe):
@@ -406,3 +407,23 @@ def test_a_generation_phase_gathers_every_layer_once_and_holds_a_kv_cache(plan_r
     out = capsys.readouterr().out
     assert f"{LLAMA['num_hidden_layers'] + 1} all-gathers a phase (one per sharded module), none per token" in out
     assert "peak of a generation phase" in out
+
+
+def test_grpo_plans_its_rows_of_completions_its_reference_and_its_rounds_generation(plan_recipe, capsys):
+    """grpo: a micro-batch is one packed row of its completions, each after a prompt of up to data.max_seq_len; with
+    beta > 0 the reference copy is sharded beside the policy; a generation phase holds the keys and values of the
+    rank's completions of a round (2 of 4 prompts on 2 ranks, 8 completions each)."""
+    args = ["grpo.num_generations=8", "grpo.max_completion_length=128", "grpo.reward_funcs=[accuracy]",
+            "grpo.generation_batch_size=32", "grpo.beta=0.04"]
+    config = load_config(plan_recipe(), args, "grpo", 2)
+    model_config = LlamaConfig.from_pretrained(config.model.config)
+    plan = plan_memory(config, model_config, 2)
+    assert (plan.layout.micro_batch, plan.layout.seq_len) == (1, 4 * (512 + 128))
+    assert plan.reference == plan.params, "a frozen fp32 copy, sharded as the policy's fp32 weights"
+    head_dim = LLAMA["hidden_size"] // LLAMA["num_attention_heads"]
+    assert plan.kv_cache == 2 * 8 * (512 + 128) * LLAMA["num_hidden_layers"] * 2 * LLAMA["num_key_value_heads"] \
+        * head_dim * 4
+    assert cli.main(["plan", plan_recipe(), "--nproc", "2", "--task", "grpo", *args]) == 0
+    out = capsys.readouterr().out
+    assert "reference model (grpo.reference: model; frozen, fp32, sharded)" in out
+    assert "generation (grpo's rounds, 16 completions a batch), per rank:" in out
