@@ -925,8 +925,8 @@ class GRPOConfig:
                                     "the step), dr_grpo (the sum over tokens / (completions x "
                                     "max_completion_length)). Each is over the whole optimizer step, every rank and "
                                     "micro-batch.")
-    scale_rewards: str = _field("group", "Advantages divided by the group's reward std (group), the round's (batch) "
-                                         "or not at all (none: Dr. GRPO).")
+    scale_rewards: str | bool = _field("group", "Advantages divided by the group's reward std (group; TRL's true), "
+                                                "the round's (batch) or not at all (none, TRL's false: Dr. GRPO).")
     epsilon: float = _field(0.2, "The ratio's clipping range below 1 (and above 1 unless epsilon_high is set).")
     epsilon_high: float | None = _field(None, "The ratio's clipping range above 1 (DAPO's clip-higher: 0.28); "
                                               "default epsilon.")
@@ -943,6 +943,10 @@ class GRPOConfig:
                                          "weights.")
     mask_truncated_completions: bool = _field(False, "Truncated completions add nothing to the loss (DAPO).")
     disable_dropout: bool = _field(False, "Dropout off in the policy (TRL's GRPO default: left on).")
+
+    def __post_init__(self):
+        # TRL's booleans, as its GRPOConfig reads them.
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
 
     def needs_reference(self) -> bool:
         """The KL term's reference, built when beta > 0 (TRL's: none at its default beta 0)."""
