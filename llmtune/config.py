@@ -902,9 +902,11 @@ class GRPOConfig:
     section: typing.ClassVar[str] = "grpo"
     reward_funcs: list[str] = _field([], "The reward functions, their rewards summed (weighted by reward_weights): "
                                          "built-ins accuracy, numeric_match and regex_match (as eval_generation's "
-                                         "scorers) or package.module:function with TRL's reward-function signature "
+                                         "scorers), package.module:function with TRL's reward-function signature "
                                          "(prompts, completions, completion_ids, the data's other columns as keyword "
-                                         "lists; one float or None per completion).")
+                                         "lists; one float or None per completion), or a reward model's folder "
+                                         "(AutoModelForSequenceClassification, its first logit of prompt + "
+                                         "completion, as TRL scores with one).")
     reward_weights: list[float] | None = _field(None, "One weight per reward function; default: 1 each.")
     answer_column: str = _field("solution", "The column accuracy and numeric_match compare with.")
     regex: str | None = _field(None, "regex_match's pattern (Python re, DOTALL).")
@@ -988,9 +990,9 @@ class GRPOConfig:
                  ("beta", self.beta)) if value < 0]
         if self.repetition_penalty <= 0:
             out.append(f"grpo.repetition_penalty: {self.repetition_penalty} must be above 0")
-        out += [f"grpo.reward_funcs: {name!r} is neither a built-in ({', '.join(BUILTIN_SCORERS)}) nor written "
-                "package.module:function" for name in self.reward_funcs
-                if name not in BUILTIN_SCORERS and not re.fullmatch(r"[\w.]+:[\w.]+", name)]
+        out += [f"grpo.reward_funcs: {name!r} is neither a built-in ({', '.join(BUILTIN_SCORERS)}), nor written "
+                "package.module:function, nor a reward model's folder (a path with a /)" for name in self.reward_funcs
+                if name not in BUILTIN_SCORERS and not re.fullmatch(r"[\w.]+:[\w.]+", name) and "/" not in name]
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             out.append(f"grpo.reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward "
                        "functions; give one per function")

@@ -142,6 +142,13 @@ def preference_data(sft_train: list[dict], sft_eval: list[dict], seed: int = 0) 
     return [pair(row) for row in sft_train], [pair(row) for row in sft_eval]
 
 
+def grpo_prompts(rows: list[dict]) -> list[dict]:
+    """grpo's prompts: the sft questions as TRL's conversational prompts, each with its sum as `solution`, the answer
+    the built-in numeric_match reward compares a completion's last number with."""
+    return [{"prompt": [{"role": "user", "content": row["prompt"]}], "solution": row["response"].rpartition("= ")[2]}
+            for row in rows]
+
+
 def _write_jsonl(path: pathlib.Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -190,10 +197,10 @@ def _train_tokenizer(lines: list[str], out_dir: pathlib.Path, spm_dir: pathlib.P
 
 
 def write_demo_assets(root: pathlib.Path, seed: int = 0) -> None:
-    """Write data/{pt,sft_train,sft_eval,eval_prompts,dpo_train,dpo_eval}.jsonl, tokenizer/ (transformers),
-    sentencepiece/ (the raw tokenizer.model) and model/config.json under root. eval_prompts holds sft_eval's questions
-    as TRL's conversational prompts with their answers, the held-out set the demo's runs generate from
-    (eval_generation)."""
+    """Write data/{pt,sft_train,sft_eval,eval_prompts,dpo_train,dpo_eval,grpo_train,grpo_eval}.jsonl, tokenizer/
+    (transformers), sentencepiece/ (the raw tokenizer.model) and model/config.json under root. eval_prompts holds
+    sft_eval's questions as TRL's conversational prompts with their answers, the held-out set the demo's runs generate
+    from (eval_generation); grpo_train and grpo_eval the sft questions as grpo's prompts (grpo_prompts)."""
     from transformers import LlamaConfig
 
     root = pathlib.Path(root)
@@ -207,6 +214,8 @@ def write_demo_assets(root: pathlib.Path, seed: int = 0) -> None:
     dpo_train, dpo_eval = preference_data(sft_train, sft_eval, seed)
     _write_jsonl(root / "data" / "dpo_train.jsonl", dpo_train)
     _write_jsonl(root / "data" / "dpo_eval.jsonl", dpo_eval)
+    for name, rows in (("grpo_train", sft_train), ("grpo_eval", sft_eval)):
+        _write_jsonl(root / "data" / f"{name}.jsonl", grpo_prompts(rows))
 
     # The tokenizer sees the corpus and the SFT rows rendered as they are trained.
     lines = [d["text"] for d in docs]

@@ -1,5 +1,7 @@
 """`llmtune demo`: generate the assets, pre-train from scratch, measure, fine-tune, measure again, then align the
-fine-tuned model on preference pairs (dpo) and read how often it prefers the right sum on held-out pairs.
+fine-tuned model on preference pairs (dpo) and read how often it prefers the right sum on held-out pairs, then train it
+online on its own sampled answers (grpo) and read the reward of its sampled answers to held-out questions before and
+after.
 
 Runs the real CLI on the recipes in recipes/demo/, one process (or `--nproc` launch) per stage, in the folder that
 holds runs/demo (the repository root). Ctrl-C stops a stage as it stops `llmtune pt|sft|dpo`: the stage saves a
@@ -20,7 +22,7 @@ from llmtune.errors import Preempted
 
 REPO = Path(__file__).resolve().parents[2]
 WORKDIR = Path("runs/demo")
-STAGES = ("pt", "sft", "dpo")  # each the task of the same name
+STAGES = ("pt", "sft", "dpo", "grpo")  # each the task of the same name
 # The overrides that say how a stage starts, which the demo then leaves to the user.
 START_KEYS = ("train.overwrite_output_dir=", "checkpoint.resume_from_checkpoint=")
 # A checkpoint at every epoch's end, the stage's last step included (a Ctrl-C saves one too), the newest kept: run
@@ -44,13 +46,14 @@ def main(args: list[str], root: Path = REPO) -> int:
                   "on from it", flush=True)
         if code:
             return code
-        if stage == "dpo":
-            continue
-        accuracy[stage] = generation_accuracy(workdir / stage / "metrics.jsonl")
-        print(f"[demo] exact-match accuracy on held-out prompts after {stage}: {accuracy[stage]:.1%}", flush=True)
-    preferred = preference_accuracy(workdir / "dpo" / "metrics.jsonl")
+        if stage in ("pt", "sft"):
+            accuracy[stage] = evaluations(workdir / stage / "metrics.jsonl", "eval_gen/accuracy")[-1]
+            print(f"[demo] exact-match accuracy on held-out prompts after {stage}: {accuracy[stage]:.1%}", flush=True)
+    preferred = evaluations(workdir / "dpo" / "metrics.jsonl", "eval_rewards/accuracies")
+    rewarded = evaluations(workdir / "grpo" / "metrics.jsonl", "eval_gen/numeric_match")
     print(f"[demo] held-out exact match: before sft {accuracy['pt']:.1%}, after sft {accuracy['sft']:.1%}; held-out "
-          f"pairs ranked right: before dpo {preferred[0]:.1%}, after dpo {preferred[-1]:.1%} "
+          f"pairs ranked right: before dpo {preferred[0]:.1%}, after dpo {preferred[-1]:.1%}; held-out answers sampled "
+          f"at grpo's temperature with the right sum: before grpo {rewarded[0]:.1%}, after grpo {rewarded[-1]:.1%} "
           f"({time.perf_counter() - started:.0f} s in all)")
     return 0
 
@@ -94,13 +97,8 @@ def wait_for(command: list[str], cwd: Path) -> int:
         signal.signal(signal.SIGINT, held)
 
 
-def generation_accuracy(metrics: Path) -> float:
-    """eval_gen/accuracy of a run's last evaluation by generation (its recipe's eval_generation, at its last step)."""
+def evaluations(metrics: Path, key: str) -> list[float]:
+    """`key` of every evaluation of a run, in order (the first at step 0 where the recipe evaluates on start):
+    eval_gen/accuracy (pt, sft), eval_rewards/accuracies (dpo), eval_gen/numeric_match (grpo)."""
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r["eval_gen/accuracy"] for r in records if "eval_gen/accuracy" in r][-1]
-
-
-def preference_accuracy(metrics: Path) -> list[float]:
-    """eval_rewards/accuracies of every evaluation of a dpo run, in order (the first at step 0, before training)."""
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r["eval_rewards/accuracies"] for r in records if "eval_rewards/accuracies" in r]
+    return [r[key] for r in records if key in r]

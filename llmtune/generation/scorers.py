@@ -1,7 +1,8 @@
-"""eval_generation's scoring functions, with TRL's reward-function signature: f(prompts, completions,
-completion_ids, **columns) -> one float or None per completion, where `columns` are the prompt rows' other columns,
-each a list aligned with the completions. The built-ins (accuracy, numeric_match, regex_match) have the same one;
-a recipe's own are named package.module:function. Torch-free: the CLI checks them before any process starts."""
+"""eval_generation's scoring functions and grpo's reward functions, with TRL's reward-function signature: f(prompts,
+completions, completion_ids, **columns) -> one float or None per completion, where `columns` are the prompt rows'
+other columns, each a list aligned with the completions. The built-ins (accuracy, numeric_match, regex_match) have
+the same one; a recipe's own are named package.module:function; a reward model's folder scores through
+generation/reward_model.py. Torch-free: the CLI checks them before any process starts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from llmtune.errors import UserError
@@ -59,6 +61,19 @@ def _regex_match(pattern: str):
     return regex_match
 
 
+def _reward_model(folder: str):
+    """A reward model's scores, as a scoring function: the model (torch, transformers) loaded on its first call."""
+    loaded = []
+
+    def reward_model(prompts, completions, completion_ids, **columns) -> list[float]:
+        if not loaded:
+            from llmtune.generation.reward_model import RewardModel
+
+            loaded.append(RewardModel(folder))
+        return loaded[0](prompts, completions)
+    return reward_model
+
+
 def answer_scorers(names: list[str]) -> list[str]:
     """The built-ins among `names` that compare with an answer column."""
     return [name for name in names if name in ("accuracy", "numeric_match")]
@@ -74,6 +89,12 @@ def load_scorers(names: list[str], answer_column: str, regex: str | None, key: s
     for name in names:
         if name in builtins:
             scorers.append(Scorer(name, builtins[name]()))
+            continue
+        if ":" not in name and "/" in name:  # a reward model's folder, loaded when it first scores
+            if not (Path(name) / "config.json").is_file():
+                raise UserError(f"{key}: {name} is not a HF model folder (no config.json there); point it at a reward "
+                                "model's folder (AutoModelForSequenceClassification), e.g. a run's output_dir/hf")
+            scorers.append(Scorer(Path(name).name, _reward_model(name)))
             continue
         module_name, _, attribute = name.partition(":")
         try:

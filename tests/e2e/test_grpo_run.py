@@ -145,3 +145,38 @@ def test_llmtune_data_shows_the_prompts_as_rendered_with_their_columns(tiny_mode
     assert "prompt 1: " in shown and f"reward functions also get: {{'solution': {first['solution']!r}}}" in shown
     assert first["prompt"][0]["content"] in shown and "prompt 3:" not in shown
     assert "data: 12 prompts" in shown
+
+
+def test_a_reward_model_folder_scores_the_completions_as_transformers_does(tiny_model, prompts, bare_tokenizer,
+                                                                           tmp_path):
+    """A sequence classifier's folder among grpo.reward_funcs: each completion's reward is the model's first logit of
+    the prompt + completion, rendered by the folder's chat template (TRL's way), as transformers computes it here."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, \
+        LlamaForSequenceClassification
+
+    from llmtune.data.templates import apply_recipe_template
+
+    folder = tmp_path / "reward_model"
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(bare_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=bare_tokenizer.pad_token_id,
+    )).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    apply_recipe_template(tokenizer, "basic")
+    tokenizer.save_pretrained(folder)
+    given = recipe(tiny_model, prompts, tmp_path / "run", reward_funcs=[str(folder), "numeric_match"])
+    given["train"]["max_steps"] = 1
+    llmtune.train("grpo", given)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    for row in rows:
+        messages = isinstance(row["prompt"], list)
+        text = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False) if messages \
+            else row["prompt"] + row["completion"]
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits[0, 0].item()
+        assert row["reward_model"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert "rewards/reward_model/mean" in records[-1]
