@@ -6,7 +6,8 @@ import pytest
 
 from llmtune.demo.assets import write_demo_assets
 
-DATA_FILES = ("pt.jsonl", "sft_train.jsonl", "sft_eval.jsonl", "dpo_train.jsonl", "dpo_eval.jsonl")
+DATA_FILES = ("pt.jsonl", "sft_train.jsonl", "sft_eval.jsonl", "dpo_train.jsonl", "dpo_eval.jsonl", "grpo_train.jsonl",
+              "grpo_eval.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +111,13 @@ def test_model_config_matches_tokenizer(roots):
     assert config.vocab_size == len(tok)
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (
         tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+
+
+def test_grpo_prompts_are_the_sft_questions_with_their_sums_held_out_as_sft_holds_them_out(roots):
+    root = roots[0]
+    for split in ("train", "eval"):
+        questions = _rows(root / "data" / f"sft_{split}.jsonl")
+        prompts = _rows(root / "data" / f"grpo_{split}.jsonl")
+        assert [p["prompt"] for p in prompts] == [[{"role": "user", "content": q["prompt"]}] for q in questions]
+        assert [int(p["solution"]) for p in prompts] == [sum(int(v) for v in q["response"].split(" = ")[0].split(" + "))
+                                                         for q in questions]
