@@ -266,16 +266,24 @@ def assert_loads_bitwise(written: dict, reloaded: dict, layout: str) -> None:
             assert reloaded[key] == value, f"{layout}: {key}"
 
 
-def undocumented_options(script: Path) -> list:
-    """The options of a benchmark script's build_parser() without help, or missing from its --help output (an option
-    hidden on purpose, help=SUPPRESS, is neither). benchmarks/ is a folder of scripts, not a package: the module is
-    loaded from its file."""
-    import argparse
+def script_module(script: Path):
+    """A script of benchmarks/ (or docs/) as a module: those folders hold scripts, not packages, so it is loaded from
+    its file."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(script.stem, script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def undocumented_options(script: Path) -> list:
+    """The options of a benchmark script's build_parser() without help, or missing from its --help output (an option
+    hidden on purpose, help=SUPPRESS, is neither). benchmarks/ is a folder of scripts, not a package: the module is
+    loaded from its file."""
+    import argparse
+
+    module = script_module(script)
     options = [action for action in module.build_parser()._actions
                if not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS]
     assert options, f"{script.name} has no options"

@@ -1,4 +1,3 @@
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -6,6 +5,7 @@ import yaml
 
 from llmtune.config import load_config, parse_overrides
 from llmtune.errors import UserError
+from tests.helpers import script_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -191,10 +191,7 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_recipe_reference_page_lists_every_field():
-    # docs/ is no package: its generator is loaded from its file.
-    spec = importlib.util.spec_from_file_location("recipe_table", REPO / "docs" / "recipe_table.py")
-    generator = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generator)
+    generator = script_module(REPO / "docs" / "recipe_table.py")
     assert (REPO / "docs" / "recipe.md").read_text() == generator.page(), \
         "docs/recipe.md is stale: python docs/recipe_table.py"
 

@@ -1,19 +1,16 @@
 """benchmarks/device_wheels.py: the folder it leaves holds one wheel of each carried package, at its pinned version,
 for the lent machine's Python and platform, and the line it prints installs them without resolving anything."""
 
-import importlib.util
 import subprocess
 from pathlib import Path
+
+from tests.helpers import script_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_wheels.py"
 
 
 def load():
-    # benchmarks/ is a folder of scripts, not a package: the module is loaded from its file.
-    spec = importlib.util.spec_from_file_location("device_wheels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(SCRIPT)
 
 
 def fake_pip(calls: list):

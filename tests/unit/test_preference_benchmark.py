@@ -2,22 +2,19 @@
 comparison with TRL's padded batches is about), and its sft samples the pairs' own sequences. TRL is never run
 here."""
 
-import importlib.util
 import statistics
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import script_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "preference.py"
 
 
 @pytest.fixture(scope="module")
 def benchmark():
-    # benchmarks/ is a folder of scripts, not a package: the module is loaded from its file.
-    spec = importlib.util.spec_from_file_location("preference_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(SCRIPT)
 
 
 def words(message: list[dict]) -> int:
