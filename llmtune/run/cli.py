@@ -31,8 +31,8 @@ COMMAND_HELP = {
             "the data's statistics, on one process.",
     "plan": "What a training step holds per rank (weights, gradients, optimizer state, activations) on this layout "
             "and device, with no process started and no weight read.",
-    "demo": "Generates data, a tokenizer and a tiny Llama under runs/demo, then pre-trains, fine-tunes and aligns it "
-            "(pt, sft, dpo), printing held-out accuracy; run it again to go on after a Ctrl-C.",
+    "demo": "Generates data, a tokenizer and a tiny Llama under runs/demo, then pre-trains, fine-tunes, aligns it and "
+            "trains it online (pt, sft, dpo, grpo), printing held-out accuracy; run it again to go on after a Ctrl-C.",
 }
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
