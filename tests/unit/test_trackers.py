@@ -5,6 +5,7 @@ started afresh twice in the same folder, the second time failing."""
 
 import json
 import struct
+import time
 
 import pytest
 import yaml
@@ -125,35 +126,43 @@ def test_tensorboard_fresh_run_hides_an_earlier_runs_events(restarted):
 
 def wandb_runs(output_dir) -> list[dict]:
     """Each W&B offline run under output_dir/wandb, in the order they started: its run record, history rows
-    ({name: value}, the step under _step) and exit code, read from the run's transaction log: LevelDB's log format,
-    a 7-byte header, then 32 KiB blocks of chunks (CRC, length, type: full, first, middle, last), each record a
-    wandb_internal Record."""
+    ({name: value}, the step under _step) and exit code. wandb's service writes a run's file on its own and may still
+    be writing it after finish() returns (a loaded machine left one empty): read again until every run has its exit
+    record, for up to a minute."""
+    deadline = time.monotonic() + 60
+    while True:
+        runs = [wandb_run(path) for path in (output_dir / "wandb").glob("offline-run-*/run-*.wandb")]
+        if all("exit_code" in run for run in runs) or time.monotonic() > deadline:
+            return sorted(runs, key=lambda run: run["run"].start_time.ToNanoseconds())
+        time.sleep(0.1)
+
+
+def wandb_run(path) -> dict:
+    """One run's records, from its transaction log: LevelDB's log format, a 7-byte header, then 32 KiB blocks of
+    chunks (CRC, length, type: full, first, middle, last), each record a wandb_internal Record."""
     from wandb.proto.wandb_internal_pb2 import Record
 
-    runs = []
-    for path in (output_dir / "wandb").glob("offline-run-*/run-*.wandb"):
-        data, position, pending = path.read_bytes(), 7, b""
-        assert data[:4] == b":W&B"
-        run = {"history": []}
-        while position + 7 <= len(data):
-            if 32768 - position % 32768 < 7:  # a block's tail too short for a chunk header is padding
-                position += 32768 - position % 32768
-                continue
-            _, length, kind = struct.unpack("<IHB", data[position:position + 7])
-            pending += data[position + 7:position + 7 + length]
-            position += 7 + length
-            if kind in (1, 4):
-                record, pending = Record.FromString(pending), b""
-                if record.HasField("run"):
-                    run["run"] = record.run
-                elif record.HasField("history"):
-                    items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
-                    run["history"].append({key: json.loads(value) for key, value in items.items()
-                                           if key != "_timestamp"})
-                elif record.HasField("exit"):
-                    run["exit_code"] = record.exit.exit_code
-        runs.append(run)
-    return sorted(runs, key=lambda run: run["run"].start_time.ToNanoseconds())
+    data, position, pending = path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B"
+    run = {"history": []}
+    while position + 7 <= len(data):
+        if 32768 - position % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            position += 32768 - position % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        pending += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            record, pending = Record.FromString(pending), b""
+            if record.HasField("run"):
+                run["run"] = record.run
+            elif record.HasField("history"):
+                items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+                run["history"].append({key: json.loads(value) for key, value in items.items()
+                                       if key != "_timestamp"})
+            elif record.HasField("exit"):
+                run["exit_code"] = record.exit.exit_code
+    return run
 
 
 def history(run, name) -> list[tuple[int, float]]:
