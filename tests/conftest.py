@@ -139,3 +139,15 @@ def prompts_file(assets, tmp_path_factory) -> Path:
     path.write_text("".join(json.dumps({"prompt": row["prompt"] if i >= 6 else [{"role": "user", "content": row["prompt"]}],
                                         "response": row["response"]}) + "\n" for i, row in enumerate(rows)))
     return path
+
+
+@pytest.fixture(scope="session")
+def grpo_prompts_file(assets, tmp_path_factory) -> Path:
+    """grpo's prompts: 16 of the demo's held-out questions with their answers in `solution`, every other one as
+    messages (TRL's two prompt-only forms)."""
+    rows = [json.loads(line) for line in (assets / "data" / "sft_eval.jsonl").read_text().splitlines()[:16]]
+    path = tmp_path_factory.mktemp("grpo_prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": row["prompt"] if i % 2 else [{"role": "user",
+                                                                                 "content": row["prompt"]}],
+                                        "solution": row["response"]}) + "\n" for i, row in enumerate(rows)))
+    return path

@@ -74,7 +74,8 @@ def model_inputs(inputs: dict) -> dict:
 
 
 class GRPO(Objective):
-    counts = ("completions", "completion_tokens")
+    # Its completion tokens are the labelled tokens every task counts (label_tokens).
+    counts = ("completions",)
     samples = unit = "completions"
     shown = ("reward", "reward_std", "completions/mean_length")
     rows_called = "prompts"
@@ -83,11 +84,11 @@ class GRPO(Objective):
                  document_mask: bool, logging_steps: int, round_steps: int = 1, reference=None):
         self.cfg, self.state, self.tokenizer, self.seed, self.reference = cfg, state, tokenizer, seed, reference
         self.divisors = (DIVISORS[cfg.loss_type], "label_tokens")
-        clipped = "completion_tokens" if cfg.importance_sampling_level == "token" else "completions"
+        clipped = "label_tokens" if cfg.importance_sampling_level == "token" else "completions"
         # TRL's names; kl where there is a KL term.
-        self.metrics = (("entropy", "completion_tokens"), ("clip_ratio/low_mean", clipped),
+        self.metrics = (("entropy", "label_tokens"), ("clip_ratio/low_mean", clipped),
                         ("clip_ratio/high_mean", clipped), ("clip_ratio/region_mean", clipped),
-                        *((("kl", "completion_tokens"),) if reference is not None else ()))
+                        *((("kl", "label_tokens"),) if reference is not None else ()))
         self.scorers = load_scorers(cfg.reward_funcs, cfg.answer_column, cfg.regex, REWARD_FUNCS)
         self.reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(self.scorers), dtype=torch.float64)
         self.sampling = Sampling(**cfg.sampling())
@@ -95,7 +96,6 @@ class GRPO(Objective):
         self.pad_id = pad_token_id(tokenizer)
         self.micro_batch, self.document_mask = batch_size, document_mask
         self.path, self.logging_steps, self.restarted = output_dir / COMPLETIONS, logging_steps, False
-        self.round_values: dict[str, float] = {}  # the round's metrics, for the record of the step being trained
         # A round: round_steps optimizer steps (each a share of its completions), num_iterations times over.
         self.round_steps = round_steps
         self.steps_per_round = round_steps * cfg.num_iterations
@@ -158,11 +158,10 @@ class GRPO(Objective):
     def summary(self, sums: list[float], totals: list[float]) -> dict[str, float]:
         """Objective.summary, and the metrics of the round the step trained (a training step's; an evaluation has
         none)."""
-        return {**super().summary(sums, totals), **self.round_values}
+        return {**super().summary(sums, totals), **(self.round.values if self.round is not None else {})}
 
     def count(self, inputs: dict, batch, cp_rank: int) -> list[float]:
-        completions = float(len(batch.sequences["length"])) * (cp_rank == 0)
-        return [completions, float((inputs["shift_labels"] != IGNORE_INDEX).sum())]
+        return [float(len(batch.sequences["length"])) * (cp_rank == 0)]
 
     def rollout(self, model, step: int, prompts: list[list[dict]], prepare) -> list:
         """The step's micro-batches for this rank: at the first step of a round its prompts' completions sampled by
@@ -179,8 +178,7 @@ class GRPO(Objective):
             if position:
                 raise RuntimeError(f"step {step + 1} is inside a generation round that was not restored")
             self.round = self._new_round(model, step, rows, prepare)
-        self.round_values = self.round.values
-        return self._micro_batches(rows, self.round, position % self.round_steps)
+        return self._layout(rows, self.round, position % self.round_steps)[0]
 
     def _new_round(self, model, step: int, rows: list[dict], prepare) -> Round:
         started = time.perf_counter()
@@ -272,9 +270,6 @@ class GRPO(Objective):
                        "completions/min_terminated_length": min(ended),
                        "completions/max_terminated_length": max(ended)})
         return values
-
-    def _micro_batches(self, rows: list[dict], found: Round, share: int) -> list:
-        return self._layout(rows, found, share)[0]
 
     def _layout(self, rows: list[dict], found: Round, share: int) -> tuple[list, list[list[int]]]:
         """(this data-parallel rank's micro-batches of the round's `share`-th optimizer step, the round's indices of

@@ -15,8 +15,7 @@ import torch
 from torch import Tensor
 
 # The count of the whole step that divides each loss_type's summed token terms.
-DIVISORS = {"grpo": "completions", "dr_grpo": "completions", "bnpo": "completion_tokens",
-            "dapo": "completion_tokens"}
+DIVISORS = {"grpo": "completions", "dr_grpo": "completions", "bnpo": "label_tokens", "dapo": "label_tokens"}
 # TRL adds this to the standard deviation it divides by.
 STD_EPSILON = 1e-4
 

@@ -33,22 +33,10 @@ VARIANTS = {
 # The killed run: rounds over 2 steps, a checkpoint at every step; killed once step 3's is written, it resumes inside
 # the round of steps 3 and 4, then samples the rounds of steps 5 and 6 itself.
 KILLED = {"train.max_steps": 6, "checkpoint.save_steps": 1, "grpo.generation_batch_size": 16,
-          **{"train.gradient_accumulation_steps": 2}}
+          "train.gradient_accumulation_steps": 2}
 LAYOUTS = {"dp2": {"train.gradient_accumulation_steps": 2}, "cp2": {"parallel.cp_size": 2}}
 # On one process: the step's 8 completions in one micro-batch (a normalizer per micro-batch would differ here).
 WHOLE = {"train.per_device_train_batch_size": 8, "train.gradient_accumulation_steps": 1}
-
-
-@pytest.fixture(scope="module")
-def prompts(assets, tmp_path_factory):
-    """16 of the demo's held-out questions with their answers, every other one as messages (TRL's two prompt-only
-    forms)."""
-    rows = [json.loads(line) for line in (assets / "data" / "sft_eval.jsonl").read_text().splitlines()[:16]]
-    path = tmp_path_factory.mktemp("grpo_prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": row["prompt"] if i % 2 else [{"role": "user",
-                                                                                 "content": row["prompt"]}],
-                                        "solution": row["response"]}) + "\n" for i, row in enumerate(rows)))
-    return path
 
 
 def settings(output_dir, **more) -> dict:
@@ -62,11 +50,11 @@ def settings(output_dir, **more) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, prompts, tmp_path_factory):
+def runs(tiny_model, grpo_prompts_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_ranks")
     recipe = root / "grpo.yaml"
     recipe.write_text(yaml.safe_dump({"model": {"name_or_path": str(tiny_model)},
-                                      "data": {"train_files": [str(prompts)], "chat_template": "basic",
+                                      "data": {"train_files": [str(grpo_prompts_file)], "chat_template": "basic",
                                                "max_seq_len": 64}}))
     two = {f"{variant}_{layout}": settings(root / f"{variant}_{layout}", **values, **changes)
            for variant, values in VARIANTS.items() for layout, changes in LAYOUTS.items()}

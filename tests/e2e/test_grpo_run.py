@@ -1,8 +1,9 @@
 """llmtune grpo end to end on one process: TRL's metric names in metrics.jsonl, every logged round's prompts,
 completions and rewards in completions.jsonl, the reward curve drawn, an export transformers loads, a LoRA run whose
-KL term is against the policy with its adapters off, `llmtune data` showing the prompts; and the refusals: a reward function that cannot be imported,
-prompts without a prompt column and a round of no whole groups before any process starts, a reward function that
-raises, miscounts or returns no number stopping the run with one line naming it and the step."""
+KL term is against the policy with its adapters off, `llmtune data` showing the prompts; and the refusals: a reward
+function that cannot be imported, prompts without a prompt column and a round of no whole groups before any process
+starts, a reward function that raises, miscounts or returns no number stopping the run with one line naming it and
+the step."""
 
 import json
 
@@ -23,20 +24,9 @@ TRL_METRICS = ["reward", "reward_std", "rewards/digits/mean", "rewards/digits/st
                "clip_ratio/region_mean"]
 
 
-@pytest.fixture(scope="module")
-def prompts(assets, tmp_path_factory):
-    """12 of the demo's held-out questions with their answers in `solution`, every other one as messages."""
-    rows = [json.loads(line) for line in (assets / "data" / "sft_eval.jsonl").read_text().splitlines()[:12]]
-    path = tmp_path_factory.mktemp("grpo_prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": row["prompt"] if i % 2 else [{"role": "user",
-                                                                                 "content": row["prompt"]}],
-                                        "solution": row["response"]}) + "\n" for i, row in enumerate(rows)))
-    return path
-
-
-def recipe(tiny_model, prompts, output_dir, **grpo) -> dict:
+def recipe(tiny_model, grpo_prompts_file, output_dir, **grpo) -> dict:
     return {"model": {"name_or_path": str(tiny_model)},
-            "data": {"train_files": [str(prompts)], "chat_template": "basic", "max_seq_len": 64},
+            "data": {"train_files": [str(grpo_prompts_file)], "chat_template": "basic", "max_seq_len": 64},
             "train": {"output_dir": str(output_dir), "max_steps": 3, "per_device_train_batch_size": 4,
                       "gradient_accumulation_steps": 2, "logging_steps": 2, "learning_rate": 1e-2},
             "checkpoint": {"export_dtype": "fp32"},
@@ -45,9 +35,9 @@ def recipe(tiny_model, prompts, output_dir, **grpo) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tiny_model, prompts, tmp_path_factory):
+def run(tiny_model, grpo_prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo") / "run"
-    return llmtune.train("grpo", recipe(tiny_model, prompts, out)), out
+    return llmtune.train("grpo", recipe(tiny_model, grpo_prompts_file, out)), out
 
 
 def test_the_records_carry_trls_metrics(run):
@@ -59,10 +49,10 @@ def test_the_records_carry_trls_metrics(run):
     assert all(r["generation/completions_per_s"] > 0 and "completions_per_s" in r for r in records)
 
 
-def test_each_logged_rounds_completions_are_written_with_their_rewards(run, prompts):
+def test_each_logged_rounds_completions_are_written_with_their_rewards(run, grpo_prompts_file):
     _, out = run
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
-    given = [json.loads(line) for line in prompts.read_text().splitlines()]
+    given = [json.loads(line) for line in grpo_prompts_file.read_text().splitlines()]
     # Logged at step 1 (the first) and step 2 (logging_steps): a round of 2 prompts x 4 completions each.
     assert [row["step"] for row in rows] == [1] * 8 + [2] * 8
     assert all(row["prompt"] in [g["prompt"] for g in given] and isinstance(row["completion"], type(row["prompt"]))
@@ -79,8 +69,8 @@ def test_the_reward_curve_is_drawn_and_the_export_loads(run):
     assert model.config.architectures == ["LlamaForCausalLM"]
 
 
-def test_a_lora_run_with_the_adapters_off_as_reference_trains(tiny_model, prompts, tmp_path):
-    given = recipe(tiny_model, prompts, tmp_path / "run", beta=0.1, reference="adapter_off")
+def test_a_lora_run_with_the_adapters_off_as_reference_trains(tiny_model, grpo_prompts_file, tmp_path):
+    given = recipe(tiny_model, grpo_prompts_file, tmp_path / "run", beta=0.1, reference="adapter_off")
     given["peft"] = {"method": "lora", "r": 4, "alpha": 8, "init_lora_weights": False}
     llmtune.train("grpo", given)
     records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
@@ -99,9 +89,9 @@ def refused(tmp_path, capsys, monkeypatch, given: dict) -> str:
     return lines[-1]
 
 
-def test_a_reward_function_that_cannot_be_imported_is_refused_before_any_process(tiny_model, prompts, tmp_path,
-                                                                                  capsys, monkeypatch):
-    given = recipe(tiny_model, prompts, tmp_path / "run", reward_funcs=["tests.e2e.no_such:reward"])
+def test_a_reward_function_that_cannot_be_imported_is_refused_before_any_process(tiny_model, grpo_prompts_file,
+                                                                                  tmp_path, capsys, monkeypatch):
+    given = recipe(tiny_model, grpo_prompts_file, tmp_path / "run", reward_funcs=["tests.e2e.no_such:reward"])
     assert refused(tmp_path, capsys, monkeypatch, given).startswith(
         "llmtune: error: grpo.reward_funcs: cannot import 'tests.e2e.no_such:reward' (ModuleNotFoundError")
 
@@ -115,9 +105,9 @@ def test_prompts_without_a_prompt_column_are_refused_before_any_process(tiny_mod
         "the reward functions")
 
 
-def test_a_round_of_no_whole_groups_is_refused_before_any_process(tiny_model, prompts, tmp_path, capsys,
+def test_a_round_of_no_whole_groups_is_refused_before_any_process(tiny_model, grpo_prompts_file, tmp_path, capsys,
                                                                   monkeypatch):
-    given = recipe(tiny_model, prompts, tmp_path / "run", num_generations=3)
+    given = recipe(tiny_model, grpo_prompts_file, tmp_path / "run", num_generations=3)
     assert refused(tmp_path, capsys, monkeypatch, given) == (
         "llmtune: error: grpo.generation_batch_size: a round of 16 completions is not a whole number of groups of "
         "num_generations=3; choose a multiple of 3")
@@ -129,26 +119,28 @@ def test_a_round_of_no_whole_groups_is_refused_before_any_process(tiny_model, pr
                   "1); return one float (or None) per completion"),
     ("words", "grpo.reward_funcs: words returned 'many', a str, for 8 completions (scoring the completions of step "
               "1); return one float (or None) per completion")])
-def test_a_reward_function_that_fails_stops_the_run_naming_it(tiny_model, prompts, tmp_path, reward, said):
-    given = recipe(tiny_model, prompts, tmp_path / "run", reward_funcs=[f"tests.e2e.grpo_rewards:{reward}"])
+def test_a_reward_function_that_fails_stops_the_run_naming_it(tiny_model, grpo_prompts_file, tmp_path, reward, said):
+    given = recipe(tiny_model, grpo_prompts_file, tmp_path / "run",
+                   reward_funcs=[f"tests.e2e.grpo_rewards:{reward}"])
     with pytest.raises(UserError) as raised:
         llmtune.train("grpo", given)
     assert str(raised.value) == said
 
 
-def test_llmtune_data_shows_the_prompts_as_rendered_with_their_columns(tiny_model, prompts, tmp_path, capsys):
+def test_llmtune_data_shows_the_prompts_as_rendered_with_their_columns(tiny_model, grpo_prompts_file, tmp_path,
+                                                                       capsys):
     recipe_file = tmp_path / "recipe.json"
-    recipe_file.write_text(json.dumps(recipe(tiny_model, prompts, tmp_path / "run")))
+    recipe_file.write_text(json.dumps(recipe(tiny_model, grpo_prompts_file, tmp_path / "run")))
     assert cli_main(["data", str(recipe_file), "--task", "grpo", "--n", "2"]) == 0
     shown = capsys.readouterr().out
-    first = json.loads(prompts.read_text().splitlines()[0])
+    first = json.loads(grpo_prompts_file.read_text().splitlines()[0])
     assert "prompt 1: " in shown and f"reward functions also get: {{'solution': {first['solution']!r}}}" in shown
     assert first["prompt"][0]["content"] in shown and "prompt 3:" not in shown
-    assert "data: 12 prompts" in shown
+    assert "data: 16 prompts" in shown
 
 
-def test_a_reward_model_folder_scores_the_completions_as_transformers_does(tiny_model, prompts, bare_tokenizer,
-                                                                           tmp_path):
+def test_a_reward_model_folder_scores_the_completions_as_transformers_does(tiny_model, grpo_prompts_file,
+                                                                           bare_tokenizer, tmp_path):
     """A sequence classifier's folder among grpo.reward_funcs: each completion's reward is the model's first logit of
     the prompt + completion, rendered by the folder's chat template (TRL's way), as transformers computes it here."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, \
@@ -165,7 +157,7 @@ def test_a_reward_model_folder_scores_the_completions_as_transformers_does(tiny_
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     apply_recipe_template(tokenizer, "basic")
     tokenizer.save_pretrained(folder)
-    given = recipe(tiny_model, prompts, tmp_path / "run", reward_funcs=[str(folder), "numeric_match"])
+    given = recipe(tiny_model, grpo_prompts_file, tmp_path / "run", reward_funcs=[str(folder), "numeric_match"])
     given["train"]["max_steps"] = 1
     llmtune.train("grpo", given)
     rows = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]

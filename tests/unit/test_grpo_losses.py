@@ -91,4 +91,4 @@ def test_token_weights(loss_type):
     weights = token_weights(loss_type, torch.tensor([2, 4, 0]), max_completion_length=8)
     expected = {"grpo": [0.5, 0.25, 1.0], "dr_grpo": [0.125] * 3, "bnpo": [1.0] * 3, "dapo": [1.0] * 3}[loss_type]
     close(weights, expected, rel=1e-7)
-    assert DIVISORS[loss_type] == ("completions" if loss_type in ("grpo", "dr_grpo") else "completion_tokens")
+    assert DIVISORS[loss_type] == ("completions" if loss_type in ("grpo", "dr_grpo") else "label_tokens")

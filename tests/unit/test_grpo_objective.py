@@ -91,7 +91,7 @@ def test_every_loss_type_sums_the_clipped_token_losses_with_its_weights(loss_typ
     assert terms.loss[0].item() == pytest.approx(expected, rel=1e-6)
     # The clip changes no token's loss here: 0.741 < 0.8 has a positive advantage, 1.35 > 1.28 a negative one.
     assert terms.metrics.tolist()[1:] == [0.0, 0.0, 0.0]
-    assert grpo.divisors[0] == ("completions" if loss_type in ("grpo", "dr_grpo") else "completion_tokens")
+    assert grpo.divisors[0] == ("completions" if loss_type in ("grpo", "dr_grpo") else "label_tokens")
 
 
 def test_clipping_flags_count_the_tokens_whose_loss_the_clip_changed():
@@ -113,7 +113,8 @@ def test_a_masked_truncated_completion_adds_nothing():
     assert [labels[p] for p in POSITIONS[1]] == [IGNORE_INDEX] * 2
     assert batch.sequences["loss_tokens"].tolist() == [3.0, 0.0]
     inputs = {**batch.inputs, "labelled": None}
-    assert grpo.local_counts(inputs, batch, cp_rank=0)[3:] == [2.0, 3.0], "2 completions, 3 completion tokens"
+    counts = grpo.local_counts(inputs, batch, cp_rank=0)
+    assert (counts[3], counts[0]) == (2.0, 3.0), "2 completions, 3 completion tokens (the labelled ones)"
     terms = grpo.terms(FakeModel(NEW), batch.inputs, batch)
     expected = sum(clipped_loss(math.exp(new - old), ADVANTAGES[0]) for new, old in zip(NEW[0], OLD[0]))
     assert terms.loss[0].item() == pytest.approx(expected, rel=1e-6)
