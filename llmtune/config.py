@@ -797,18 +797,11 @@ BETA_HELP = ("The strength of the preference: a response's reward is beta x (its
 
 
 @dataclass
-class PreferenceConfig:
-    """The keys the preference tasks share (dpo's section, kto's), each task's section its subclass."""
+class PairConfig:
+    """The keys of the tasks whose rows are pairs of sequences of one prompt (dpo, kto, rm), each task's section its
+    subclass: how long a pair may be, and the dropout."""
 
     section: typing.ClassVar[str] = ""
-    beta: float = _field(0.1, BETA_HELP)
-    reference: str = _field("model", "The reference model: model (a frozen copy of the starting weights, sharded "
-                                     "like the policy; ref_model names another), adapter_off (with peft adapters: "
-                                     "the policy with its adapters off, no copy) or precomputed (its log-probabilities "
-                                     "computed once before training and cached beside the tokenized data). dpo's "
-                                     "losses without a reference (simpo, orpo) build none.")
-    ref_model: str | None = _field(None, "reference model: a HF folder or Hub id to use instead of the starting "
-                                         "weights.")
     max_length: int | None = _field(None, "The most tokens of prompt + response, for each of a row's two sequences "
                                           "(TRL's max_length); the two take up to twice this in a row of "
                                           "data.max_seq_len; default data.max_seq_len / 2.")
@@ -817,24 +810,42 @@ class PreferenceConfig:
     truncation: bool = _field(True, "A prompt + response longer than max_length: the prompt keeps its end (at least "
                                     "half of max_length, or what the longer response leaves) and the responses are "
                                     "cut at their end; false refuses the row, naming it.")
-    disable_dropout: bool = _field(True, "Dropout off in the policy (as in the reference), so that every reward is 0 "
-                                         "while the policy equals the reference (TRL's default).")
-
-    def needs_reference(self) -> bool:
-        return True
+    disable_dropout: bool = _field(True, "Dropout off in the model trained (TRL's default): with a reference, every "
+                                         "reward is then 0 while the policy equals it.")
 
     def problems(self) -> list[str]:
         out = []
-        if self.reference not in REFERENCES:
-            out.append(_choice_problem(f"{self.section}.reference", self.reference, REFERENCES))
-        if self.beta <= 0:
-            out.append(f"{self.section}.beta: {self.beta} must be above 0")
         if self.max_length is not None and self.max_length < 2:
             out.append(f"{self.section}.max_length: {self.max_length} must be at least 2")
         if self.max_prompt_length is not None and (self.max_prompt_length < 1 or (
                 self.max_length is not None and self.max_prompt_length >= self.max_length)):
             out.append(f"{self.section}.max_prompt_length: {self.max_prompt_length} must be at least 1 and below "
                        f"{self.section}.max_length, to leave room for the responses")
+        return out
+
+
+@dataclass
+class PreferenceConfig(PairConfig):
+    """The keys the preference tasks share (dpo's section, kto's): a reference model and the strength beta."""
+
+    beta: float = _field(0.1, BETA_HELP)
+    reference: str = _field("model", "The reference model: model (a frozen copy of the starting weights, sharded "
+                                     "like the policy; ref_model names another), adapter_off (with peft adapters: "
+                                     "the policy with its adapters off, no copy) or precomputed (its log-probabilities "
+                                     "computed once before training and cached beside the tokenized data). dpo's "
+                                     "losses without a reference (simpo, orpo) build none.")
+    ref_model: str | None = _field(None, "reference model: a HF folder or Hub id to use instead of the starting "
+                                         "weights.")
+
+    def needs_reference(self) -> bool:
+        return True
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.reference not in REFERENCES:
+            out.append(_choice_problem(f"{self.section}.reference", self.reference, REFERENCES))
+        if self.beta <= 0:
+            out.append(f"{self.section}.beta: {self.beta} must be above 0")
         if self.ref_model is not None and self.reference == "adapter_off":
             out.append(f"{self.section}.ref_model: the adapter_off reference is the policy itself; set "
                        f"{self.section}.reference: model to use ref_model")
@@ -888,6 +899,22 @@ class KTOConfig(PreferenceConfig):
         out += [f"kto.{key}: {value} must not be negative" for key, value in
                 (("desirable_weight", self.desirable_weight), ("undesirable_weight", self.undesirable_weight))
                 if value < 0]
+        return out
+
+
+@dataclass
+class RMConfig(PairConfig):
+    """rm: a reward model trained on preference pairs (TRL's RewardConfig names and defaults)."""
+
+    section: typing.ClassVar[str] = "rm"
+    center_rewards_coefficient: float | None = _field(
+        None, "Weight of a term that draws the rewards towards 0: the mean over the step's pairs of (chosen reward + "
+              "rejected reward)^2 (TRL's center_rewards_coefficient; its paper recommends 0.01); none: no term.")
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
+            out.append(f"rm.center_rewards_coefficient: {self.center_rewards_coefficient} must not be negative")
         return out
 
 
@@ -1060,6 +1087,7 @@ SECTIONS = {
     "dpo": DPOConfig,
     "kto": KTOConfig,
     "grpo": GRPOConfig,
+    "rm": RMConfig,
 }
 
 
@@ -1077,16 +1105,21 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
     eval_generation: EvalGenerationConfig = field(default_factory=EvalGenerationConfig)
 
     def dp_size(self, world_size: int) -> int:
         return world_size // self.parallel.cp_size
 
-    def preference(self) -> PreferenceConfig | None:
-        """The section of a preference task (dpo's, kto's), None for another task."""
+    def preference(self) -> PairConfig | None:
+        """The section of a task whose rows are pairs (dpo's, kto's, rm's), None for another task."""
         section = TASKS[self.task].section
         found = getattr(self, section) if section else None
-        return found if isinstance(found, PreferenceConfig) else None
+        return found if isinstance(found, PairConfig) else None
+
+    def head(self) -> str:
+        """What the task's model ends in (tasks/registry.py): LM_HEAD, or rm's SCORE_HEAD."""
+        return TASKS[self.task].head
 
     def reference_section(self) -> "PreferenceConfig | GRPOConfig | None":
         """The task's section that names a reference model (reference, ref_model): dpo's, kto's, grpo's; None for
@@ -1508,8 +1541,8 @@ def _task_problems(config: Config, provided: set[str], task_flag: bool) -> list[
                    f"lower {name}.max_length")
     for key, value in (("z_loss", train.z_loss), ("label_smoothing", train.label_smoothing)):
         if value:
-            out.append(f"train.{key}: applies to the token loss of pt and sft; preference losses use the "
-                       f"log-probabilities as the model gives them (dpo.label_smoothing is cDPO's)")
+            out.append(f"train.{key}: applies to the token loss of pt and sft, not to {config.task}'s loss"
+                       + (" (dpo.label_smoothing is cDPO's)" if config.task == "dpo" else ""))
     if data.streaming:
         out.append(f"data.streaming: {name}'s rows are built whole before training; set data.streaming: false")
     if not data.document_mask:

@@ -19,7 +19,7 @@ from llmtune.atomic import save_tensors, write_folder
 from llmtune.config import parse_size
 from llmtune.features.adapters import Adapters, merge_adapters
 from llmtune.features.base import Features
-from llmtune.model.build import decoder_layers, reshard
+from llmtune.model.build import decoder_layers, generation_defaults, reshard
 from llmtune.model.state import saved_tensors, whole
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -112,7 +112,7 @@ def export_trained(model, tokenizer, output_dir: Path, checkpoint_cfg, state, fe
         merge_adapters(hf_model)
     chunks = gather_weights(hf_model, dtype, state.is_main)
     if state.is_main:
-        write_hf_folder(chunks, hf_model, hf_model.generation_config, tokenizer, output_dir / f"hf{suffix}",
+        write_hf_folder(chunks, hf_model, generation_defaults(hf_model), tokenizer, output_dir / f"hf{suffix}",
                         parse_size(checkpoint_cfg.max_shard_size), dtype, features)
     else:
         for _ in chunks:  # the gathers rank 0 is taking part in

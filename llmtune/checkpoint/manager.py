@@ -33,6 +33,7 @@ from llmtune.checkpoint.manifest import files_written_by, write_manifest
 from llmtune.checkpoint.validate import check_base, check_complete, check_model_matches, init_from_plan
 from llmtune.config import GENERATION_METRICS, RESUME_BEST, RESUME_NEWEST
 from llmtune.errors import TrainingStopped, UserError
+from llmtune.model.build import generation_defaults
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,8 @@ class CheckpointManager:
                  "save_only_model": self.cfg.save_only_model, "base": self.base}, indent=1))
             self.config.write(partial / "config.yaml")
             self.hf_model.config.save_pretrained(partial / "hf_config")
-            self.hf_model.generation_config.save_pretrained(partial / "hf_config")
+            if (defaults := generation_defaults(self.hf_model)) is not None:
+                defaults.save_pretrained(partial / "hf_config")
             self.tokenizer.save_pretrained(partial / "hf_config")
 
     def _written(self, partial: Path, write) -> None:

@@ -55,7 +55,8 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_sequences: bool = False) -> MicroBatch:
+def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_sequences: bool = False,
+            scored: bool = False) -> MicroBatch:
     """Right-pad to the longest row; pads carry label -100.
 
     Rows with position_ids are packed (several documents or samples per row): the model gets
@@ -64,7 +65,8 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_seque
     "document". With document_mask off, an all-ones mask keeps attention across documents.
     Rows without position_ids get an attention mask that hides the pads. Rows without labels
     are labelled with their own ids. Rows of two sequences (`two_sequences`: a preference pair, a KTO example and its
-    KL sequence) also number their sequences (sequence_ids).
+    KL sequence) also number their sequences (sequence_ids); with `scored` (a task whose model ends in a score head),
+    they also mark the token each sequence is scored at (score_marks).
     """
     length = max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
@@ -93,7 +95,28 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_seque
     else:
         inputs["attention_mask"] = real
     batch = MicroBatch(inputs, int(real.sum()))
-    return number_sequences(batch, rows) if two_sequences else batch
+    if not two_sequences:
+        return batch
+    batch = number_sequences(batch, rows)
+    if scored:
+        inputs["scored"] = score_marks(input_ids, inputs["sequence_ids"], pad_id)
+    return batch
+
+
+def score_marks(input_ids: torch.Tensor, sequence_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """[b, S] float: 1.0 at each sequence's last token that is not `pad_id`, 0.0 elsewhere: where transformers'
+    sequence classifiers read a sequence's score (the rightmost token that is not the config's pad_token_id), so that
+    an exported reward model scores a sequence as its training did. Marked before context parallelism slices the
+    rows, where a sequence's end may lie on another peer."""
+    flat_ids = sequence_ids.flatten()
+    kept = (flat_ids >= 0) & (input_ids.flatten() != pad_id)
+    positions = torch.arange(len(flat_ids))
+    sequences = int(flat_ids.max()) + 1
+    last = torch.full((max(sequences, 1),), -1).scatter_reduce(0, flat_ids.clamp(min=0), positions.where(kept, -1),
+                                                               "amax")
+    marks = torch.zeros(len(flat_ids))
+    marks[last[last >= 0]] = 1.0
+    return marks.view(input_ids.shape)
 
 
 def number_sequences(batch: MicroBatch, rows: list[dict]) -> MicroBatch:

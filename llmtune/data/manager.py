@@ -32,7 +32,7 @@ from llmtune.data.build import build_stream, load_or_build, load_or_build_stream
 from llmtune.data.collate import collate, pad_token_id
 from llmtune.data.preference import PairLimits, two_sequence_rows
 from llmtune.errors import UserError
-from llmtune.tasks.registry import PROMPTS, TASKS
+from llmtune.tasks.registry import PROMPTS, SCORE_HEAD, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +52,10 @@ class Validation:
     """This rank's share of the validation split in micro-batches, and when an evaluation is due. Without
     validation data it is never due (a run without validation has this do-nothing one)."""
 
-    def __init__(self, dataset: datasets.Dataset | None, batch_size: int, pad_id: int, data_cfg, dp_size: int,
-                 dp_rank: int, train_cfg, cuda: bool = False, two_sequences: bool = False):
+    def __init__(self, dataset: datasets.Dataset | None, batch_size: int, collate_fn, data_cfg, dp_size: int,
+                 dp_rank: int, train_cfg, cuda: bool = False):
         self.dataset = dataset
-        self.collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
-                               two_sequences=two_sequences)
+        self.collate = collate_fn
         self.eval_steps, self.eval_epochs = train_cfg.eval_steps, train_cfg.eval_epochs
         if dataset is not None:
             # Made once, so that persistent workers serve every evaluation.
@@ -306,7 +305,9 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
     pad_id = pad_token_id(tokenizer)
     cuda = state.device.type == "cuda"
     # A stream never holds rows of two sequences (config.py refuses data.streaming for the preference tasks).
-    two_sequences = two_sequence_rows(config.task)
+    rows_collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
+                           two_sequences=two_sequence_rows(config.task),
+                           scored=TASKS[config.task].head == SCORE_HEAD)
     if data_cfg.streaming:
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)
@@ -321,12 +322,8 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
         if state.is_main:
             log.info("data: %s", stats.summary())
         if annotate is not None:
-            splits = annotate({"train": train, "val": val, "test": test},
-                              partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
-                                      two_sequences=two_sequences))
+            splits = annotate({"train": train, "val": val, "test": test}, rows_collate)
             train, val, test = splits["train"], splits["val"], splits["test"]
-        rows_collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
-                               two_sequences=two_sequences)
         data = DataManager(train, data_cfg, train_cfg.per_device_train_batch_size,
                            train_cfg.gradient_accumulation_steps, state.dp_size, state.dp_rank, train_cfg.seed,
                            rows_collate, cuda) if TASKS[config.task].rows != PROMPTS else \
@@ -335,8 +332,8 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
                         * config.grpo.num_iterations)
 
     def held_out(split, cfg) -> Validation:
-        return Validation(split, train_cfg.per_device_eval_batch_size, pad_id, data_cfg, state.dp_size, state.dp_rank,
-                          cfg, cuda, two_sequences)
+        return Validation(split, train_cfg.per_device_eval_batch_size, rows_collate, data_cfg, state.dp_size,
+                          state.dp_rank, cfg, cuda)
 
     # The test split is read whole, once: max_eval_steps bounds the evaluations during training.
     return data, held_out(val, train_cfg), held_out(test, replace(train_cfg, max_eval_steps=0))

@@ -17,6 +17,7 @@ from llmtune.errors import UserError
 from llmtune.generation.engine import Sampling, generate
 from llmtune.generation.prompts import completion_value, read_prompt_rows, stop_ids
 from llmtune.generation.scorers import answer_scorers, load_scorers, score
+from llmtune.model.build import generation_defaults
 from llmtune.monitor.metrics import restart_records
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class GenerationEval:
         self.path = output_dir / GENERATIONS
         self.rows = prompt_rows(cfg) if cfg.files else []
         self.prompts = [prompt_ids(tokenizer, row["prompt"]) for row in self.rows]
-        defaults = model.hf_model.generation_config
+        defaults = generation_defaults(model.hf_model)
         self.sampling = Sampling.resolve(cfg.sampling(), defaults)
         self.eos_ids = stop_ids(tokenizer, defaults)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]

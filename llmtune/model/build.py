@@ -22,12 +22,14 @@ from accelerate import init_empty_weights
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig,
+                          PreTrainedModel)
 
 from llmtune.errors import UserError
 from llmtune.model.attention import backend_problems, resolve_backend
 from llmtune.model.expert_parallel import split_experts
 from llmtune.model.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum, token_logps
+from llmtune.tasks.registry import LM_HEAD, SCORE_HEAD
 from llmtune.model.pretrained import checkpoint_index, load_weights, weight_sources
 from llmtune.model.quantize import is_quantized
 from llmtune.model.state import saved_tensors
@@ -37,8 +39,12 @@ log = logging.getLogger(__name__)
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# The score head of transformers' sequence classifiers (every family's ...ForSequenceClassification names it so).
+SCORE = "score"
+
+
 class CausalLMForTraining(nn.Module):
-    """The FSDP root around an unmodified HF causal LM.
+    """The FSDP root around an unmodified HF causal LM, or its family's sequence classifier (rm: sequence_scores).
 
     Its forward runs the decoder and then the loss from the last hidden states and the lm_head
     weight, plus the features' loss terms. Being the root, FSDP has unsharded the embeddings and
@@ -122,6 +128,24 @@ class CausalLMForTraining(nn.Module):
                       shift_labels=shift_labels, sequence_ids=sequence_ids, **model_kwargs)
         return logps, entropy, sum(self.features.loss_terms(outputs, inputs), logps.new_zeros(()))
 
+    def sequence_scores(self, input_ids, attention_mask=None, position_ids=None, shift_labels=None, labelled=None,
+                        sequence_ids=None, scored=None, sequences: int = 0, **model_kwargs) -> tuple[Tensor, Tensor]:
+        """A sequence classifier's (one label) scores of the sequences packed in the micro-batch's rows: (each one's
+        score, the score head on the hidden state of its token marked 1 in `scored` [b, S] (collate.score_marks: its
+        last that is not the pad id, as the classifier's own forward reads it), fp32 [sequences], 0 for a sequence
+        whose mark another cp peer holds; the features' loss terms summed, a scalar). The head runs on every token
+        ([b, S, 1], a dot product each) and the marked ones are summed by sequence: no index sized by the values,
+        which the host would wait for. A fourth forward method, registered with FSDP."""
+        outputs = self._decode(input_ids, attention_mask, position_ids, model_kwargs)
+        token_scores = self.hf_model.get_submodule(SCORE)(outputs.last_hidden_state).float().squeeze(-1)
+        marks = scored.to(token_scores.dtype) * (sequence_ids >= 0)
+        # A filler micro-batch (MicroBatch.emptied) has no sequence: one slot, dropped, takes its zeros.
+        sums = token_scores.new_zeros(max(sequences, 1)).index_add(
+            0, sequence_ids.flatten().clamp(min=0), (token_scores * marks).flatten())[:sequences]
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      shift_labels=shift_labels, sequence_ids=sequence_ids, **model_kwargs)
+        return sums, sum(self.features.loss_terms(outputs, inputs), token_scores.new_zeros(()))
+
     def generate(self, **kwargs) -> Tensor:
         """transformers' generate of the HF model, a forward method of the FSDP root (registered in build_model), so
         that the root's own weights (embeddings, lm_head) are gathered around it (generation/engine.py)."""
@@ -135,16 +159,68 @@ class CausalLMForTraining(nn.Module):
         )
 
 
-def load_model_config(model_cfg):
-    return AutoConfig.from_pretrained(model_cfg.name_or_path or model_cfg.config,
-                                      trust_remote_code=model_cfg.trust_remote_code)
+def load_model_config(model_cfg, head: str = LM_HEAD, pad_id: int | None = None):
+    """The HF config of the model the run trains, for a task whose model ends in `head` (tasks/registry.py): a causal
+    LM's, or for SCORE_HEAD its family's sequence classifier's with one label (num_labels 1, its class named in
+    architectures: what the run builds and exports). pad_id: the tokenizer's pad token, which a classifier's
+    forward reads to find each sequence's last token (TRL's RewardTrainer sets it so), where known."""
+    name = model_cfg.name_or_path or model_cfg.config
+    config = AutoConfig.from_pretrained(name, trust_remote_code=model_cfg.trust_remote_code)
+    if head == LM_HEAD:
+        if is_classifier(config):
+            raise UserError(f"model.name_or_path: {name} is a sequence classifier ({config.architectures[0]}), "
+                            "which scores sequences and generates no text; name a causal LM's folder")
+        return config
+    classifier = AutoModelForSequenceClassification._model_mapping.get(type(config), None)
+    if classifier is None:
+        raise UserError(f"model: transformers has no sequence classifier for {type(config).__name__} "
+                        f"(model_type {config.model_type}), so it cannot be trained as a reward model; use a model of "
+                        "a family that has one (docs/models.md)")
+    if is_classifier(config) and config.num_labels != 1:
+        raise UserError(f"model.name_or_path: {name} is a classifier of {config.num_labels} labels; a reward model "
+                        "has one (its score): start from a causal LM or a reward model's folder")
+    config.num_labels, config.architectures = 1, [classifier.__name__]
+    if pad_id is not None:
+        config.pad_token_id = pad_id
+    return config
+
+
+def is_classifier(model_config) -> bool:
+    """Whether the config is a sequence classifier's (its architectures name ...ForSequenceClassification)."""
+    return any(name.endswith("ForSequenceClassification") for name in model_config.architectures or ())
+
+
+def auto_class(model_config):
+    """transformers' auto class of the config's model: its sequence classifier, or its causal LM."""
+    return AutoModelForSequenceClassification if is_classifier(model_config) else AutoModelForCausalLM
+
+
+def generation_defaults(hf_model: PreTrainedModel) -> GenerationConfig | None:
+    """The model's sampling defaults (generation_config.json), None for a sequence classifier, which generates
+    nothing."""
+    return getattr(hf_model, "generation_config", None)
+
+
+def output_head(hf_model: PreTrainedModel) -> nn.Module:
+    """The layer the model ends in: a causal LM's lm_head, a sequence classifier's score head."""
+    return hf_model.get_submodule(SCORE) if is_classifier(hf_model.config) else hf_model.get_output_embeddings()
+
+
+def new_head(hf_model: PreTrainedModel, tensors: dict) -> set[str]:
+    """The score head's tensors of a sequence classifier started from a causal LM's folder, whose checkpoint has
+    none: they take transformers' initialisation (pretrained.fresh_value, seeded by name: the same for any number of
+    ranks). Empty for a causal LM. `tensors`: the model's, as pretrained.load_weights takes them."""
+    if not is_classifier(hf_model.config):
+        return set()
+    return {name for name in tensors if name.startswith(SCORE + ".")}
 
 
 def meta_model(model_config, model_cfg, **kwargs) -> PreTrainedModel:
     """The model of `model_config` with its parameters on the meta device (no memory): for checks of its shapes and
     names before anything is built."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=model_cfg.trust_remote_code, **kwargs)
+        return auto_class(model_config).from_config(model_config, trust_remote_code=model_cfg.trust_remote_code,
+                                                    **kwargs)
 
 
 def check_model(model_cfg, train_cfg, model_config) -> None:
@@ -175,7 +251,9 @@ def check_model(model_cfg, train_cfg, model_config) -> None:
                         "model.attn_implementation to auto, which picks a backend the model supports") from None
     decoder_layers(hf_model)
     if model_cfg.name_or_path:
-        weight_sources(hf_model, Path(model_cfg.name_or_path), saved_tensors(hf_model), model_cfg.strict_load)
+        tensors = saved_tensors(hf_model)
+        weight_sources(hf_model, Path(model_cfg.name_or_path), tensors, model_cfg.strict_load,
+                       new_head(hf_model, tensors))
 
 
 def check_vocab(config, tokenizer) -> None:
@@ -205,16 +283,16 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     if pretrained:
         # Parameters on the meta device; buffers (e.g. RoPE frequencies) computed for real, they are small.
         with init_empty_weights(include_buffers=False):
-            hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
+            hf_model = auto_class(config).from_config(config, **kwargs)
         # from_config leaves meta parameters untied: tie them, so a tied lm_head is the embedding itself.
         hf_model.tie_weights()
         # The folder's sampling defaults (generation/engine.py's, and the export's generation_config.json), where
         # from_config made them from config.json alone.
-        if (Path(model_cfg.name_or_path) / "generation_config.json").is_file():
+        if (Path(model_cfg.name_or_path) / "generation_config.json").is_file() and not is_classifier(config):
             hf_model.generation_config = GenerationConfig.from_pretrained(model_cfg.name_or_path)
     else:
         torch.manual_seed(train_cfg.seed)
-        hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
+        hf_model = auto_class(config).from_config(config, **kwargs)
     # transformers' pick where the recipe says auto, before a feature wraps it in its own (the start banner's).
     attention = hf_model.config._attn_implementation
     features.build(hf_model, state)
@@ -262,14 +340,16 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     # FSDP unshards the root's own parameters (embeddings, lm_head) around `forward` alone.
     register_fsdp_forward_method(module, "sequence_logps")
     register_fsdp_forward_method(module, "token_logps")
+    register_fsdp_forward_method(module, "sequence_scores")
     register_fsdp_forward_method(module, "generate")
     if pretrained:
         buffers = {name: buffer.clone() for name, buffer in module.named_buffers()}
         module.to_empty(device=state.parameter_device)
         for name, buffer in module.named_buffers():
             buffer.copy_(buffers[name])
-        left_out = load_weights(hf_model, Path(model_cfg.name_or_path), features.pretrained_tensors(hf_model),
-                                model_cfg.strict_load, train_cfg.seed)
+        tensors = features.pretrained_tensors(hf_model)
+        left_out = load_weights(hf_model, Path(model_cfg.name_or_path), tensors, model_cfg.strict_load,
+                                train_cfg.seed, new_head(hf_model, tensors))
         if left_out and state.is_main:
             log.warning("model.strict_load false: the load of %s left out %s; the model's tensors among them keep "
                         "their fresh initialisation, the others are ignored", model_cfg.name_or_path, left_out)

@@ -37,10 +37,15 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
-# Values of a row given per token, in line with its shifted labels (the value at position t is that of the label of
-# t, token t + 1): grpo's old policy's log-probabilities. They travel with the labels (a context-parallel rank gets
-# its slice) and are the objective's, never the model's.
-TOKEN_VALUES = ("old_logps",)
+# Values of a row given per token, in line with its tokens: grpo's old policy's log-probabilities (at position t,
+# that of the label of t, token t + 1), rm's marks of the tokens its sequences are scored at (collate.score_marks).
+# They travel with the labels (a context-parallel rank gets its slice) and are the objective's, never the model's.
+TOKEN_VALUES = ("old_logps", "scored")
+
+
+def model_inputs(inputs: dict) -> dict:
+    """A micro-batch's inputs without the objective's own per-token values."""
+    return {key: value for key, value in inputs.items() if key not in TOKEN_VALUES}
 
 
 @dataclass(frozen=True)

@@ -96,12 +96,14 @@ def keeps_rows_apart(converter: WeightConverter) -> bool:
     return True
 
 
-def weight_sources(hf_model: PreTrainedModel, folder: Path, tensors: dict,
-                   strict: bool = True) -> dict[str, Stored | Converted]:
+def weight_sources(hf_model: PreTrainedModel, folder: Path, tensors: dict, strict: bool = True,
+                   new: set[str] = frozenset()) -> dict[str, Stored | Converted]:
     """The model's name -> where the checkpoint stores its value, for every tensor of `tensors` (the model's, by
     name: they tell whether the base-model prefix is added or dropped) that the checkpoint holds, and for the
     checkpoint's other tensors. Refuses a conversion a rank cannot apply to its own rows; with `strict`, also a
-    checkpoint that lacks some of `tensors` or holds one in another shape (not_loaded names them otherwise)."""
+    checkpoint that lacks some of `tensors` or holds one in another shape (not_loaded names them otherwise). `new`:
+    tensors the model adds to what its checkpoint may hold (a reward model's score head, build.new_head), never
+    missing."""
     transforms = get_model_conversion_mapping(hf_model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -124,7 +126,7 @@ def weight_sources(hf_model: PreTrainedModel, folder: Path, tensors: dict,
         source.parts.setdefault(pattern, []).append(stored[name])
     if not strict:
         return sources
-    missing = [name for name in tensors if name not in sources]
+    missing = [name for name in tensors if name not in sources and name not in new]
     problems = [f"lacks weights for {few(missing, 5)}"] if missing else []
     problems += [problem for name, source in sources.items()
                  if name in tensors and (problem := shape_problem(name, source, list(tensors[name].shape)))]
@@ -187,17 +189,19 @@ def fresh_value(plain: PreTrainedModel, name: str, seed: int) -> torch.Tensor:
 
 
 def load_weights(hf_model: PreTrainedModel, folder: Path, tensors: dict[str, torch.Tensor], strict: bool = True,
-                 seed: int = 0) -> str:
+                 seed: int = 0, new: set[str] = frozenset()) -> str:
     """Copy into every tensor's local shard the rows of its value that shard holds. `tensors`: the parameters and
     persistent buffers the checkpoint holds, by their names in the unchanged model (Features.pretrained_tensors).
     Without `strict`, a tensor the checkpoint lacks or holds in another shape takes its fresh value (fresh_value,
-    from `seed`); returns the line naming what was left out (not_loaded_line; "" with `strict`).
+    from `seed`); returns the line naming what was left out (not_loaded_line; "" with `strict`). `new`: tensors the
+    model adds to its checkpoint (weight_sources), which take their fresh value where the checkpoint lacks them.
 
     Parameters tied to another (lm_head to the embeddings) appear once and are loaded once.
     """
-    sources = weight_sources(hf_model, folder, tensors, strict)
+    sources = weight_sources(hf_model, folder, tensors, strict, new)
     missing, reshaped, unused = ([], [], []) if strict else not_loaded(hf_model, sources, tensors)
-    fresh = {*missing, *reshaped}
+    missing = [name for name in missing if name not in new]
+    fresh = {*missing, *reshaped, *(name for name in new if name not in sources)}
     if fresh:
         with torch.device("meta"):
             plain = type(hf_model)(hf_model.config)

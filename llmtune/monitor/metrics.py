@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmtune.model.build import output_head
 from llmtune.monitor.console import Console
 from llmtune.monitor.trackers import Trackers
 
@@ -80,7 +81,7 @@ def flops_per_token(hf_model, seq_len: int) -> float:
                for p in module.parameters()}
     matmul = sum(p.numel() * experts.get(id(p), 1) for p in hf_model.parameters()
                  if p.dim() >= (3 if id(p) in experts else 2) and id(p) not in lookups)
-    head = hf_model.get_output_embeddings().weight
+    head = output_head(hf_model).weight  # a sequence classifier's score head is a matrix of its own
     if id(head) in lookups:
         matmul += head.numel()
     heads = config.num_attention_heads

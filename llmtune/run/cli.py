@@ -122,7 +122,7 @@ def data_command(args: list[str]) -> int:
         from llmtune.model.build import load_model_config
         from llmtune.run.micro_batch import decide_before_start
 
-        decide_before_start(config, local, load_model_config(local.model), 1)
+        decide_before_start(config, local, load_model_config(local.model, local.head()), 1)
     preview(task, local, int(count))
     return 0
 

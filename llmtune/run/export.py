@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from llmtune.checkpoint.hf_export import EXPORT_DTYPES, gather_weights, write_hf_folder
 from llmtune.checkpoint.validate import check_base, check_complete, saved_model_shapes
@@ -17,7 +17,7 @@ from llmtune.features.adapters import Adapters, merge_adapters
 from llmtune.features.base import Features
 from llmtune.features.quantization import QuantizedBase
 from llmtune.features.registry import enabled_features
-from llmtune.model.build import base_record, load_model_config
+from llmtune.model.build import auto_class, base_record, load_model_config, new_head
 from llmtune.model.pretrained import load_weights
 from llmtune.model.state import saved_tensors
 from llmtune.run.inputs import fetch_hub_inputs, local_inputs
@@ -30,20 +30,21 @@ def checkpoint_model(checkpoint: Path, run, trainer_state: dict, features: Featu
     those of the run that shape its weights (the adapters, the quantized base)."""
     config = AutoConfig.from_pretrained(checkpoint / "hf_config")
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class(config).from_config(config, dtype=torch.float32)
     features.build(model, None)
     model.to_empty(device="cpu")
     model.tie_weights()
     if trainer_state.get("base"):
         local = local_inputs(run, fetch_hub_inputs(run))
-        base_config = load_model_config(local.model)
+        base_config = load_model_config(local.model, run.head())
         check_base(checkpoint, base_record(run, local.model, base_config))
         if local.model.name_or_path:
-            load_weights(model, Path(local.model.name_or_path), features.pretrained_tensors(model),
-                         run.model.strict_load, run.train.seed)
+            tensors = features.pretrained_tensors(model)
+            load_weights(model, Path(local.model.name_or_path), tensors, run.model.strict_load, run.train.seed,
+                         new_head(model, tensors))
         else:  # trained from model.config: the frozen weights are its seeded initialisation
             torch.manual_seed(run.train.seed)
-            initialised = AutoModelForCausalLM.from_config(base_config, dtype=torch.float32)
+            initialised = auto_class(base_config).from_config(base_config, dtype=torch.float32)
             model.load_state_dict(initialised.state_dict(), strict=False)
     saved = saved_model_shapes(checkpoint, "model.hf_model.")
     dcp.load({f"model.hf_model.{name}": tensor.data for name, tensor in saved_tensors(model).items() if name in saved},

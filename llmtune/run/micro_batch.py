@@ -51,7 +51,7 @@ def agree_micro_batch(config, local, state) -> None:
 
     processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     micro_batch = int(os.environ[MICRO_BATCH]) if MICRO_BATCH in os.environ else state.run_first(
-        state.rank == 0, lambda: decide_micro_batch(local, load_model_config(local.model), state.world_size,
+        state.rank == 0, lambda: decide_micro_batch(local, load_model_config(local.model, local.head()), state.world_size,
                                                     processes_here), None)
     for recipe in (config, local):
         recipe.use_micro_batch(micro_batch, state.world_size)

@@ -249,7 +249,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     from llmtune.features.freezing import Freezing
     from llmtune.features.registry import enabled_features
     from llmtune.model.attention import resolve_backend
-    from llmtune.model.build import HALF_DTYPES, decoder_layers, meta_model
+    from llmtune.model.build import HALF_DTYPES, decoder_layers, meta_model, output_head
     from llmtune.model.expert_parallel import experts_modules
     from llmtune.model.quantize import dequantized_bytes, nf4_bytes, quantized_linears, storage_dtype
 
@@ -308,7 +308,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     layer_inputs = len(layers) * layout.micro_batch * tokens * hidden * compute
     without = outside + sum(per_layer)
     with_checkpointing = outside + layer_inputs + max(per_layer)
-    head = hf_model.get_output_embeddings().weight
+    head = output_head(hf_model).weight
     return Plan(
         layout=layout, params=stored, grads=trained, optimizer=2 * trained,
         largest_layer=max(sum(sized(p, 1, compute) for p in layer.parameters()) for layer in layers),
@@ -565,7 +565,7 @@ def plan_recipe(recipe: str, overrides: list[str], task: str, world_size: int, d
     if repo := model_config_repo(model.name_or_path, model.revision, model.trust_remote_code):
         model = replace(model, name_or_path=str(fetch(repo, "model.name_or_path")), revision=None)
     try:
-        model_config = load_model_config(model)
+        model_config = load_model_config(model, config.head())
     except (OSError, ValueError) as err:
         raise UserError(f"model: cannot read the config of {config.model.name_or_path or config.model.config} "
                         f"({str(err).splitlines()[0]})") from None

@@ -50,7 +50,7 @@ def check_run(local, world_size: int):
     check_eval_generation(local.eval_generation, bool(local.data.chat_template) or has_chat_template(
         Path(local.model.tokenizer or local.model.name_or_path)))
     objective_class(local.task).check(local)
-    model_config = load_model_config(local.model)
+    model_config = load_model_config(local.model, local.head())
     check_features(local, model_config, world_size)
     check_model(local.model, local.train, model_config)
     if local.model.init_from:

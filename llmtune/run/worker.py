@@ -13,6 +13,7 @@ from llmtune.checkpoint.folders import continues, remove_earlier_run
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
 from llmtune.config import AUTO
+from llmtune.data.collate import pad_token_id
 from llmtune.data.manager import build_data
 from llmtune.data.templates import recipe_tokenizer
 from llmtune.errors import Preempted, TrainingStopped
@@ -76,7 +77,7 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     # The same seed on every rank: identical initial weights and data order.
     set_seed(config.train.seed)
     tokenizer = recipe_tokenizer(config.task, local.model, config.data.chat_template)
-    model_config = load_model_config(local.model)
+    model_config = load_model_config(local.model, local.head(), pad_token_id(tokenizer))
     check_vocab(model_config, tokenizer)
     # The banner's plan traces a model of the family on meta tensors: before the features build the run's model,
     # which may patch the family's modeling module for the whole process (Liger replaces its RoPE and RMSNorm by

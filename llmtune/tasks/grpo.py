@@ -42,7 +42,7 @@ from llmtune.generation.engine import Sampling, generate
 from llmtune.generation.prompts import completion_value, stop_ids
 from llmtune.generation.scorers import load_scorers, score
 from llmtune.model.build import reshard
-from llmtune.model.loss import IGNORE_INDEX, TOKEN_VALUES
+from llmtune.model.loss import IGNORE_INDEX, model_inputs
 from llmtune.monitor.metrics import restart_records
 from llmtune.tasks.grpo_losses import (DIVISORS, advantages, combined_rewards, k3_kl, nanstd, token_losses,
                                        token_weights)
@@ -66,11 +66,6 @@ class Round:
     order: list[int]
     values: dict[str, float]
     old: dict[int, list[float]] | None = None
-
-
-def model_inputs(inputs: dict) -> dict:
-    """A micro-batch's inputs without the objective's own per-token values."""
-    return {key: value for key, value in inputs.items() if key not in TOKEN_VALUES}
 
 
 class GRPO(Objective):

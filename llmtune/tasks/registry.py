@@ -19,6 +19,11 @@ PAIRS = "pairs"  # a prompt with a chosen and a rejected response, both rendered
 UNPAIRED = "unpaired"  # a prompt and one response labelled desirable or undesirable (kto)
 PROMPTS = "prompts"  # a prompt alone, its completions sampled during training (grpo)
 
+# What a task's model ends in: transformers' causal LM (the lm_head's next-token logits), or its sequence classifier
+# with one label (a score head: one number per sequence, read at its last token).
+LM_HEAD = "lm"
+SCORE_HEAD = "score"
+
 
 @dataclass(frozen=True)
 class Task:
@@ -26,6 +31,7 @@ class Task:
     rows: str
     section: str | None  # the recipe section of the task's own keys, None for none
     description: str  # the first line of `llmtune TASK --help`
+    head: str = LM_HEAD  # what the model ends in: LM_HEAD or SCORE_HEAD
 
 
 TASKS = {
@@ -43,4 +49,7 @@ TASKS = {
     "grpo": Task("llmtune.tasks.grpo:GRPO", PROMPTS, "grpo",
                  "Online RL (GRPO and its kin): completions sampled from the policy for each prompt, scored by reward "
                  "functions, the policy moved towards the completions better than their group's mean."),
+    "rm": Task("llmtune.tasks.reward:RewardModel", PAIRS, "rm",
+               "Reward modelling: a chosen and a rejected response to each prompt, a score head on the model trained "
+               "to score the chosen one higher (Bradley-Terry); exported as a sequence classifier.", SCORE_HEAD),
 }

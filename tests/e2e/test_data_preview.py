@@ -173,8 +173,8 @@ def test_preference_rows_are_refused_in_one_line(assets, tmp_path, capsys):
     # The lines before it are datasets' progress bars.
     assert code == 2 and "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == (
-        f"llmtune: error: {pairs}: preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo, not "
-        "sft; train it with llmtune dpo, or leave it out of data.train_files")
+        f"llmtune: error: {pairs}: preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo or "
+        "llmtune rm, not sft; train it with llmtune dpo or llmtune rm, or leave it out of data.train_files")
 
 
 def test_a_dpo_recipe_shows_its_pairs_and_their_statistics(assets, tmp_path, capsys):

@@ -107,8 +107,8 @@ ROW_REFUSALS = {
                  "dpo.max_length (and data.max_seq_len, which holds two), set dpo.max_prompt_length, or set "
                  "dpo.truncation: true to cut it"),
     "pairs_for_sft": ({"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}, "sft", {},
-                      "preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo, not sft; "
-                      "train it with llmtune dpo, or leave it out of data.train_files"),
+                      "preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo or llmtune rm, not sft; "
+                      "train it with llmtune dpo or llmtune rm, or leave it out of data.train_files"),
 }
 
 

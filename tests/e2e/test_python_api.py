@@ -100,7 +100,7 @@ def test_bad_input_raises_the_clis_error_with_its_message(tiny_model, sft_file, 
 
 
 @pytest.mark.parametrize("task, overrides, message", [
-    ("ppo", {}, "task: 'ppo' is not a task; use pt, sft, dpo, kto or grpo"),
+    ("ppo", {}, "task: 'ppo' is not a task; use pt, sft, dpo, kto, grpo or rm"),
     ("sft", {"nproc": 2}, "nproc: llmtune.train runs in this process"),
     ("sft", {"learnin_rate": 1e-4}, "--learnin_rate: no recipe key has this name; did you mean --learning_rate"),
 ])

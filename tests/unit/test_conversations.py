@@ -194,8 +194,8 @@ def test_dataset_info_registry_with_column_and_tag_mappings(tmp_path, chat_token
     assert (train[1]["input_ids"], train[1]["labels"]) == expected(chat_tokenizer, [(tools_block([ADD]), False),
                                                                                     *TOOL_TURNS])
     with pytest.raises(UserError, match=r"data.datasets: 'pairs' in .*dataset_info.json: preference data "
-                                        r"\(chosen/rejected columns, or ranking: true\) is for llmtune dpo, not sft; "
-                                        r"train it with llmtune dpo, or leave it out of data.datasets"):
+                                        r"\(chosen/rejected columns, or ranking: true\) is for llmtune dpo or llmtune rm, not sft; "
+                                        r"train it with llmtune dpo or llmtune rm, or leave it out of data.datasets"):
         build_datasets("sft", DataConfig(dataset_info=str(tmp_path), datasets=["pairs"]), chat_tokenizer, 0)
     with pytest.raises(UserError, match=r"no dataset 'cals' in .*dataset_info.json; did you mean calls"):
         build_datasets("sft", DataConfig(dataset_info=str(tmp_path), datasets=["cals"]), chat_tokenizer, 0)
@@ -218,8 +218,8 @@ PAIR = {"prompt": "What is 2 plus 3?", "chosen": "It is 5.", "rejected": "It is 
 KTO_ROWS = [{"prompt": "What is 2 plus 3?", "completion": "It is 5.", "label": True},
             {"prompt": "What is 2 plus 3?", "completion": "It is 6.", "label": False}]
 # The refusals of a task's rows given to another task: {task}, and {key} naming the sources.
-PREFERENCE = ("preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo, not {task}; train it "
-              "with llmtune dpo, or leave it out of {key}")
+PREFERENCE = ("preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo or llmtune rm, not {task}; "
+              "train it with llmtune dpo or llmtune rm, or leave it out of {key}")
 KTO = ("KTO data (kto_tag, or a true/false label column) is for llmtune kto, not {task}; train it with llmtune kto, "
        "or leave it out of {key}")
 

@@ -2,6 +2,7 @@
 
 import json
 import logging
+from functools import partial
 from types import SimpleNamespace
 
 import datasets
@@ -227,25 +228,25 @@ def evaluation(eval_steps=0, eval_epochs=0, max_eval_steps=0):
 
 def test_validation_gives_every_row_once_in_equal_batch_counts_and_is_due_every_eval_steps_and_at_the_end():
     dataset = datasets.Dataset.from_list([{"input_ids": [i, i], "labels": [i, i]} for i in range(1, 11)])
-    per_rank = [list(Validation(dataset, 2, 0, DataConfig(), 4, rank, evaluation(4)).batches()) for rank in range(4)]
+    per_rank = [list(Validation(dataset, 2, partial(collate, pad_id=0), DataConfig(), 4, rank, evaluation(4)).batches()) for rank in range(4)]
     assert [len(batches) for batches in per_rank] == [2, 2, 2, 2], "ranks 2 and 3 hold 2 rows, 0 and 1 hold 3"
     labels = [t for batches in per_rank for b in batches for t in b.inputs["shift_labels"].flatten().tolist()]
     assert sorted(t for t in labels if t != IGNORE_INDEX) == list(range(1, 11))
     assert per_rank[3][1].num_tokens == 0, "a rank whose share has run out adds nothing"
-    every_4 = Validation(dataset, 2, 0, DataConfig(), 1, 0, evaluation(4))
+    every_4 = Validation(dataset, 2, partial(collate, pad_id=0), DataConfig(), 1, 0, evaluation(4))
     assert [step for step in range(1, 11) if every_4.due(step, last=step == 10)] == [4, 8, 10]
     assert [step for step in range(1, 11) if every_4.due(step, last=False)] == [4, 8]
-    assert not Validation(None, 2, 0, DataConfig(), 1, 0, evaluation(4)).due(8, last=True), "no validation data"
+    assert not Validation(None, 2, partial(collate, pad_id=0), DataConfig(), 1, 0, evaluation(4)).due(8, last=True), "no validation data"
 
 
 def test_validation_is_due_at_every_eval_epochs_th_epoch_end_and_max_eval_steps_caps_every_rank_alike():
     dataset = datasets.Dataset.from_list([{"input_ids": [i, i], "labels": [i, i]} for i in range(1, 11)])
-    every_2nd_epoch = Validation(dataset, 2, 0, DataConfig(), 1, 0, evaluation(eval_epochs=2))
+    every_2nd_epoch = Validation(dataset, 2, partial(collate, pad_id=0), DataConfig(), 1, 0, evaluation(eval_epochs=2))
     ends = [every_2nd_epoch.due(step, last=False, finished_epoch=epoch) for step, epoch in ((3, 0), (6, 1), (9, 2),
                                                                                              (12, 3))]
     assert ends == [False, True, False, True]
     assert not every_2nd_epoch.due(5, last=False), "not inside an epoch"
-    capped = [list(Validation(dataset, 2, 0, DataConfig(), 2, rank, evaluation(max_eval_steps=2)).batches())
+    capped = [list(Validation(dataset, 2, partial(collate, pad_id=0), DataConfig(), 2, rank, evaluation(max_eval_steps=2)).batches())
               for rank in (0, 1)]
     assert [len(batches) for batches in capped] == [2, 2]
     rows = [t for b in capped[0] for t in b.inputs["input_ids"][:, 0].tolist()]

@@ -29,8 +29,8 @@ from tests.unit.test_preference_data import PROMPT, RIGHT, USER, WRONG, message,
 LIMITS = PairLimits(max_length=256, max_prompt_length=None, truncation=True, section="kto", names=KL_RESPONSES)
 # The basic template's rendering of an alpaca prompt with a system text and an input.
 ALPACA_PROMPT = "<s>Be exact.\n\n### Instruction:\nAdd them.\n2 and 3\n\n### Response:\n"
-PREFERENCE = ("preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo, not {task}; train it "
-              "with llmtune dpo, or leave it out of {key}")
+PREFERENCE = ("preference data (chosen/rejected columns, or ranking: true) is for llmtune dpo or llmtune rm, not {task}; "
+              "train it with llmtune dpo or llmtune rm, or leave it out of {key}")
 KTO = ("KTO data (kto_tag, or a true/false label column) is for llmtune kto, not {task}; train it with llmtune kto, "
        "or leave it out of {key}")
 

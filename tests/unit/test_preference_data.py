@@ -176,7 +176,7 @@ def test_llamafactory_ranking_entries_of_both_formattings_are_read_as_there(tmp_
         build_datasets("dpo", DataConfig(dataset_info=str(tmp_path), datasets=["answers"]), tokenizer, 0, LIMITS)
     with pytest.raises(UserError, match=re.escape("'sharegpt_pairs' in " + str(tmp_path / "dataset_info.json") +
                                                   ": preference data (chosen/rejected columns, or ranking: true) is "
-                                                  "for llmtune dpo, not sft")):
+                                                  "for llmtune dpo or llmtune rm, not sft")):
         build_datasets("sft", DataConfig(dataset_info=str(tmp_path), datasets=["sharegpt_pairs"]), tokenizer, 0)
 
 
