@@ -20,7 +20,7 @@ import yaml
 
 from llmtune.atomic import write_text
 from llmtune.errors import UserError
-from llmtune.tasks.registry import PROMPTS, TASKS
+from llmtune.tasks.registry import PROMPTS, SCORE_HEAD, TASKS
 
 DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response", "tokenized",
                 "prompt_chosen_rejected", "chosen_rejected", "alpaca_ranking", "sharegpt_ranking",
@@ -1595,6 +1595,9 @@ def _evaluation_problems(config: Config) -> list[str]:
     train, checkpoint, best = config.train, config.checkpoint, config.checkpoint.best_metric
     validation = config.data.has_validation_sources() or bool(config.data.val_ratio)
     generation = bool(config.eval_generation.files)
+    if generation and config.head() == SCORE_HEAD:
+        return [f"eval_generation.files: llmtune {config.task} trains a sequence classifier, which generates no text; "
+                "leave eval_generation out (its validation pairs give eval_accuracy)"]
     ranking = [key for key, on in (("checkpoint.save_best", checkpoint.save_best),
                                    ("train.early_stopping_patience", train.early_stopping_patience)) if on]
     if best.startswith(GENERATION_METRICS):

@@ -34,6 +34,11 @@ KTO_LABEL = "label"  # the label column of TRL's KTO form and of LLaMA-Factory's
 PROMPT_ROW = "prompt_row"
 
 
+# TRL's column of a pair's margin (its RewardTrainer's): in a built row, one value per sequence, 0.0 where the data has
+# none.
+MARGIN = "margin"
+
+
 def prompt_problem(prompt) -> str | None:
     """What is wrong with a `prompt` value, or None: TRL's prompt-only forms, a string or a list of messages."""
     if isinstance(prompt, str):
@@ -273,7 +278,18 @@ class _Row:
         return {**self.row, "prompt": prompt}
 
     def pair(self) -> dict:
-        """The canonical pair: {"prompt", "chosen", "rejected"} (and "tools"), all messages or all strings."""
+        """The canonical pair: {"prompt", "chosen", "rejected"} (and "tools"), all messages or all strings, and its
+        "margin" where the row gives one (TRL's column, which rm's loss subtracts)."""
+        pair = self._pair()
+        margin = self.row.get(MARGIN)
+        if margin is None:
+            return pair
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+            raise UserError(f"{self.where}: field '{MARGIN}' must be a number (how far the chosen response's reward "
+                            f"should exceed the rejected one's), not {margin!r}")
+        return {**pair, MARGIN: float(margin)}
+
+    def _pair(self) -> dict:
         form = self.format.form
         chosen, rejected = (self.response(role, "every pair needs a chosen and a rejected response")
                             for role in ("chosen", "rejected"))

@@ -15,6 +15,7 @@ import datasets
 from jinja2 import TemplateError
 
 from llmtune.config import pair_length
+from llmtune.data.formats import MARGIN
 from llmtune.data.packing import concatenate
 from llmtune.data.sft import KEPT, NO_LABELS, TRUNCATED
 from llmtune.data.templates import (LabelRules, check_rendered, for_template, render, text_completion_ids, text_ids,
@@ -145,10 +146,13 @@ def fitted_pair_row(tokenizer, pair: dict, rules: LabelRules, limits: PairLimits
 
 def tokenize_pairs(rows: datasets.Dataset, tokenizer, data_cfg, limits: PairLimits, map_kw: dict,
                    source: str) -> datasets.Dataset:
-    """Canonical rows ({"pair"}) of `source` -> one row per pair and its status (fitted_pair_row)."""
+    """Canonical rows ({"pair"}) of `source` -> one row per pair, its status (fitted_pair_row) and its margin, one
+    value per sequence."""
     rules = LabelRules.of(data_cfg, tokenizer)
 
     def encode(row, index):
-        return fitted_pair_row(tokenizer, row["pair"], rules, limits, f"{source}: row {index + 1}")
+        pair = row["pair"]
+        return {**fitted_pair_row(tokenizer, pair, rules, limits, f"{source}: row {index + 1}"),
+                MARGIN: [pair.get(MARGIN, 0.0)] * 2}
 
-    return rows.map(encode, with_indices=True, **map_kw).select_columns([*PAIR_COLUMNS, "status"])
+    return rows.map(encode, with_indices=True, **map_kw).select_columns([*PAIR_COLUMNS, "status", MARGIN])

@@ -23,9 +23,10 @@ import torch
 
 from llmtune.errors import UserError
 from llmtune.features.base import Feature
-from llmtune.model.build import meta_model
+from llmtune.model.build import SCORE, meta_model
 from llmtune.model.quantize import is_quantized
 from llmtune.model.state import copy_rows, laid_out_like, whole
+from llmtune.tasks.registry import SCORE_HEAD
 
 ADAPTER = "default"  # peft's name of a model's only adapter
 # peft's conversion for transformers' fused experts adds rank and alpha patterns of its own (for gate_up_proj) to a
@@ -36,9 +37,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def lora_config(peft_cfg):
+def lora_config(peft_cfg, classifier: bool = False):
     """peft's LoraConfig of the recipe's peft section, or of the adapter folder it continues from (which gives rank,
-    alpha, targets and saved modules; the recipe gives the dropout)."""
+    alpha, targets and saved modules; the recipe gives the dropout). classifier: the model is a sequence classifier
+    (rm): peft's SEQ_CLS task, whose all-linear leaves the score head out (it is trained in full, modules_to_save)."""
     from peft import LoraConfig
 
     if peft_cfg.adapter_path:
@@ -49,7 +51,7 @@ def lora_config(peft_cfg):
     return LoraConfig(r=peft_cfg.r, lora_alpha=peft_cfg.alpha, lora_dropout=peft_cfg.dropout,
                       use_dora=peft_cfg.method == "dora", use_rslora=peft_cfg.use_rslora,
                       target_modules=target[0] if target == ["all-linear"] else target,
-                      init_lora_weights=peft_cfg.init_lora_weights, task_type="CAUSAL_LM")
+                      init_lora_weights=peft_cfg.init_lora_weights, task_type="SEQ_CLS" if classifier else "CAUSAL_LM")
 
 
 def adapter_folder_problems(peft_cfg) -> list[str]:
@@ -132,7 +134,7 @@ class Adapters(Feature):
 
     def __init__(self, config):
         super().__init__(config)
-        self.lora = lora_config(config.peft)
+        self.lora = lora_config(config.peft, config.head() == SCORE_HEAD)
         self.added: set[str] = set()  # the adapters' parameter names
         self.initial: dict[str, torch.Tensor] = {}  # name -> full initial value, until weights_ready
 
@@ -155,7 +157,7 @@ class Adapters(Feature):
         linear = sorted({name.rpartition(".")[2] for name, module in hf_model.named_modules()
                          if isinstance(module, torch.nn.Linear) and name != "lm_head"})
         try:
-            inject_adapter_in_model(lora_config(config.peft), hf_model)
+            inject_adapter_in_model(lora_config(config.peft, config.head() == SCORE_HEAD), hf_model)
         except ValueError as err:
             reason = str(err).split(". ")[0].strip().rstrip(".")
             reason = "matches no layer of the model" if "not found in the base model" in reason else reason
@@ -219,7 +221,10 @@ class Adapters(Feature):
                 layer._disable_adapters = False
 
     def modules_to_save(self) -> list[str]:
-        return list(self.lora.modules_to_save or self.config.peft.modules_to_save)
+        """The modules trained in full: the recipe's (or the adapter folder's), and a sequence classifier's score head,
+        which starts untrained (peft's SEQ_CLS models save it so too)."""
+        named = list(self.lora.modules_to_save or self.config.peft.modules_to_save)
+        return named + [SCORE] if self.config.head() == SCORE_HEAD and SCORE not in named else named
 
     def _read_adapter_folder(self, hf_model) -> dict[str, torch.Tensor]:
         from safetensors import safe_open

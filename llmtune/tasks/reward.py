@@ -8,7 +8,7 @@ layout of its pairs over micro-batches and ranks (TRL's RewardTrainer, its mean 
         + center_rewards_coefficient x (r_chosen + r_rejected)^2, over its pairs
     + the features' terms (a router's load-balancing loss) / its labelled tokens
 
-margin: the pair's `margin` column where the data has one (TRL's), else 0. Under context parallelism each peer
+margin: the pair's `margin` column where the data has one (TRL's), else 0 (data/formats.MARGIN). Under context parallelism each peer
 holds the score of the sequences whose last token is in its slice: the peers' scores are added (preference.py's
 whole_sums) before the loss, which every peer computes and counts 1/cp of.
 """
@@ -16,13 +16,13 @@ whole_sums) before the loss, which every peer computes and counts 1/cp of.
 import torch
 import torch.nn.functional as F
 
+from llmtune.data.formats import MARGIN
 from llmtune.model.loss import model_inputs
 from llmtune.tasks.objective import Objective, Terms
 from llmtune.tasks.preference import disable_dropout, whole_sums
 from llmtune.tasks.reference import sequence_count
 
 METRICS = ("accuracy", "margin", "rewards/chosen", "rewards/rejected")
-MARGIN = "margin"  # TRL's column of a pair's margin
 
 
 def pair_terms(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor,
@@ -68,7 +68,7 @@ class RewardModel(Objective):
                                                       sequences=sequence_count(batch))
         scores = whole_sums(local, self.state)
         chosen, rejected = scores[0::2], scores[1::2]
-        margin = batch.sequences[MARGIN][0::2].to(chosen) if MARGIN in batch.sequences else 0.0
+        margin = batch.sequences[MARGIN][0::2].to(chosen)
         pair_loss = pair_terms(chosen, rejected, margin, self.cfg.center_rewards_coefficient).sum()
         loss = torch.stack([pair_loss / self.state.cp_size, features_terms.reshape(())])
         once = float(self.state.cp_rank == 0)

@@ -3,13 +3,16 @@ per-step losses do not depend on how many rows (holding 1, 2 or 3 pairs each) a 
 sequence classifier that transformers loads and that scores held-out pairs as the run did; a resumed run repeats
 the uninterrupted one bitwise. (Two processes and context parallelism: tests/dist/test_rm_ranks.py.)"""
 
+import json
 import math
 
 import pytest
 import torch
+import yaml
 
 import llmtune
-from tests.helpers import StopAt, read_metrics
+from llmtune.errors import UserError
+from tests.helpers import StopAt, read_metrics, save_tiny_model
 
 
 def recipe(model, pairs, out, train=None, **sections) -> dict:
@@ -106,3 +109,90 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_bitwise(tiny_model, pairs_f
     expected, got = ([(r["step"], r["loss"], r["margin"]) for r in read_metrics(out) if "loss" in r]
                      for out in (whole, part))
     assert len(expected) == 4 and got == expected
+
+
+def with_margins(pairs, folder, margin) -> str:
+    """The pairs with TRL's margin column, `margin` on every row."""
+    rows = [{**json.loads(line), "margin": margin} for line in pairs.read_text().splitlines()]
+    path = folder / "margins.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_the_margin_column_is_subtracted_from_the_reward_difference(zero_head_model, pairs_file, tmp_path):
+    llmtune.train("rm", recipe(zero_head_model, with_margins(pairs_file, tmp_path, 1.5), tmp_path / "run",
+                               train={"max_steps": 1}))
+    # Every reward is 0: each pair's loss is -log sigmoid(-1.5).
+    assert read_metrics(tmp_path / "run")[0]["loss"] == pytest.approx(math.log1p(math.exp(1.5)), rel=1e-6)
+
+
+def test_a_margin_that_is_not_a_number_is_refused_naming_the_row(tiny_model, pairs_file, tmp_path):
+    with pytest.raises(UserError, match=r"margins.jsonl: row 1: field 'margin' must be a number .*, not 'wide'"):
+        llmtune.train("rm", recipe(tiny_model, with_margins(pairs_file, tmp_path, "wide"), tmp_path / "run"))
+
+
+def test_a_lora_run_exports_an_adapter_with_its_head_and_a_merged_classifier_that_score_alike(tiny_model, pairs_file,
+                                                                                             tmp_path):
+    """The adapter folder is peft's SEQ_CLS one, the score head saved in full: peft over the base model's classifier
+    scores as the merged export does."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    llmtune.train("rm", recipe(tiny_model, pairs_file, tmp_path, peft={"method": "lora", "r": 4},
+                               train={"learning_rate": 2e-2},
+                               checkpoint={"export_hf": True, "export_merged": True, "export_dtype": "fp32"}))
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["task_type"] == "SEQ_CLS" and saved["modules_to_save"] == ["score"]
+    assert "score" not in saved["target_modules"]
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1, dtype=torch.float32)
+    base.config.pad_token_id = merged.config.pad_token_id
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ids = torch.tensor([[1, 40, 41, 42, 43, 2], [1, 50, 51, 52, 53, 2]])
+    with torch.no_grad():
+        assert torch.allclose(adapted(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-6)
+    from safetensors.torch import load_file
+
+    trained = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any(name.endswith("lora_B.weight") and tensor.abs().max() > 0 for name, tensor in trained.items())
+
+
+@pytest.fixture(scope="module")
+def granite(bare_tokenizer, tmp_path_factory):
+    """A tiny causal LM of a family transformers has no sequence classifier for."""
+    from transformers import GraniteForCausalLM
+
+    return save_tiny_model(tmp_path_factory.mktemp("granite"), GraniteForCausalLM, bare_tokenizer)
+
+
+def test_a_family_without_a_classifier_and_eval_generation_are_refused_before_any_process_starts(
+        tiny_model, granite, pairs_file, tmp_path, capsys, monkeypatch):
+    from llmtune.run import launch
+    from llmtune.run.cli import main
+
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: pytest.fail("a process was started"))
+    cases = {
+        "granite": (recipe(granite, pairs_file, tmp_path / "a"),
+                    "model: transformers has no sequence classifier for GraniteConfig (model_type granite), so it "
+                    "cannot be trained as a reward model; use a model of a family that has one (docs/models.md)"),
+        "generation": ({**recipe(tiny_model, pairs_file, tmp_path / "b"),
+                        "eval_generation": {"files": [str(pairs_file)]}},
+                       "eval_generation.files: llmtune rm trains a sequence classifier, which generates no text; "
+                       "leave eval_generation out (its validation pairs give eval_accuracy)"),
+    }
+    for name, (sections, expected) in cases.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(sections))
+        capsys.readouterr()
+        code = main(["rm", str(path), "--nproc", "2"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err == [f"llmtune: error: {expected}"], (name, err)
+
+
+def test_a_pair_without_a_rejected_response_is_refused_naming_file_row_and_field(tiny_model, tmp_path):
+    no_rejected = tmp_path / "no_rejected.jsonl"
+    rows = [{"prompt": "What is 2 + 3?", "chosen": "5", "rejected": "6"}, {"prompt": "What is 2 + 4?", "chosen": "6"}]
+    no_rejected.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UserError, match=f"{no_rejected}: row 2: field 'rejected' is missing; every pair needs a "
+                                        "chosen and a rejected response"):
+        llmtune.train("rm", recipe(tiny_model, no_rejected, tmp_path / "run"))

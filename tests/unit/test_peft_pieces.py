@@ -97,7 +97,7 @@ def test_lora_reaching_the_stacked_experts_is_refused_in_one_line_and_attention_
     def lora(targets):
         return SimpleNamespace(train=TrainConfig(output_dir="out"), peft=PeftConfig(method="lora",
                                                                                    target_modules=targets),
-                               model=SimpleNamespace(trust_remote_code=False))
+                               model=SimpleNamespace(trust_remote_code=False), head=lambda: "lm")
 
     assert Adapters.check(lora("all-linear"), MOE, 1) == [
         "peft.target_modules: 'all-linear' reaches experts, gate of Qwen3MoeForCausalLM's mixture-of-experts layers, "

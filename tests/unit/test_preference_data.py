@@ -139,14 +139,15 @@ def pair_row(tokenizer, prompt_text: str, chosen_text: str, rejected_text: str, 
     return row
 
 
-def test_pairs_become_rows_of_prompt_and_chosen_then_prompt_and_rejected(tmp_path, tokenizer):
+def test_pairs_become_rows_of_prompt_and_chosen_then_prompt_and_rejected_with_their_margin(tmp_path, tokenizer):
+    """TRL's margin column is kept, one value per sequence; a pair without one has margin 0."""
     rows = [{"prompt": [USER], "chosen": [RIGHT], "rejected": [WRONG]},
-            {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}]
+            {"prompt": "The sky is", "chosen": " blue.", "rejected": " green.", "margin": 2}]
     data = DataConfig(train_files=[write_jsonl(tmp_path / "pairs.jsonl", rows)], packing=False,
                       cache_dir=str(tmp_path / "c"))
     train, _, counts = build_datasets("dpo", data, tokenizer, 0, LIMITS)
-    assert train[0] == pair_row(tokenizer, PROMPT, "It is 5.</s>", "It is 6.</s>")
-    assert train[1] == pair_row(tokenizer, "The sky is", " blue.", " green.", with_bos=True)
+    assert train[0] == {**pair_row(tokenizer, PROMPT, "It is 5.</s>", "It is 6.</s>"), "margin": [0.0, 0.0]}
+    assert train[1] == {**pair_row(tokenizer, "The sky is", " blue.", " green.", with_bos=True), "margin": [2.0, 2.0]}
     assert counts["truncated"] == 0
 
 
@@ -167,9 +168,9 @@ def test_llamafactory_ranking_entries_of_both_formattings_are_read_as_there(tmp_
     data = DataConfig(dataset_info=str(tmp_path), datasets=["alpaca_pairs", "sharegpt_pairs"], packing=False,
                       shuffle=False, cache_dir=str(tmp_path / "c"))
     train, _, _ = build_datasets("dpo", data, tokenizer, 0, LIMITS)
-    assert train[0] == pair_row(tokenizer, "<s>Be exact.\n\n### Instruction:\nAdd them.\n2 and 3\n\n### Response:\n",
-                                "5</s>", "6</s>")
-    assert train[1] == pair_row(tokenizer, PROMPT, "It is 5.</s>", "It is 6.</s>")
+    assert train[0] == {**pair_row(tokenizer, "<s>Be exact.\n\n### Instruction:\nAdd them.\n2 and 3\n\n"
+                                              "### Response:\n", "5</s>", "6</s>"), "margin": [0.0, 0.0]}
+    assert train[1] == {**pair_row(tokenizer, PROMPT, "It is 5.</s>", "It is 6.</s>"), "margin": [0.0, 0.0]}
     with pytest.raises(UserError, match=re.escape(f"data.datasets: 'answers' in {tmp_path / 'dataset_info.json'}: not "
                                                   "preference data; llmtune dpo trains pairs of a chosen and a rejected "
                                                   "response, which an entry marks with ranking: true")):
