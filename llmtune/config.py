@@ -932,8 +932,8 @@ class GRPOConfig:
                                          "scorers), package.module:function with TRL's reward-function signature "
                                          "(prompts, completions, completion_ids, the data's other columns as keyword "
                                          "lists; one float or None per completion), or a reward model's folder "
-                                         "(AutoModelForSequenceClassification, its first logit of prompt + "
-                                         "completion, as TRL scores with one).")
+                                         "(AutoModelForSequenceClassification, its score of prompt + completion "
+                                         "rendered as llmtune rm trains on them: docs/rm.md).")
     reward_weights: list[float] | None = _field(None, "One weight per reward function; default: 1 each.")
     answer_column: str = _field("solution", "The column accuracy and numeric_match compare with.")
     regex: str | None = _field(None, "regex_match's pattern (Python re, DOTALL).")

@@ -61,19 +61,34 @@ class PairLimits:
 
 def encode_pair(tokenizer, pair: dict, rules: LabelRules, where: str,
                 names: tuple[str, str]) -> tuple[list[int], list[int], list[int]]:
-    """(prompt ids, chosen ids, rejected ids) of a canonical pair; `names`: what messages call the two responses.
-    Strings are tokenized as sft's text pairs are (templates.encode_text_pair), without a chat template."""
-    if isinstance(pair["prompt"], str):
-        return (text_prompt_ids(tokenizer, pair["prompt"]),
-                *(text_completion_ids(tokenizer, pair[key]) for key in RESPONSES))
-    prompt, tools = [for_template(m) for m in pair["prompt"]], pair.get("tools")
+    """(prompt ids, chosen ids, rejected ids) of a canonical pair; `names`: what messages call the two responses."""
+    return _encode_responses(tokenizer, pair["prompt"], [pair[key] for key in RESPONSES], names, pair.get("tools"),
+                             rules, where)
+
+
+def sequence_ids(tokenizer, prompt: str | list[dict], response: str | list[dict], rules: LabelRules, where: str,
+                 tools: list | None = None) -> list[int]:
+    """prompt + response in token ids, as one sequence of a pair's row holds them (before the pair's limits): how
+    `llmtune score` and grpo's reward model (generation/reward_model.py) render what they score, so that a model
+    trained by `llmtune rm` scores it as its training did."""
+    prompt_ids, response_ids = _encode_responses(tokenizer, prompt, [response], ("scored",), tools, rules, where)
+    return prompt_ids + response_ids
+
+
+def _encode_responses(tokenizer, prompt: str | list[dict], responses: list, names: tuple[str, ...], tools,
+                      rules: LabelRules, where: str) -> tuple[list[int], ...]:
+    """(prompt ids, each response's ids) of one prompt; `names`: what messages call the responses. Strings are
+    tokenized as sft's text pairs are (templates.encode_text_pair), without a chat template."""
+    if isinstance(prompt, str):
+        return (text_prompt_ids(tokenizer, prompt), *(text_completion_ids(tokenizer, r) for r in responses))
+    prompt = [for_template(m) for m in prompt]
     try:
         prompt_ids = text_ids(tokenizer, render(tokenizer, prompt, True, tools))
-        return (prompt_ids, *(_response_ids(tokenizer, prompt, prompt_ids, pair[key], name, tools, rules, where)
-                              for key, name in zip(RESPONSES, names)))
+        return (prompt_ids, *(_response_ids(tokenizer, prompt, prompt_ids, response, name, tools, rules, where)
+                              for response, name in zip(responses, names)))
     except TemplateError as err:  # the template's own raise_exception, or a field it needs and the row lacks
-        raise UserError(f"{where}: {rules.template} cannot render this pair ({err}); fix the row, or set "
-                        "data.chat_template to a template that takes it") from None
+        raise UserError(f"{where}: {rules.template} cannot render this {'pair' if len(responses) == 2 else 'row'} "
+                        f"({err}); fix the row, or set data.chat_template to a template that takes it") from None
 
 
 def _response_ids(tokenizer, prompt: list[dict], prompt_ids: list[int], response: list[dict], name: str, tools,

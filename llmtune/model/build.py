@@ -139,9 +139,10 @@ class CausalLMForTraining(nn.Module):
         outputs = self._decode(input_ids, attention_mask, position_ids, model_kwargs)
         token_scores = self.hf_model.get_submodule(SCORE)(outputs.last_hidden_state).float().squeeze(-1)
         marks = scored.to(token_scores.dtype) * (sequence_ids >= 0)
-        # A filler micro-batch (MicroBatch.emptied) has no sequence: one slot, dropped, takes its zeros.
+        # A filler micro-batch (MicroBatch.emptied) has no sequence: one slot, dropped, takes its zeros. Cloned: FSDP
+        # warns of a view returned by a forward method.
         sums = token_scores.new_zeros(max(sequences, 1)).index_add(
-            0, sequence_ids.flatten().clamp(min=0), (token_scores * marks).flatten())[:sequences]
+            0, sequence_ids.flatten().clamp(min=0), (token_scores * marks).flatten())[:sequences].clone()
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       shift_labels=shift_labels, sequence_ids=sequence_ids, **model_kwargs)
         return sums, sum(self.features.loss_terms(outputs, inputs), token_scores.new_zeros(()))

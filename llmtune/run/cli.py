@@ -19,6 +19,7 @@ USAGE = f"""llmtune {NAMES} RECIPE [--key VALUE ...] [section.key=VALUE ...] [--
        llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge] [--verify]
        llmtune generate MODEL_DIR (--prompt TEXT | --file JSONL --out JSONL [--nproc N] | --chat)
                [--max_new_tokens N] [--do_sample true|false] [--temperature T] [--seed S] [...]
+       llmtune score MODEL_DIR FILE [--out JSONL] [--batch N]
        llmtune plot OUTPUT_DIR
        llmtune plan RECIPE [--nproc N | --nnodes M --nproc-per-node N] [--device-memory GiB] [--task {NAMES}]
                [section.key=VALUE ...]
@@ -220,29 +221,47 @@ def generate_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_model_folder(model_dir: str, use: str) -> None:
+    """A HF model folder's refusals that need no torch; `use`: what the command does with it ("generate from")."""
+    from pathlib import Path
+
+    model = Path(model_dir)
+    if not model.is_dir():
+        raise UserError(f"{model}: no such folder; give a HF model folder, a run's output_dir/hf or an llmtune "
+                        "export folder")
+    if (model / "adapter_config.json").is_file():
+        raise UserError(f"{model}: an adapter folder; {use} the merged HF folder: output_dir/hf of a run "
+                        "with checkpoint.export_merged: true, or llmtune export CHECKPOINT OUT --merge")
+    if not (model / "config.json").is_file():
+        raise UserError(f"{model}: not a HF model folder (no config.json); give a run's output_dir/hf or an "
+                        "llmtune export folder")
+
+
+def check_out(out: str) -> None:
+    """--out names a file that can be written in a folder that exists."""
+    from pathlib import Path
+
+    if Path(out).is_dir():
+        raise UserError(f"--out: {out} is a folder; give a file path")
+    if not Path(out).parent.is_dir():
+        raise UserError(f"--out: {out} is in a folder that does not exist; create it or give another path")
+
+
 def check_generate_flags(parsed: argparse.Namespace) -> None:
     """The refusals that need no model, before torch is imported; each names its flag or path and the fix."""
     from pathlib import Path
 
     from llmtune.run.launch import launched_by_torchrun
 
-    model = Path(parsed.model_dir)
-    if (model / "adapter_config.json").is_file():
-        raise UserError(f"{model}: an adapter folder; generate from the merged HF folder: output_dir/hf of a run "
-                        "with checkpoint.export_merged: true, or llmtune export CHECKPOINT OUT --merge")
-    if not (model / "config.json").is_file():
-        raise UserError(f"{model}: not a HF model folder (no config.json); give a run's output_dir/hf or an "
-                        "llmtune export folder")
+    check_model_folder(parsed.model_dir, "generate from")
     if parsed.file and not parsed.out:
         raise UserError("--file: the completions go to a JSONL file; add --out OUT.jsonl")
     if parsed.out and not parsed.file:
         raise UserError("--out: writes the completions of --file; give --file PROMPTS.jsonl or leave --out out")
     if parsed.file and not Path(parsed.file).is_file():
         raise UserError(f"--file: {parsed.file} is not a file")
-    if parsed.out and Path(parsed.out).is_dir():
-        raise UserError(f"--out: {parsed.out} is a folder; give a file path")
-    if parsed.out and not Path(parsed.out).parent.is_dir():
-        raise UserError(f"--out: {parsed.out} is in a folder that does not exist; create it or give another path")
+    if parsed.out:
+        check_out(parsed.out)
     if not parsed.file and (parsed.nproc or launched_by_torchrun()):
         raise UserError("--nproc: only --file's prompts are split over processes; run --prompt and --chat on one "
                         "process, without --nproc or torchrun")
@@ -267,6 +286,44 @@ def generate_command(args: list[str]) -> int:
         take_flag(workers, "--nproc", "")
         return launch_local(parsed.nproc, ["generate", *workers])
     generate.run(parsed)
+    return 0
+
+
+def score_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmtune score", allow_abbrev=False, description=(
+        "Scores of a reward model's folder (a sequence classifier of one label: an llmtune rm run's output_dir/hf) "
+        "for each row of a JSONL file, each prompt + completion rendered as llmtune rm trains on a pair's sequence: "
+        "strings without a chat template (the prompt with the tokenizer's special tokens, the completion with EOS), "
+        "messages with the folder's chat template. Every row is checked before the weights load; fp32, on CUDA "
+        "when there is one, else the CPU."))
+    parser.add_argument("model_dir", metavar="MODEL_DIR",
+                        help="a reward model's HF folder (config.json, weights, tokenizer); for a run that trained "
+                             "adapters, its merged export")
+    parser.add_argument("file", metavar="FILE",
+                        help="a JSONL file, TRL's forms: 'prompt' and 'completion' (both strings, or both lists of "
+                             "messages), or 'messages', a conversation whose last turn, the assistant's, is scored; "
+                             "'tools' beside messages")
+    parser.add_argument("--out", metavar="JSONL",
+                        help="write FILE's rows, each with a 'score' column (one the row has is replaced), whole or "
+                             "not at all; without it the scores are printed, one a line, in FILE's order")
+    parser.add_argument("--batch", metavar="N", type=bounded(int, 1),
+                        help="sequences scored together (default 16)")
+    return parser
+
+
+def score_command(args: list[str]) -> int:
+    """MODEL_DIR FILE and the flags -> each row's score printed, or the rows written to --out with theirs."""
+    from pathlib import Path
+
+    parsed = score_parser().parse_args(args)
+    check_model_folder(parsed.model_dir, "score with")
+    if not Path(parsed.file).is_file():
+        raise UserError(f"FILE: {parsed.file} is not a file; give a JSONL file of prompts and completions")
+    if parsed.out:
+        check_out(parsed.out)
+    from llmtune.run import score
+
+    score.run(parsed)
     return 0
 
 
@@ -332,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtune", usage=USAGE,
                                      description="FSDP2 training of HF causal LMs: " + ", ".join(TASKS) + ".")
     parser.add_argument("--version", action="version", version=f"llmtune {__version__}")
-    parser.add_argument("command", choices=[*TASKS, "data", "export", "generate", "demo", "plot", "plan"])
+    parser.add_argument("command", choices=[*TASKS, "data", "export", "generate", "score", "demo", "plot", "plan"])
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
     if parsed.command in TASKS and {"-h", "--help"} & set(parsed.args):
@@ -348,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             return export_command(parsed.args)
         if parsed.command == "generate":
             return generate_command(parsed.args)
+        if parsed.command == "score":
+            return score_command(parsed.args)
         if parsed.command == "plot":
             return plot_command(parsed.args)
         if parsed.command == "demo":

@@ -49,7 +49,7 @@ TASKS = {
     "grpo": Task("llmtune.tasks.grpo:GRPO", PROMPTS, "grpo",
                  "Online RL (GRPO and its kin): completions sampled from the policy for each prompt, scored by reward "
                  "functions, the policy moved towards the completions better than their group's mean."),
-    "rm": Task("llmtune.tasks.reward:RewardModel", PAIRS, "rm",
+    "rm": Task("llmtune.tasks.reward:RM", PAIRS, "rm",
                "Reward modelling: a chosen and a rejected response to each prompt, a score head on the model trained "
                "to score the chosen one higher (Bradley-Terry); exported as a sequence classifier.", SCORE_HEAD),
 }

@@ -44,7 +44,7 @@ def metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
                         rejected.double().sum()])
 
 
-class RewardModel(Objective):
+class RM(Objective):
     counts = ("pairs",)
     divisors = ("pairs", "label_tokens")
     metrics = tuple((name, "pairs") for name in METRICS)
@@ -55,7 +55,7 @@ class RewardModel(Objective):
         self.cfg, self.state = rm_cfg, state
 
     @classmethod
-    def build(cls, config, model, state, **parts) -> "RewardModel":
+    def build(cls, config, model, state, **parts) -> "RM":
         if config.rm.disable_dropout:
             disable_dropout(model.hf_model)
         return cls(config.rm, state)

@@ -142,7 +142,9 @@ def test_llmtune_data_shows_the_prompts_as_rendered_with_their_columns(tiny_mode
 def test_a_reward_model_folder_scores_the_completions_as_transformers_does(tiny_model, grpo_prompts_file,
                                                                            bare_tokenizer, tmp_path):
     """A sequence classifier's folder among grpo.reward_funcs: each completion's reward is the model's first logit of
-    the prompt + completion, rendered by the folder's chat template (TRL's way), as transformers computes it here."""
+    the prompt + completion, rendered as llmtune rm renders a pair's sequence (messages by the folder's chat
+    template; a text prompt with the tokenizer's special tokens, the completion with EOS), as transformers computes
+    it here."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, \
         LlamaForSequenceClassification
 
@@ -163,12 +165,14 @@ def test_a_reward_model_folder_scores_the_completions_as_transformers_does(tiny_
     rows = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
     for row in rows:
-        messages = isinstance(row["prompt"], list)
-        text = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False) if messages \
-            else row["prompt"] + row["completion"]
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        if isinstance(row["prompt"], list):
+            text = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(row["prompt"])["input_ids"] + \
+                tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         with torch.no_grad():
-            expected = model(input_ids=ids).logits[0, 0].item()
+            expected = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
         assert row["reward_model"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
     records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert "rewards/reward_model/mean" in records[-1]
