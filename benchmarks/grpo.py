@@ -53,7 +53,6 @@ transformers, datasets and TRL, or llmtune), and peak - baseline, what the run a
 state, generation caches, activations, data.
 """
 import argparse
-import importlib.util
 import json
 import random
 import statistics
@@ -71,8 +70,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(H
 
 from preference import (LENGTHS, WORDS, rss_gib, speed, spread, taking_turns, write_jsonl,  # noqa: E402
                         write_tokenizer, write_weights)
-from throughput import (MODEL, RESULT, StepClock, Workload, llmtune_step, measure, peak_rss_gib,  # noqa: E402
-                        time_steps, write_model)
+from throughput import (MODEL, RESULT, StepClock, Workload, contender_options, llmtune_step, run_contenders,  # noqa: E402
+                        peak_rss_gib, time_steps, write_model)
 
 from llmtune.generation.scorers import NUMBER, completion_text  # noqa: E402
 
@@ -273,9 +272,9 @@ def prompt_lengths(tokenizer_path: Path, rows: list[dict]) -> list[int]:
     return lengths
 
 
-def prepare(root: Path, args) -> tuple[Workload, dict, dict]:
+def prepare(root: Path, args) -> tuple[Workload, dict]:
     """Write the tokenizer, the model, the prompts and the settings under root; print what will be measured; the
-    workload, the settings and the setup, for the JSON."""
+    workload and the setup, for the JSON."""
     from llmtune.demo.assets import VOCAB_SIZE
 
     per_step = args.batch * args.accumulation
@@ -305,7 +304,7 @@ def prepare(root: Path, args) -> tuple[Workload, dict, dict]:
                         data=str(root / PROMPTS_FILE), seq=max(lengths) + args.completion_length, batch=args.batch,
                         llmtune_batch=args.batch, llmtune_data={"train_files": [str(root / PROMPTS_FILE)]},
                         steps=args.steps, warmup=args.warmup, learning_rate=LEARNING_RATE)
-    return workload, settings, setup
+    return workload, setup
 
 
 def summary(results: list[dict]) -> dict:
@@ -382,33 +381,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--generations", type=int, default=8, help="num_generations: completions per prompt.")
     parser.add_argument("--completion-length", type=int, default=128,
                         help="max_completion_length: the most tokens of a completion.")
-    parser.add_argument("--steps", type=int, default=10, help="Timed optimizer steps per run.")
-    parser.add_argument("--warmup", type=int, default=2, help="Steps run before the timed ones.")
-    parser.add_argument("--repeats", type=int, default=1, help="Runs of every contender, each in a fresh process.")
-    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS),
-                        metavar="NAME", help=f"Contenders to run, each in fresh processes (default all: "
-                                             f"{', '.join(CONTENDERS)}).")
-    parser.add_argument("--out", type=Path, help="Write the setup, the tables and every run's steps here as JSON.")
-    parser.add_argument("--worker", nargs=2, metavar=("CONTENDER", "ROOT"), help=argparse.SUPPRESS)  # in a worker
+    contender_options(parser, CONTENDERS)
     return parser
+
+
+def report(runs: dict[str, list[dict]]) -> dict:
+    speeds, alone = speed_table(runs), alone_table(runs)
+    print_tables(speeds, alone)
+    return {"speed": speeds, "alone": alone}
 
 
 def main() -> None:
     args = build_parser().parse_args()
-    if args.worker:
-        worker(args.worker[0], Path(args.worker[1]))
-        return
-    if any(TRL in CONTENDERS[name] for name in args.contenders) and not importlib.util.find_spec("trl"):
-        raise SystemExit("TRL is not installed: pip install -e '.[bench]', or leave its contenders out (--contenders)")
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        workload, _, setup = prepare(root, args)
-        workload.write(root)
-        runs = measure(root, args.contenders, 1, args.repeats, __file__)
-    speeds, alone = speed_table(runs), alone_table(runs)
-    print_tables(speeds, alone)
-    if args.out:
-        args.out.write_text(json.dumps({"setup": setup, "speed": speeds, "alone": alone, "runs": runs}, indent=1))
+    run_contenders(args, worker, prepare, any(TRL in CONTENDERS[name] for name in args.contenders), report, __file__)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ the peak RSS ratios, which the shared baseline pulls toward 1, are printed besid
 the RSS does not shrink below its peak: memory freed (the precomputing reference's) is kept for the next tensors.
 """
 import argparse
-import importlib.util
 import json
 import math
 import random
@@ -66,8 +65,8 @@ HERE = Path(__file__).resolve().parent
 # (which transformers imports); last, it still gives throughput and hf_trainer_baseline.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
 
-from throughput import (MODEL, RESULT, StepClock, Workload, llmtune_step, measure, packed_rows,  # noqa: E402
-                        peak_rss_gib, time_steps, write_model)
+from throughput import (MODEL, RESULT, StepClock, Workload, contender_options, llmtune_step, run_contenders,  # noqa: E402
+                        packed_rows, peak_rss_gib, time_steps, write_model)
 
 LEARNING_RATE = 1e-6  # DPOConfig's default
 BETA = 0.1  # DPOConfig's and llmtune's default
@@ -376,42 +375,35 @@ def print_tables(speeds: dict[str, dict], alone: dict[str, dict], memory: list[d
                   f"{ratio['peak']:.3f}x")
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def pair_options(parser: argparse.ArgumentParser, section: str) -> None:
+    """The workload's options of a benchmark on preference pairs (this one, rm.py): `section`, the task's recipe
+    section, whose max_length is half a row."""
     parser.add_argument("--pairs", type=int, default=128, help="Preference pairs written (one epoch of data).")
     parser.add_argument("--batch", type=int, default=8, help="Pairs per optimizer step (TRL's; llmtune's about).")
-    parser.add_argument("--steps", type=int, default=10, help="Timed optimizer steps per run.")
-    parser.add_argument("--warmup", type=int, default=2, help="Steps run before the timed ones.")
-    parser.add_argument("--repeats", type=int, default=1, help="Runs of every contender, each in a fresh process.")
     parser.add_argument("--seq", type=int, default=1024,
-                        help="llmtune's tokens per packed row (data.max_seq_len; dpo.max_length is half).")
+                        help=f"llmtune's tokens per packed row (data.max_seq_len; {section}.max_length is half).")
     parser.add_argument("--length-scale", type=float, default=1.0,
                         help="Factor on every prompt's and answer's word count.")
-    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS),
-                        metavar="NAME", help=f"Contenders to run (default all: {', '.join(CONTENDERS)}).")
-    parser.add_argument("--out", type=Path, help="Write the setup, the table and the ratios here as JSON.")
-    parser.add_argument("--worker", nargs=2, metavar=("CONTENDER", "ROOT"), help=argparse.SUPPRESS)  # in a worker
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pair_options(parser, "dpo")
+    contender_options(parser, CONTENDERS)
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    if args.worker:
-        worker(args.worker[0], Path(args.worker[1]))
-        return
-    if any(CONTENDERS[name].runner == "trl" for name in args.contenders) and not importlib.util.find_spec("trl"):
-        raise SystemExit("TRL is not installed: pip install -e '.[bench]', or leave its contenders out (--contenders)")
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        workload, setup = prepare(root, args)
-        workload.write(root)
-        runs = measure(root, args.contenders, 1, args.repeats, __file__)
+    run_contenders(args, worker, prepare, any(CONTENDERS[name].runner == "trl" for name in args.contenders), report,
+                   __file__)
+
+
+def report(runs: dict[str, list[dict]]) -> dict:
     speeds, alone = speed_table(runs), alone_table(runs)
     memory = memory_ratios(alone)
     print_tables(speeds, alone, memory)
-    if args.out:
-        args.out.write_text(json.dumps({"setup": setup, "speed": speeds, "alone": alone, "memory_ratios": memory,
-                                        "runs": runs}, indent=1))
+    return {"speed": speeds, "alone": alone, "memory_ratios": memory}
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ repeat's tokens/s, the median real tokens per step and rank 0's peak RSS (of the
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import resource
@@ -382,6 +383,39 @@ def launch(root: Path, name: str, nproc: int, script: str = __file__) -> dict:
         raise SystemExit(f"{name} failed (exit {done.returncode}):\n{done.stderr[-6000:]}")
     line = next(line for line in reversed(done.stdout.splitlines()) if line.startswith(RESULT))
     return json.loads(line.removeprefix(RESULT))
+
+
+def contender_options(parser: argparse.ArgumentParser, contenders: dict) -> None:
+    """The options of a benchmark whose contenders take turns or run alone in fresh processes (preference.py, grpo.py,
+    rm.py): the steps timed, the repeats, which contenders, the JSON out, and the worker's own."""
+    parser.add_argument("--steps", type=int, default=10, help="Timed optimizer steps per run.")
+    parser.add_argument("--warmup", type=int, default=2, help="Steps run before the timed ones.")
+    parser.add_argument("--repeats", type=int, default=1, help="Runs of every contender, each in a fresh process.")
+    parser.add_argument("--contenders", nargs="+", choices=list(contenders), default=list(contenders),
+                        metavar="NAME", help=f"Contenders to run, each in fresh processes (default all: "
+                                             f"{', '.join(contenders)}).")
+    parser.add_argument("--out", type=Path, help="Write the setup, the tables and every run's steps here as JSON.")
+    parser.add_argument("--worker", nargs=2, metavar=("CONTENDER", "ROOT"), help=argparse.SUPPRESS)  # in a worker
+
+
+def run_contenders(args, worker, prepare, needs_trl: bool, report, script: str) -> None:
+    """The main of a benchmark with contender_options: in a worker (--worker), worker(contender, root); in the parent,
+    TRL's presence checked where a chosen contender needs it (needs_trl), the workload prepare(root, args) ->
+    (Workload, setup) writes in a temporary folder, each of args.contenders run args.repeats times (measure), and
+    report(runs) -> the tables it printed, by name, written with the setup and the runs to --out."""
+    if args.worker:
+        worker(args.worker[0], Path(args.worker[1]))
+        return
+    if needs_trl and not importlib.util.find_spec("trl"):
+        raise SystemExit("TRL is not installed: pip install -e '.[bench]', or leave its contenders out (--contenders)")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        workload, setup = prepare(root, args)
+        workload.write(root)
+        runs = measure(root, args.contenders, 1, args.repeats, script)
+    tables = report(runs)
+    if args.out:
+        args.out.write_text(json.dumps({"setup": setup, **tables, "runs": runs}, indent=1))
 
 
 def measure(root: Path, names: list[str], nproc: int, repeats: int, script: str = __file__) -> dict[str, list[dict]]:
