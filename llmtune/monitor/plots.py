@@ -1,5 +1,6 @@
 """A run's curves as PNG files: metrics.jsonl -> output_dir/plots/ (loss and eval loss against steps and against
-tokens, a preference run's reward margins and accuracies, a grpo run's reward, learning rate, grad norm, tokens/s),
+tokens, a preference run's reward margins and accuracies, a grpo run's reward, a reward model's accuracy and
+margin, learning rate, grad norm, tokens/s),
 drawn by rank 0 when a run ends and by `llmtune plot` for a finished or running run. matplotlib is an optional extra
 (llmtune[plots]), imported only to draw, and used through its object-oriented API on the Agg canvas: no GUI, and no
 pyplot state or backend switch in the process that calls."""
@@ -92,6 +93,9 @@ def write_plots(output_dir: Path) -> list[Path]:
         ("reward_accuracies", "reward accuracies", steps, "step", ("rewards/accuracies", "eval_rewards/accuracies")),
         # grpo's reward of its completions (TRL's name, tasks/grpo.py).
         ("reward", "reward (mean over the step's completions)", steps, "step", ("reward",)),
+        # A reward model's (TRL's RewardTrainer's names, tasks/reward.py).
+        ("accuracy", "accuracy (the chosen response scored higher)", steps, "step", ("accuracy", "eval_accuracy")),
+        ("margin", "margin (chosen score - rejected score)", steps, "step", ("margin", "eval_margin")),
         ("lr", "learning rate", steps, "step", ("lr",)),
         ("grad_norm", "grad norm", steps, "step", ("grad_norm",)),
         ("tokens_per_s", "tokens/s (input)", steps, "step", ("tokens_per_s",)),

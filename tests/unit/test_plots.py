@@ -115,6 +115,18 @@ def test_a_preference_run_gets_its_reward_margins_and_accuracies_against_steps(t
         assert drawn(path) and colour(path, TRAIN) > 300 and colour(path, EVAL) > 300, name
 
 
+def test_a_reward_model_run_gets_its_accuracy_and_margin_with_their_evaluation(tmp_path):
+    logged = records()
+    for record in logged:
+        record.update({"accuracy": min(0.5 + 0.02 * record["step"], 1.0), "margin": 0.1 * record["step"]})
+        if "eval_loss" in record:
+            record.update({"eval_accuracy": 0.5 + 0.01 * record["step"], "eval_margin": 0.05 * record["step"]})
+    run = write_metrics(tmp_path / "out", logged)
+    assert [path.name for path in write_plots(run)] == [*NAMES[:2], "accuracy.png", "margin.png", *NAMES[2:]]
+    for name in ("accuracy.png", "margin.png"):
+        assert colour(run / "plots" / name, TRAIN) > 300 and colour(run / "plots" / name, EVAL) > 300, name
+
+
 def test_reward_curves_without_an_evaluation_are_the_training_ones_alone(tmp_path):
     logged = [{k: v for k, v in record.items() if not k.startswith("eval_")} for record in preference_records()]
     run = write_metrics(tmp_path / "out", logged)
