@@ -32,6 +32,7 @@ LAYOUTS = {
     "demo/sft.yaml": ("sft", (1, 2)),
     "demo/dpo.yaml": ("dpo", (1, 2)),
     "demo/grpo.yaml": ("grpo", (1, 2)),
+    "demo/rm.yaml": ("rm", (1, 2)),
     "llama3/pt-continued.yaml": ("pt", (8, 16, 32)),
     "llama3/sft-8b.yaml": ("sft", (8, 16, 32)),
     "llama3/sft-8b-hsdp-2nodes.yaml": ("sft", (16, 32)),
