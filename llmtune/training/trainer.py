@@ -333,23 +333,31 @@ def clip_gradients(parameters: list, max_norm: float) -> torch.Tensor:
     """The global L2 norm of the gradients (a float64 scalar on their device, not read), before clipping them to
     max_norm (0: no clipping).
 
-    Each parameter's norm is taken in fp64: summed in fp32, the squares of a sharded gradient come out
-    differently rounded from those of the whole one, and a clipping factor differing in its last bits
-    would make the updates depend on the number of ranks. In fp64 the difference is far below what
-    fp32 can tell, and the factor comes out the same.
+    The squares are summed row by row in fp32, then the rows' sums in fp64: FSDP2 shards dim 0, so a row is whole
+    on one rank and its fp32 sum is the same on any number of ranks, where a whole gradient summed in fp32 comes out
+    differently rounded from its shards' sums, and a clipping factor differing in its last bits would make the
+    updates depend on the number of ranks. Across rows, fp64 leaves a difference far below what fp32 can tell, and
+    the factor comes out the same. (Each element squared in fp64 does the same at 20x the time: 19 ms against 1 ms a
+    step for a 32k x 256 embedding's gradient on CPU.)
 
     Sharded gradients are taken mesh by mesh, one collective each: DTensors of different device meshes (expert
     parallelism's experts beside the dense weights) cannot enter one operation.
     """
     groups = _by_mesh(parameters)
-    norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64)
-                                                   for p in group])) for group in groups.values()]
-    norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    squares = [torch.stack([_square_sum(p.grad) for p in group]).sum() for group in groups.values()]
+    squares = [square.full_tensor() if isinstance(square, DTensor) else square for square in squares]
+    total = torch.stack(squares).sum().sqrt()
     if max_norm:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _square_sum(grad: torch.Tensor) -> torch.Tensor:
+    """The sum of the gradient's squares, fp64: each row's norm in fp32 (a row: dim 0's slice, which FSDP2 never
+    splits), squared and added in fp64."""
+    rows = grad.flatten(1) if grad.dim() > 1 else grad.unsqueeze(1)
+    return torch.linalg.vector_norm(rows, dim=1).double().square().sum()
 
 
 def _by_mesh(parameters: list) -> dict:
