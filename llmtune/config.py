@@ -20,6 +20,7 @@ import yaml
 
 from llmtune.atomic import write_text
 from llmtune.errors import UserError
+from llmtune import llamafactory
 from llmtune.tasks.registry import PROMPTS, SCORE_HEAD, TASKS
 
 DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response", "tokenized",
@@ -192,6 +193,8 @@ class DataConfig:
     test_datasets: list[str] = _field([], "Test datasets by their name in data.dataset_info, after data.test_files.")
     val_ratio: float = _field(0.0, "Hold out this fraction of the training samples for validation (seeded); "
                                    "used when val_files is empty.")
+    max_samples: int | None = _field(None, "The first N rows of each source (file, dataset), before any shuffle "
+                                           "(LLaMA-Factory's max_samples); default: every row.")
     format: str = _field("auto", "auto | text | alpaca | sharegpt | messages | prompt_completion | prompt_response "
                                  "| tokenized; dpo: prompt_chosen_rejected | chosen_rejected | alpaca_ranking | "
                                  "sharegpt_ranking; kto: prompt_completion_label | alpaca_kto | sharegpt_kto | "
@@ -250,6 +253,8 @@ class DataConfig:
         if (self.datasets or self.val_datasets or self.test_datasets) and not self.dataset_info:
             out.append("data.dataset_info: data.datasets / data.val_datasets / data.test_datasets name entries of a "
                        "LLaMA-Factory dataset_info.json; set data.dataset_info to it (or to the folder holding it)")
+        if self.max_samples is not None and self.max_samples < 1:
+            out.append(f"data.max_samples: {self.max_samples} must be at least 1 (leave it out for every row)")
         for key, value, choices in (("format", self.format, DATA_FORMATS), ("truncation", self.truncation, TRUNCATIONS),
                                     ("pt_remainder", self.pt_remainder, REMAINDERS),
                                     ("text_sample_by", self.text_sample_by, ("line", "paragraph", "document"))):
@@ -1107,6 +1112,9 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rm: RMConfig = field(default_factory=RMConfig)
     eval_generation: EvalGenerationConfig = field(default_factory=EvalGenerationConfig)
+    # LLaMA-Factory's defaults a flat recipe took (llamafactory.take_defaults), for the start banner; the resolved
+    # config.yaml holds their values.
+    recipe_defaults: list[str] = field(default_factory=list)
 
     def dp_size(self, world_size: int) -> int:
         return world_size // self.parallel.cp_size
@@ -1232,6 +1240,12 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
     raw = _read_recipe(recipe)
     if isinstance(recipe, dict):
         recipe = "recipe"  # the name the messages give it
+    flat = dict(raw) if llamafactory.is_flat(raw, SECTIONS) else None
+    if flat is not None:
+        raw = llamafactory.sectioned(flat, str(recipe), task, qualified)
+    elif outside := llamafactory.mixed(raw, SECTIONS):
+        raise UserError(f"{recipe}: {', '.join(outside)} outside any section, beside sections: write every key in "
+                        "its section (model, data, train, ...), or none, as LLaMA-Factory's flat recipes do")
     problems: list[str] = []
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -1243,6 +1257,7 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
         raw.setdefault(section, {})
         if isinstance(raw[section], dict):
             raw[section][name] = yaml.safe_load(value) if value else None
+    recipe_defaults = llamafactory.take_defaults(flat, raw, task) if flat is not None else []
     _canonical_names(raw, recipe, problems)
     sections = {}
     for section, values in raw.items():
@@ -1255,7 +1270,7 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
         sections[section] = _build_section(section, cls, values, task, problems)
     if problems:
         raise UserError("\n".join(problems))
-    config = Config(task=task, **sections)
+    config = Config(task=task, **sections, recipe_defaults=recipe_defaults)
     provided = {f"{s}.{k}" for s, v in raw.items() if isinstance(v, dict) for k in v}
     for section in sections.values():
         problems.extend(section.problems())
@@ -1271,6 +1286,15 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
     if problems:
         raise UserError("\n".join(problems))
     return config
+
+
+def flat_recipe_task(recipe: str) -> str:
+    """The task of a flat LLaMA-Factory recipe: its stage (`llmtune train`)."""
+    raw = _read_recipe(recipe)
+    if not llamafactory.is_flat(raw, SECTIONS):
+        raise UserError(f"{recipe}: llmtune train reads the task from a LLaMA-Factory recipe's stage, and this recipe "
+                        f"has sections; name its task: llmtune {'|'.join(TASKS)} {recipe}")
+    return llamafactory.stage(raw, recipe)
 
 
 def _drop_other_names(raw: dict, target: str) -> None:

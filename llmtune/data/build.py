@@ -150,6 +150,9 @@ def boolean_label(rows) -> bool:
 def canonical_rows(source: Source, task: str, data_cfg, streaming: bool):
     """(the source's rows in canonical form, its form)."""
     rows = load_source(source.pattern, source.key, streaming, data_cfg.text_sample_by)
+    if data_cfg.max_samples is not None:
+        rows = rows.take(data_cfg.max_samples) if streaming else \
+            rows.select(range(min(data_cfg.max_samples, len(rows))))
     columns = rows.column_names or list(next(iter(rows)).keys())
     # Before the form is detected: preference rows would be read as a conversation, or dropped with no label.
     if error := other_rows_error(source.pattern, columns, KTO_LABEL in columns and boolean_label(rows), task,

@@ -38,6 +38,7 @@ class Banner:
     quantized: int = 0  # parameters held in nf4 (model.quantize), whole-model count
     kept: int = 0  # model.quantize: those of the frozen linear weights nf4 cannot hold (not whole groups)
     batch: str | None = None  # the objective's own words for the global batch (Objective.global_batch_words)
+    recipe_defaults: tuple[str, ...] = ()  # LLaMA-Factory's defaults a flat recipe took (Config.recipe_defaults)
 
     def lines(self) -> list[str]:
         if self.rows is None:
@@ -60,7 +61,8 @@ class Banner:
                "groups, which nf4 cannot hold)" if self.kept else ""),
             f"precision {self.precision}, attention {self.attention}",
             f"planned peak memory {self.peak}",
-        ]
+        ] + ([f"LLaMA-Factory recipe: its defaults for {', '.join(self.recipe_defaults)}"]
+             if self.recipe_defaults else [])
 
 
 def rows_called(objective) -> str:
@@ -113,7 +115,8 @@ def start_banner(trainer, config, world_size: int, peak: str) -> Banner:
         peak=peak, batch=trainer.objective.global_batch_words(data.global_batch),
         quantized=sum(p.numel() for p in params if is_quantized(p)),
         kept=sum(linear.weight.numel() for linear in frozen_linears(model.hf_model, decoder_layers(model.hf_model))
-                 .values() if not is_quantized(linear.weight)) if config.model.quantize != "none" else 0)
+                 .values() if not is_quantized(linear.weight)) if config.model.quantize != "none" else 0,
+        recipe_defaults=tuple(config.recipe_defaults))
 
 
 def log_start(trainer, config, world_size: int, peak: str) -> None:

@@ -15,6 +15,7 @@ from llmtune.tasks.registry import TASKS
 NAMES = "|".join(TASKS)
 USAGE = f"""llmtune {NAMES} RECIPE [--key VALUE ...] [section.key=VALUE ...] [--nproc N]
                [--resume_from_checkpoint PATH|auto]
+       llmtune train FLAT_RECIPE [...]    a LLaMA-Factory recipe: the task is its stage
        llmtune data RECIPE [--n N] [--task {NAMES}] [section.key=value ...]
        llmtune export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--overwrite] [--merge] [--verify]
        llmtune generate MODEL_DIR (--prompt TEXT | --file JSONL --out JSONL [--nproc N] | --chat)
@@ -389,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtune", usage=USAGE,
                                      description="FSDP2 training of HF causal LMs: " + ", ".join(TASKS) + ".")
     parser.add_argument("--version", action="version", version=f"llmtune {__version__}")
-    parser.add_argument("command", choices=[*TASKS, "data", "export", "generate", "score", "demo", "plot", "plan"])
+    parser.add_argument("command", choices=[*TASKS, "train", "data", "export", "generate", "score", "demo", "plot",
+                                            "plan"])
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
     if parsed.command in TASKS and {"-h", "--help"} & set(parsed.args):
@@ -419,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
             return data_command(parsed.args)
         if parsed.command == "plan":
             return plan_command(parsed.args)
+        if parsed.command == "train":
+            from llmtune.config import flat_recipe_task
+
+            return train_command(flat_recipe_task(parsed.args[0]), parsed.args[0], parsed.args[1:])
         return train_command(parsed.command, parsed.args[0], parsed.args[1:])
     except UserError as err:
         print(f"llmtune: error: {err}", file=sys.stderr)

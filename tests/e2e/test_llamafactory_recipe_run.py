@@ -1,0 +1,48 @@
+"""A flat LLaMA-Factory recipe trains as it is written: `llmtune train FILE` takes the task from its stage, the keys
+are read into their sections, and LLaMA-Factory's defaults for what it leaves out are the run's (the resolved
+config.yaml and the exported adapter say so, the start banner names them). The unit tests read the keys one by one
+(tests/unit/test_llamafactory_recipes.py)."""
+
+import json
+
+import yaml
+
+from llmtune.run.cli import main
+
+
+def test_a_flat_recipe_trains_with_llamafactorys_defaults(tiny_model, tmp_path, capsys):
+    rows = [{"instruction": f"Add {a} and {a + 1}.", "input": "", "output": f"{2 * a + 1}"} for a in range(12)]
+    (tmp_path / "sums.json").write_text(json.dumps(rows))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"sums": {"file_name": "sums.json"}}))
+    recipe = tmp_path / "lora_sft.yaml"
+    recipe.write_text(f"""\
+model_name_or_path: {tiny_model}
+stage: sft
+do_train: true
+lora_rank: 4
+dataset: sums
+dataset_dir: {tmp_path}
+chat_template: basic
+cutoff_len: 128
+max_samples: 8
+output_dir: {tmp_path / "out"}
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 2
+max_steps: 2
+learning_rate: 1.0e-4
+report_to: none
+plot_loss: false
+""")
+    assert main(["train", str(recipe)]) == 0
+    out = tmp_path / "out"
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert (resolved["peft"]["method"], resolved["peft"]["r"], resolved["peft"]["alpha"]) == ("lora", 4, 8)
+    assert (resolved["train"]["lr_scheduler_type"], resolved["data"]["packing"], resolved["data"]["max_samples"]) == \
+        ("linear", False, 8)
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (4, 8)
+    log = (out / "train.log").read_text()
+    assert "start: LLaMA-Factory recipe: its defaults for finetuning_type lora, lora_alpha 8 (2 x lora_rank), " \
+           "lr_scheduler_type linear, packing false (sft)" in log
+    # 8 samples (max_samples), each its own row (no packing): 2 optimizer steps of 4.
+    assert "data: 8 samples" in log
