@@ -42,7 +42,7 @@ from llmtune.tasks.registry import CONVERSATIONS, DOCUMENTS, PAIRS, PROMPTS, TAS
 log = logging.getLogger(__name__)
 
 # Bump when a change to the transforms changes their output, so old caches are not reused.
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 # Settings that do not change the built datasets, left out of the cache key. (data.streaming does: a
 # streaming run's entry holds its validation and test splits only.)
 NOT_IN_KEY = ("shuffle", "shuffle_buffer", "num_proc", "cache_dir", "document_mask")
@@ -75,6 +75,7 @@ class DataStats:
     val_samples: int
     test_samples: int
     desirable: int = 0  # kto: the examples kept that are labelled desirable (the others are undesirable)
+    packed_per_batch: bool = False  # pairs (examples) packed into rows as each micro-batch is made
     # pt: the tokens of the last, shorter block of each packing window, dropped (data.pt_remainder: drop)
     dropped_tail_tokens: int = 0
 
@@ -90,6 +91,8 @@ class DataStats:
         if rows == DOCUMENTS:
             kept = (f"{self.rows} rows of up to {self.max_seq_len} tokens ({self.dropped_tail_tokens} tokens of the "
                     "last, partial rows dropped)")
+        elif self.packed_per_batch:
+            kept = f"{counted}, each micro-batch's packed into rows of up to {self.max_seq_len} tokens"
         elif self.rows != self.samples:
             kept = f"{counted} packed into {self.rows} rows of up to {self.max_seq_len} tokens"
         else:
@@ -250,12 +253,17 @@ def fully_labelled(samples: datasets.Dataset) -> int:
     return int((labelled == np.asarray(pc.list_value_length(labels))).sum())
 
 
-def padded_efficiency(lengths: np.ndarray, batch_size: int, seed: int) -> float:
-    """Non-pad share of batches padded to their longest row, over one seeded shuffle."""
+def padded_efficiency(lengths: np.ndarray, batch_size: int, seed: int, pack_to: int | None = None) -> float:
+    """Non-pad share of batches padded to their longest row, over one seeded shuffle; pack_to: each batch's units
+    packed first into rows of at most this many tokens, as the collator packs pairs (packing.pack_units)."""
     if not len(lengths):
         return 0.0
     order = lengths[np.random.default_rng(seed).permutation(len(lengths))]
-    padded = sum(int(chunk.max()) * len(chunk) for chunk in np.array_split(order, math.ceil(len(order) / batch_size)))
+    padded = 0
+    for chunk in np.array_split(order, math.ceil(len(order) / batch_size)):
+        rows = [sum(int(chunk[i]) for i in members)
+                for members in packing.first_fit_decreasing(list(chunk), pack_to)] if pack_to else list(chunk)
+        padded += int(max(rows)) * len(rows)
     return float(lengths.sum()) / padded
 
 
@@ -302,10 +310,11 @@ def build_stream(task: str, data_cfg, tokenizer, seed: int) -> datasets.Iterable
 
 
 def packed_split(split: datasets.Dataset | None, task: str, data_cfg) -> datasets.Dataset | None:
-    """Samples (sft, pre-tokenized), pairs and KTO's examples packed into rows when data.packing is on; pt text
-    arrives as packed blocks; grpo's prompts stay one per row (their training rows are made of their completions)."""
+    """Samples (sft, pre-tokenized) packed into rows when data.packing is on; pt text arrives as packed blocks; pairs
+    and KTO's examples stay one per row, packed by the collator into each micro-batch's rows; grpo's prompts stay one
+    per row (their training rows are made of their completions)."""
     blocks = split is not None and TASKS[task].rows == DOCUMENTS and "position_ids" in split.column_names
-    if split is None or not data_cfg.packing or blocks or TASKS[task].rows == PROMPTS:
+    if split is None or not data_cfg.packing or blocks or TASKS[task].rows == PROMPTS or two_sequence_rows(task):
         return split
     return packing.pack_samples(split, data_cfg.max_seq_len, map_options(split, data_cfg.num_proc, "pack"))
 
@@ -354,15 +363,18 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairL
 def describe(task: str, train: datasets.Dataset, val, test, counts: dict, data_cfg, batch_size: int,
              seed: int) -> DataStats:
     lengths, label_tokens = length_stats(train)
-    # A pair's row has position_ids (two sequences) whether pairs are packed or not; so has an example's.
-    packed = data_cfg.packing if two_sequence_rows(task) else "position_ids" in train.column_names
-    efficiency = float(lengths.sum()) / (len(lengths) * data_cfg.max_seq_len) if packed \
-        else padded_efficiency(lengths, batch_size, seed)
+    per_batch = two_sequence_rows(task) and data_cfg.packing
+    if per_batch:
+        efficiency = padded_efficiency(lengths, batch_size, seed, data_cfg.max_seq_len)
+    elif "position_ids" in train.column_names and not two_sequence_rows(task):  # packed samples or blocks
+        efficiency = float(lengths.sum()) / (len(lengths) * data_cfg.max_seq_len)
+    else:
+        efficiency = padded_efficiency(lengths, batch_size, seed)
     return DataStats(task=task, samples=sample_count(train, task), rows=len(train), max_seq_len=data_cfg.max_seq_len,
                      tokens=int(lengths.sum()), label_tokens=label_tokens, efficiency=efficiency,
                      val_samples=sample_count(val, task) if val is not None else 0,
                      test_samples=sample_count(test, task) if test is not None else 0,
-                     desirable=desirable_count(train), **counts)
+                     desirable=desirable_count(train), packed_per_batch=per_batch, **counts)
 
 
 def cache_key(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairLimits | None = None) -> str:

@@ -305,9 +305,10 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
     pad_id = pad_token_id(tokenizer)
     cuda = state.device.type == "cuda"
     # A stream never holds rows of two sequences (config.py refuses data.streaming for the preference tasks).
-    rows_collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask,
-                           two_sequences=two_sequence_rows(config.task),
-                           scored=TASKS[config.task].head == SCORE_HEAD)
+    pairs = two_sequence_rows(config.task)
+    rows_collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask, two_sequences=pairs,
+                           scored=TASKS[config.task].head == SCORE_HEAD,
+                           pack_to=data_cfg.max_seq_len if pairs and data_cfg.packing else None)
     if data_cfg.streaming:
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)
@@ -322,7 +323,8 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
         if state.is_main:
             log.info("data: %s", stats.summary())
         if annotate is not None:
-            splits = annotate({"train": train, "val": val, "test": test}, rows_collate)
+            # One unit a row, unpacked: the hook reads its values back by row.
+            splits = annotate({"train": train, "val": val, "test": test}, partial(rows_collate, pack_to=None))
             train, val, test = splits["train"], splits["val"], splits["test"]
         data = DataManager(train, data_cfg, train_cfg.per_device_train_batch_size,
                            train_cfg.gradient_accumulation_steps, state.dp_size, state.dp_rank, train_cfg.seed,

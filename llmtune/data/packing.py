@@ -2,8 +2,10 @@
 row, position_ids restarting at each sequence.
 
 The first token of each sequence carries no label, so no label (after the shift) asks one sequence to
-predict the next. sft, dpo and kto rows are filled first-fit-decreasing within windows of units (a sample, or a pair
-of two sequences, never split), deterministic and independent of the number of ranks. A unit's other columns hold one
+predict the next. sft rows are filled first-fit-decreasing within windows of samples when the data is built,
+deterministic and independent of the number of ranks; the pairs of dpo, rm and kto (two sequences, never split) when
+a micro-batch is made of them (collate.collate), so that a step trains as many pairs as the recipe says, as TRL and
+LLaMA-Factory count them. A unit's other columns hold one
 value per sequence (kto's `desirable`): they are concatenated in the same order, so they stay in line with the
 sequences.
 """
@@ -48,18 +50,24 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def pack_samples(samples: datasets.Dataset, max_seq_len: int, map_kw: dict) -> datasets.Dataset:
-    """Units (samples, or pairs with their position_ids and any per-sequence values) -> rows of at most max_seq_len
-    tokens."""
-    columns = [column for column in TOKEN_COLUMNS if column in samples.column_names]
-    per_sequence = [column for column in samples.column_names if column not in TOKEN_COLUMNS]
+    """Units (samples) -> rows of at most max_seq_len tokens, packed within windows of PACK_WINDOW."""
 
     def pack(batch):
-        rows = {column: [] for column in [*TOKEN_COLUMNS, *per_sequence]}
-        for members in first_fit_decreasing([len(ids) for ids in batch["input_ids"]], max_seq_len):
-            packed = concatenate([batch[column][i] for column in columns] for i in members)
-            packed.update({column: [value for i in members for value in batch[column][i]] for column in per_sequence})
-            for column, values in packed.items():
-                rows[column].append(values)
-        return rows
+        units = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        rows = pack_units(units, max_seq_len)
+        return {column: [row[column] for row in rows] for column in rows[0]}
 
     return samples.map(pack, batched=True, batch_size=PACK_WINDOW, remove_columns=samples.column_names, **map_kw)
+
+
+def pack_units(units: list[dict], max_seq_len: int) -> list[dict]:
+    """Units (samples, or pairs with their position_ids and any per-sequence values) -> rows of at most max_seq_len
+    tokens, first-fit-decreasing: a sample's window (pack_samples), or a micro-batch's pairs (collate.collate)."""
+    columns = [column for column in TOKEN_COLUMNS if column in units[0]]
+    per_sequence = [column for column in units[0] if column not in TOKEN_COLUMNS]
+    rows = []
+    for members in first_fit_decreasing([len(unit["input_ids"]) for unit in units], max_seq_len):
+        packed = concatenate([units[i][column] for column in columns] for i in members)
+        packed.update({column: [value for i in members for value in units[i][column]] for column in per_sequence})
+        rows.append(packed)
+    return rows

@@ -66,13 +66,10 @@ class Banner:
 
 
 def rows_called(objective) -> str:
-    """The banner's name for the rows a step is cut from, in the objective's unit (metrics.jsonl's samples_per_s or
-    pairs_per_s): the unit itself where the objective counts rows as its samples (pt, sft), else rows of it (dpo's
-    pairs, one or more to a row, which the data statistics line counts: counting them here would read every row
-    again); the objective's own name of them where it has one (grpo's prompts)."""
-    if objective.rows_called:
-        return objective.rows_called
-    return objective.unit if objective.samples == "rows" else f"rows of {objective.unit}"
+    """The banner's name for the data rows a step is cut from: the objective's unit (metrics.jsonl's samples_per_s
+    or pairs_per_s: pt's and sft's rows, dpo's and rm's pairs, kto's examples, each one data row until the collator
+    packs a micro-batch's), or its own name of them where it has one (grpo's prompts)."""
+    return objective.rows_called or objective.unit
 
 
 def precision(train_cfg) -> str:

@@ -56,7 +56,7 @@ def overrides(output_dir, **layout) -> list[str]:
 
 
 def validation_rows(sections: dict, output_dir) -> int:
-    """The rows the validation pairs are packed into, as the run builds them."""
+    """The rows of the validation split (a pair each), as the run builds them."""
     from llmtune.config import load_config
     from llmtune.data.build import build_datasets
     from llmtune.data.preference import PairLimits

@@ -46,13 +46,14 @@ def test_the_losses_do_not_depend_on_how_many_rows_a_micro_batch_takes(tiny_mode
         llmtune.train("dpo", recipe(tiny_model, pairs_file, out, train={"per_device_train_batch_size": micro}))
         runs[micro] = [r["loss"] for r in read_metrics(out) if "loss" in r]
     assert len(runs[1]) == 3
-    # The rows hold different numbers of pairs (48 pairs in neither 48, 24 nor 16 rows), so the micro-batches of one
-    # step do too: averaging each micro-batch's pairs would weigh them differently in each layout.
+    # A micro-batch's pairs are packed into rows of 128 tokens, holding 1, 2 or 3 pairs each, so the micro-batches of
+    # one step hold different numbers of rows and tokens: averaging each micro-batch's pairs, or rows, would weigh
+    # them differently in each layout.
     log = (tmp_path / "micro1" / "train.log").read_text()
-    assert "48 pairs packed into 32 rows" in log
-    # The banner counts the rows a step is cut from, in the objective's unit.
-    assert "start: 32 rows of pairs, 0.375 epochs of 8 steps = 3 optimizer steps" in log
-    assert "start: global batch 4 rows of pairs = micro-batch 1 x accumulation 4 x 1 data-parallel" in log
+    assert "48 pairs, each micro-batch's packed into rows of up to 128 tokens" in log
+    # The banner counts the pairs a step trains, as TRL and LLaMA-Factory count them.
+    assert "start: 48 pairs, 0.25 epochs of 12 steps = 3 optimizer steps" in log
+    assert "start: global batch 4 pairs = micro-batch 1 x accumulation 4 x 1 data-parallel" in log
     for micro in (2, 4):
         assert runs[micro] == pytest.approx(runs[1], rel=1e-5)
 

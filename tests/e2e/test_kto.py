@@ -43,7 +43,7 @@ def test_the_losses_do_not_depend_on_how_many_rows_a_micro_batch_takes(tiny_mode
         llmtune.train("kto", recipe(tiny_model, examples_file, out, train={"per_device_train_batch_size": micro}))
         runs[micro] = [(r["loss"], r["kl"]) for r in read_metrics(out) if "loss" in r]
     log = (tmp_path / "micro1" / "train.log").read_text()
-    assert "48 examples (42 desirable, 6 undesirable) packed into" in log
+    assert "48 examples (42 desirable, 6 undesirable), each micro-batch's packed into" in log
     assert len(runs[1]) == 3 and runs[1][-1][1] > 0, "the reference point is above 0, estimated over the whole step"
     for micro in (2, 4):
         assert [loss for loss, _ in runs[micro]] == pytest.approx([loss for loss, _ in runs[1]], rel=1e-5)

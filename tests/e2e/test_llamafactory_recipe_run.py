@@ -46,3 +46,32 @@ plot_loss: false
            "lr_scheduler_type linear, packing false (sft)" in log
     # 8 samples (max_samples), each its own row (no packing): 2 optimizer steps of 4.
     assert "data: 8 samples" in log
+
+
+def test_a_dpo_recipe_trains_as_many_pairs_a_step_as_it_says(tiny_model, pairs_file, tmp_path):
+    """per_device_train_batch_size 1 x gradient_accumulation_steps 8: 8 pairs a step, as LLaMA-Factory and TRL count
+    them, however the collator packs each micro-batch's pairs into rows (the epoch advances by 8 of the 48 pairs a
+    step)."""
+    from tests.helpers import read_metrics
+
+    recipe = tmp_path / "lora_dpo.yaml"
+    recipe.write_text(f"""\
+model_name_or_path: {tiny_model}
+stage: dpo
+lora_rank: 4
+pref_beta: 0.1
+pref_loss: sigmoid
+chat_template: basic
+cutoff_len: 64
+output_dir: {tmp_path / "out"}
+per_device_train_batch_size: 1
+gradient_accumulation_steps: 8
+max_steps: 2
+logging_steps: 1
+report_to: none
+plot_loss: false
+""".replace("chat_template: basic", f"chat_template: basic\ntrain_files: [{pairs_file}]"))
+    assert main(["train", str(recipe)]) == 0
+    assert [r["epoch"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [8 / 48, 16 / 48]
+    assert "start: global batch 8 pairs = micro-batch 1 x accumulation 8 x 1 data-parallel" in \
+        (tmp_path / "out" / "train.log").read_text()

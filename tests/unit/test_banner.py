@@ -52,13 +52,13 @@ def test_the_layout_says_the_mesh_and_what_differs_from_plain_fsdp():
 
 
 def test_the_rows_are_named_in_the_objectives_unit():
-    """pt's and sft's objective counts its rows as samples (samples_per_s); dpo's counts pairs, one or more to a
-    row."""
+    """pt's and sft's objective counts its rows as samples (samples_per_s); dpo's data rows are its pairs, which the
+    collator packs into each micro-batch's rows."""
     assert rows_called(LanguageModel) == "samples"
-    assert rows_called(DPO) == "rows of pairs"
-    pairs = dataclasses.replace(FRESH, unit="rows of pairs")
-    assert pairs.lines()[:2] == ["1,000 rows of pairs, 3 epochs of 62 steps = 186 optimizer steps",
-                                 "global batch 16 rows of pairs = micro-batch 4 x accumulation 2 x 2 data-parallel"]
+    assert rows_called(DPO) == "pairs"
+    pairs = dataclasses.replace(FRESH, unit="pairs")
+    assert pairs.lines()[:2] == ["1,000 pairs, 3 epochs of 62 steps = 186 optimizer steps",
+                                 "global batch 16 pairs = micro-batch 4 x accumulation 2 x 2 data-parallel"]
 
 
 def test_precision_is_read_from_the_recipe():

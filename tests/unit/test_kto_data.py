@@ -18,6 +18,7 @@ from llmtune.data import unpaired
 from llmtune.data.build import build_datasets, describe
 from llmtune.data.collate import collate
 from llmtune.data.formats import detect_format, to_canonical
+from llmtune.data.packing import pack_units
 from llmtune.data.manager import build_data
 from llmtune.data.preference import KL_RESPONSES, PairLimits
 from llmtune.data.preview import show_examples
@@ -179,9 +180,8 @@ def varied_examples(count: int) -> list[dict]:
 
 def test_the_desirable_values_stay_with_their_sequences_through_packing_and_collate(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "kto.jsonl", varied_examples(30))
-    one_per_row, _, _ = build_datasets("kto", DataConfig(train_files=[path], packing=False, max_seq_len=96), tokenizer,
-                                       0, LIMITS)
-    packed, _, _ = build_datasets("kto", DataConfig(train_files=[path], max_seq_len=96), tokenizer, 0, LIMITS)
+    one_per_row, _, _ = build_datasets("kto", DataConfig(train_files=[path], max_seq_len=96), tokenizer, 0, LIMITS)
+    packed = pack_units(list(one_per_row), 96)  # as the collator packs a micro-batch's examples
     assert len(packed) < len(one_per_row)
     label_of = {tuple(row["input_ids"]): row["desirable"][0] for row in one_per_row}
     assert sorted(label_of.values()) == sorted(float(i % 4 == 0) for i in range(30))
@@ -274,9 +274,9 @@ def test_the_statistics_count_examples_desirable_and_undesirable(tmp_path, token
     data = DataConfig(train_files=[write_jsonl(tmp_path / "kto.jsonl", varied_examples(24))], max_seq_len=96)
     train, val, counts = build_datasets("kto", data, tokenizer, 0, LIMITS)
     stats = describe("kto", train, val, None, counts, data, 4, 0)
-    assert stats.samples == 24 and stats.desirable == 6 and stats.rows == len(train) < 24
-    assert stats.summary().startswith(f"24 examples (6 desirable, 18 undesirable) packed into {len(train)} rows of up "
-                                      "to 96 tokens, ")
+    assert stats.samples == 24 and stats.desirable == 6 and stats.rows == len(train) == 24
+    assert stats.summary().startswith("24 examples (6 desirable, 18 undesirable), each micro-batch's packed into rows "
+                                      "of up to 96 tokens, ")
     assert ", 0 truncated (0.0%), 0 dropped (0.0%), efficiency " in stats.summary()
     assert stats.summary().endswith("0 validation examples")
 

@@ -17,6 +17,7 @@ from llmtune.config import (CheckpointConfig, Config, DataConfig, DPOConfig, Mod
 from llmtune.data.build import build_datasets, cache_key, describe, load_or_build
 from llmtune.data.collate import collate
 from llmtune.data.formats import detect_format, to_canonical
+from llmtune.data.packing import pack_units
 from llmtune.data.manager import build_data
 from llmtune.data.preference import PairLimits, fit_pair
 from llmtune.data.preview import show_pairs
@@ -277,13 +278,16 @@ def sequences(row) -> list[tuple]:
     return [tuple(row[c][a:b] for c in ("input_ids", "labels", "position_ids")) for a, b in zip(starts, starts[1:])]
 
 
-def test_packing_keeps_whole_pairs_with_their_positions(tmp_path, tokenizer):
+def test_a_micro_batchs_pairs_are_packed_whole_with_their_positions(tmp_path, tokenizer):
+    """The data holds one pair a row, whether data.packing is on or off; the collator packs a micro-batch's pairs
+    (packing.pack_units), every pair whole, into as few rows as they fit."""
     path = write_jsonl(tmp_path / "pairs.jsonl", varied_pairs(30))
-    one_per_row, _, _ = build_datasets("dpo", DataConfig(train_files=[path], packing=False, max_seq_len=96,
+    one_per_row, _, _ = build_datasets("dpo", DataConfig(train_files=[path], packing=True, max_seq_len=96,
                                                          cache_dir=str(tmp_path / "c")), tokenizer, 0, LIMITS)
-    packed, _, _ = build_datasets("dpo", DataConfig(train_files=[path], packing=True, max_seq_len=96,
-                                                    cache_dir=str(tmp_path / "c")), tokenizer, 0, LIMITS)
+    packed = pack_units(list(one_per_row), 96)
     assert len(packed) < len(one_per_row) and all(len(row["input_ids"]) <= 96 for row in packed)
+    batch = collate(list(one_per_row), pad_id=0, two_sequences=True, pack_to=96)
+    assert len(batch.inputs["input_ids"]) == len(packed) and len(batch.sequences["length"]) == 60
     alone = sorted(tuple(map(tuple, seq)) for row in one_per_row for seq in [sum(sequences(row), ())])
     in_rows = []
     for row in packed:
@@ -358,13 +362,15 @@ def test_build_data_gives_pairs_batches_and_the_statistics_count_pairs(tmp_path,
     assert stats.summary().endswith("0 validation pairs")
 
 
-def test_packed_pairs_are_counted_as_pairs_in_their_rows(tmp_path, tokenizer):
+def test_pairs_are_counted_as_pairs_and_packed_per_micro_batch(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "pairs.jsonl", varied_pairs(24))
     data = DataConfig(train_files=[path], max_seq_len=96, cache_dir=str(tmp_path / "c"))
     train, val, counts = build_datasets("dpo", data, tokenizer, 0, LIMITS)
     stats = describe("dpo", train, val, None, counts, data, 4, 0)
-    assert stats.samples == 24 and stats.rows == len(train) < 24
-    assert stats.summary().startswith(f"24 pairs packed into {len(train)} rows of up to 96 tokens, ")
+    assert stats.samples == stats.rows == len(train) == 24
+    assert stats.summary().startswith("24 pairs, each micro-batch's packed into rows of up to 96 tokens, ")
+    # The padding of micro-batches of 4 pairs packed into rows, below the 100% of rows with no padding at all.
+    assert 0.5 < stats.efficiency < 1.0
 
 
 def test_the_preview_shows_the_prompt_once_and_marks_each_responses_trained_tokens(tmp_path, tokenizer, capsys):
