@@ -1288,6 +1288,13 @@ def load_config(recipe: str | Path | dict, overrides: list[str], task: str, worl
     return config
 
 
+def default_task(recipe: str) -> str:
+    """The task `llmtune data` and `llmtune plan` take without --task: a flat LLaMA-Factory recipe's stage, else
+    sft."""
+    raw = _read_recipe(recipe)
+    return llamafactory.stage(raw, recipe) if llamafactory.is_flat(raw, SECTIONS) else "sft"
+
+
 def flat_recipe_task(recipe: str) -> str:
     """The task of a flat LLaMA-Factory recipe: its stage (`llmtune train`)."""
     raw = _read_recipe(recipe)

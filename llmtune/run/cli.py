@@ -97,10 +97,10 @@ def check_task(task: str) -> None:
 
 def data_command(args: list[str]) -> int:
     """RECIPE, --n, --task and overrides -> the first N training samples and the data statistics, on one process."""
-    from llmtune.config import parse_overrides
+    from llmtune.config import default_task, parse_overrides
 
     recipe, rest = args[0], list(args[1:])
-    count, task = take_flag(rest, "--n", "3"), take_flag(rest, "--task", "sft")
+    count, task = take_flag(rest, "--n", "3"), take_flag(rest, "--task", default_task(recipe))
     check_task(task)
     overrides, nproc = parse_overrides(rest, task)
     if nproc:
@@ -331,10 +331,10 @@ def score_command(args: list[str]) -> int:
 def plan_command(args: list[str]) -> int:
     """RECIPE, the layout and the device's memory -> what a training step holds per rank, on this machine, with no
     process started and no weight read."""
-    from llmtune.config import parse_overrides
+    from llmtune.config import default_task, parse_overrides
 
     recipe, rest = args[0], list(args[1:])
-    task = take_flag(rest, "--task", "sft")
+    task = take_flag(rest, "--task", default_task(recipe))
     nnodes, per_node = take_flag(rest, "--nnodes", ""), take_flag(rest, "--nproc-per-node", "")
     memory = take_flag(rest, "--device-memory", "")
     check_task(task)

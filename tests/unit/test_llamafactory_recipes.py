@@ -171,3 +171,10 @@ def test_max_samples_takes_the_first_rows_of_each_source_before_shuffling(tmp_pa
     train, _, _ = build_datasets("sft", data, tokenizer, 0)
     texts = sorted(tokenizer.decode(row["input_ids"]) for row in train)
     assert len(texts) == 3 and all(f"Answer {i}." in " ".join(texts) for i in range(3))
+
+
+def test_llmtune_data_and_plan_take_a_flat_recipes_stage_without_task(tmp_path):
+    from llmtune.config import default_task
+
+    assert default_task(flat(tmp_path, QWEN3_LORA_KTO)) == "kto"
+    assert default_task(flat(tmp_path, "model:\n  name_or_path: m\n", "sectioned.yaml")) == "sft"
