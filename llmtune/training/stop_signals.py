@@ -32,11 +32,17 @@ class StopSignals:
         if self.received is None:
             self.received = name
             log.warning("%s received: saving a checkpoint at the end of this optimizer step, then stopping", name)
-        else:
-            log.warning("%s received: already stopping after %s; the save goes on", name, self.received)
+            return
+        log.warning("%s received: already stopping after %s; the save goes on", name, self.received)
+        # Signals that arrive while the main thread is inside a call (a collective, a save) wait for it together, and
+        # Python then runs their handlers by number, not by arrival: the highest-numbered stands for them here, as it
+        # does over the ranks (`number`), whichever came first.
+        if signum > signal.Signals[self.received].value:
+            self.received = name
 
     @property
     def number(self) -> int:
-        """The number of the signal this rank received, 0 for none: the trainer agrees on it with every rank after
-        each optimizer step (the highest-numbered wins), so all ranks stop at the same step."""
+        """The number of the signal this rank received (the highest-numbered, where several came before the step
+        ended), 0 for none: the trainer agrees on it with every rank after each optimizer step (the highest-numbered
+        wins), so all ranks stop at the same step."""
         return signal.Signals[self.received].value if self.received else 0

@@ -1,4 +1,5 @@
-"""StopSignals on one process: a signal is noted, not acted on; the first one is kept whatever follows; its number is
+"""StopSignals on one process: a signal is noted, not acted on; a lower-numbered one that follows changes nothing, and
+of signals that arrive together the highest-numbered is kept, whatever Python's order of handling them; its number is
 what the trainer agrees on with the other ranks; the handlers it replaced come back after the loop."""
 
 import os
@@ -16,6 +17,17 @@ def test_a_signal_is_noted_and_agreed_and_the_old_handlers_come_back():
         assert stop.received == "SIGUSR2"
         assert stop.number == signal.SIGUSR2.value
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_of_signals_that_arrive_together_the_highest_numbered_is_kept():
+    """SIGTERM, then SIGINT, pending together (the main thread was inside a call): Python runs SIGINT's handler first,
+    and the run still stops for SIGTERM, as the other ranks learn."""
+    with StopSignals(["SIGTERM", "SIGINT"]) as stop:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+        assert stop.received == "SIGTERM" and stop.number == signal.SIGTERM.value
 
 
 def test_no_signals_named_leaves_the_default_actions():
