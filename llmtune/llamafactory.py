@@ -9,6 +9,7 @@ the start banner names them. A sectioned recipe keeps llmtune's defaults, whatev
 from llmtune.errors import UserError
 
 STAGES = ("pt", "sft", "rm", "dpo", "kto")
+LF_TEMPLATE = "llamafactory:"  # data.chat_template's form of a LLaMA-Factory template name (data/lf_templates.PREFIX)
 # The tasks whose rows hold two sequences of one prompt: cutoff_len bounds each sequence there, as in
 # LLaMA-Factory's pairwise and KTO processing.
 PAIRED = ("dpo", "kto", "rm")
@@ -24,6 +25,7 @@ RENAMED = {
     "plot_loss": "monitor.plots",
     "ddp_timeout": "parallel.timeout_minutes",
     "additional_target": "peft.modules_to_save",
+    "template": "data.chat_template",
     "use_rslora": "peft.use_rslora",
 }
 # Keys that change nothing llmtune does, read and dropped (never silently: each is said here, and `do_train` must be
@@ -64,8 +66,6 @@ REFUSED = {
                                "of parameter names)",
     "freeze_trainable_modules": "finetuning_type freeze is not read yet: give trainable_modules (regular "
                                 "expressions of parameter names)",
-    "template": "llmtune does not read LLaMA-Factory's template names yet: give chat_template (a template llmtune "
-                "has, or a Jinja file), or leave template out for the model's own chat template",
 }
 # The names of lists that LLaMA-Factory writes as one string, its items separated by commas.
 COMMA_LISTS = ("dataset", "eval_dataset", "lora_target", "additional_target")
@@ -138,6 +138,8 @@ def _value(key: str, value):
     if key in COMMA_LISTS and isinstance(value, str):
         value = [item.strip() for item in value.split(",") if item.strip()]
         return ["all-linear"] if key == "lora_target" and value == ["all"] else value
+    if key == "template" and isinstance(value, str):  # checked against the model's own (data/lf_templates.py)
+        return LF_TEMPLATE + value
     if key == "ddp_timeout" and isinstance(value, (int, float)):
         return max(1, round(value / 60))
     return value

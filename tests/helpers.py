@@ -183,6 +183,25 @@ def save_tiny_model(path: Path, model_cls, tokenizer, seed: int = 0, **config) -
     return path
 
 
+def byte_level_tokenizer(folder: Path, chat_template: str):
+    """A byte-level BPE trained on a few lines, with ChatML's special tokens and `chat_template`, saved in `folder`
+    and loaded: every character encodes and offsets exist, as for the tokenizers users fine-tune."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["What is 2 plus 3? It is 5.", "Add the numbers with the tool.", "The sum is five.",
+              '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "<think>\nI add them.\n</think>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                            chat_template=chat_template).save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def segment_ids(tokenizer, segments) -> tuple[list[int], list[int]]:
     """(text, trained) segments in order -> (input_ids, labels), each segment tokenized alone: the expected ids of
     the golden tests, built from literal text rather than from the code under test."""

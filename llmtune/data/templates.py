@@ -6,6 +6,7 @@ template it was trained with and `apply_chat_template` at inference asks exactly
 showed. The same prompt rendering serves training and generation.
 """
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +14,12 @@ from pathlib import Path
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
+from llmtune.data import lf_templates
 from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
 from llmtune.tasks.registry import DOCUMENTS, TASKS
 
+log = logging.getLogger(__name__)
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 BUILTIN_TEMPLATES = {
@@ -35,8 +38,14 @@ BUILTIN_TEMPLATES = {
 }
 
 
-def apply_recipe_template(tokenizer, template: str | None) -> None:
-    """Give the tokenizer the recipe's chat template; refuse to go on without any."""
+def apply_recipe_template(tokenizer, template: str | None) -> str | None:
+    """Give the tokenizer the recipe's chat template; refuse to go on without any. A LLaMA-Factory template name
+    (llamafactory:NAME) gives the template that renders as it does (lf_templates.resolve); returns where it came
+    from, for the log (None otherwise)."""
+    if template and template.startswith(lf_templates.PREFIX):
+        tokenizer.chat_template, source = lf_templates.resolve(template.removeprefix(lf_templates.PREFIX), tokenizer,
+                                                               BUILTIN_TEMPLATES)
+        return source
     if template in BUILTIN_TEMPLATES:
         tokenizer.chat_template = BUILTIN_TEMPLATES[template]
     elif template:
@@ -47,6 +56,7 @@ def apply_recipe_template(tokenizer, template: str | None) -> None:
     elif not tokenizer.chat_template:
         raise UserError("data.chat_template: the tokenizer has no chat template; set data.chat_template to "
                         f"a built-in one ({', '.join(BUILTIN_TEMPLATES)}) or to a .jinja file")
+    return None
 
 
 def recipe_tokenizer(task: str, model_cfg, chat_template: str | None):
@@ -55,7 +65,10 @@ def recipe_tokenizer(task: str, model_cfg, chat_template: str | None):
     tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_cfg.name_or_path,
                                               trust_remote_code=model_cfg.trust_remote_code)
     if TASKS[task].rows != DOCUMENTS or chat_template:
-        apply_recipe_template(tokenizer, chat_template)
+        source = apply_recipe_template(tokenizer, chat_template)
+        if source:
+            log.info("data.chat_template: %s renders conversations as LLaMA-Factory's %s does, token for token; "
+                     "training with it", source, chat_template.removeprefix(lf_templates.PREFIX))
     return tokenizer
 
 

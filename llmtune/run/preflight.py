@@ -10,6 +10,7 @@ from pathlib import Path
 from llmtune.checkpoint.folders import continues
 from llmtune.config import AUTO
 from llmtune.errors import UserError
+from llmtune.llamafactory import LF_TEMPLATE
 from llmtune.run.inputs import (check_inputs, check_output_dir, fetch_hub_inputs, has_chat_template, hub_inputs,
                                 local_inputs)
 from llmtune.run.launch import launched_by_torchrun
@@ -50,6 +51,10 @@ def check_run(local, world_size: int):
     check_eval_generation(local.eval_generation, bool(local.data.chat_template) or has_chat_template(
         Path(local.model.tokenizer or local.model.name_or_path)))
     objective_class(local.task).check(local)
+    if (local.data.chat_template or "").startswith(LF_TEMPLATE):  # the template that renders as it names, or refused
+        from llmtune.data.templates import recipe_tokenizer
+
+        recipe_tokenizer(local.task, local.model, local.data.chat_template)
     model_config = load_model_config(local.model, local.head())
     check_features(local, model_config, world_size)
     check_model(local.model, local.train, model_config)

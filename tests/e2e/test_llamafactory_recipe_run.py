@@ -75,3 +75,37 @@ plot_loss: false
     assert [r["epoch"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [8 / 48, 16 / 48]
     assert "start: global batch 8 pairs = micro-batch 1 x accumulation 8 x 1 data-parallel" in \
         (tmp_path / "out" / "train.log").read_text()
+
+
+def test_llamafactorys_qwen3_lora_sft_example_runs_as_published(tmp_path, capsys):
+    """examples/train_lora/qwen3_lora_sft.yaml as published but for model_name_or_path (a tiny Qwen2 whose tokenizer's
+    chat template is plain ChatML, which renders as LLaMA-Factory's qwen3_nothink), dataset_dir, output_dir and a
+    step count: its template is checked and the model's own trained with, the rest read as the unit tests say."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.helpers import byte_level_tokenizer
+    from tests.unit.test_lf_templates import PLAIN_CHATML
+    from tests.unit.test_llamafactory_recipes import QWEN3_LORA_SFT
+
+    model = tmp_path / "qwen"
+    tokenizer = byte_level_tokenizer(model, PLAIN_CHATML)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                     ).save_pretrained(model)
+    rows = [{"instruction": f"What is {a} plus {a + 1}?", "input": "", "output": f"It is {2 * a + 1}."}
+            for a in range(12)]
+    (tmp_path / "identity.json").write_text(json.dumps(rows))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"identity": {"file_name": "identity.json"}}))
+    recipe = tmp_path / "qwen3_lora_sft.yaml"
+    recipe.write_text(QWEN3_LORA_SFT.replace("Qwen/Qwen3-4B-Instruct-2507", str(model))
+                      .replace("dataset: identity", f"dataset: identity\ndataset_dir: {tmp_path}")
+                      .replace("saves/qwen3-4b/lora/sft", str(tmp_path / "out"))
+                      .replace("num_train_epochs: 3.0", "num_train_epochs: 3.0\nmax_steps: 1"))
+    assert main(["train", str(recipe)]) == 0
+    log = (tmp_path / "out" / "train.log").read_text()
+    assert "the model's own chat template renders conversations as LLaMA-Factory's qwen3_nothink does" in \
+        capsys.readouterr().err + log
+    assert "start: global batch 8 samples = micro-batch 1 x accumulation 8 x 1 data-parallel" in log

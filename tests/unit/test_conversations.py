@@ -17,7 +17,7 @@ from llmtune.config import DataConfig
 from llmtune.data.build import build_datasets
 from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
-from tests.helpers import segment_ids as expected
+from tests.helpers import byte_level_tokenizer, segment_ids as expected
 
 # A ChatML template in the style of Qwen2.5's: tools in the system block, tool calls after the content, tool
 # results as their own turn, reasoning in <think> before the answer.
@@ -49,21 +49,7 @@ CALL = {"name": "add", "arguments": {"a": 2, "b": 3}}
 
 @pytest.fixture(scope="module")
 def chat_tokenizer(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    corpus = ["What is 2 plus 3? It is 5.", "Add the numbers with the tool.", "The sum is five.",
-              '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "<think>\nI add them.\n</think>"]
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    folder = tmp_path_factory.mktemp("chat_tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                            chat_template=CHATML).save_pretrained(folder)
-    return AutoTokenizer.from_pretrained(folder)
+    return byte_level_tokenizer(tmp_path_factory.mktemp("chat_tokenizer"), CHATML)
 
 
 def encoded(tmp_path, tokenizer, rows, **data):

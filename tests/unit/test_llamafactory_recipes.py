@@ -11,8 +11,7 @@ from llmtune.errors import UserError
 from llmtune.llamafactory import REFUSED
 from llmtune.run.cli import main
 
-# examples/train_lora/qwen3_lora_sft.yaml as LLaMA-Factory publishes it, but for `template` (llmtune does not read its
-# template names yet: REFUSED says so; tested below).
+# examples/train_lora/qwen3_lora_sft.yaml as LLaMA-Factory publishes it (its commented-out eval lines left out).
 QWEN3_LORA_SFT = """\
 ### model
 model_name_or_path: Qwen/Qwen3-4B-Instruct-2507
@@ -27,6 +26,7 @@ lora_target: all
 
 ### dataset
 dataset: identity
+template: qwen3_nothink
 cutoff_len: 2048
 max_samples: 1000
 preprocessing_num_workers: 16
@@ -80,6 +80,8 @@ def test_llamafactory_examples_read_key_by_key(tmp_path, text, task):
     data, train, checkpoint = config.data, config.train, config.checkpoint
     assert data.datasets == [{"sft": "identity", "dpo": "dpo_en_demo", "kto": "kto_en_demo"}[task]]
     assert (data.dataset_info, data.max_samples, data.num_proc, data.num_workers) == ("data", 1000, 16, 4)
+    # Its template, checked against the model's own when the run starts (data/lf_templates.py).
+    assert data.chat_template == "llamafactory:qwen3_nothink"
     assert (train.output_dir, train.logging_steps, train.overwrite_output_dir) == (f"saves/qwen3-4b/lora/{task}", 10,
                                                                                    True)
     assert (checkpoint.save_steps, checkpoint.save_only_model, checkpoint.resume_from_checkpoint) == (500, False, None)

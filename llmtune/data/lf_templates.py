@@ -1,0 +1,135 @@
+"""LLaMA-Factory's chat templates by name (a flat recipe's `template`, data.chat_template `llamafactory:NAME`), held
+as its data/template.py registers them. llmtune never trains with a rendering of its own of them: it trains with the
+model's own chat template, or a llmtune built-in, where that renders LLaMA-Factory's probe conversations (PROBES: a
+turn, a system text, two turns) to the same token ids as LLaMA-Factory encodes them; where none does, the run is
+refused, naming what to set. Encoding as LLaMA-Factory does (Template._encode, encode_multiturn): the prefix and the
+system text before the first turn (its default system where a conversation has none; Llama2Template's fuse it into
+the first user turn), each formatted turn tokenized alone without special tokens, its {"bos_token"} and
+{"eos_token"} slots the tokenizer's ids; a ReasoningTemplate (qwen3) puts the empty thought before every assistant
+turn that has none.
+"""
+
+from dataclasses import dataclass
+
+from llmtune.errors import UserError
+from llmtune.llamafactory import LF_TEMPLATE as PREFIX
+BOS, EOS = "bos_token", "eos_token"  # the slots LLaMA-Factory writes as {"bos_token"}, {"eos_token"}
+CHATML_USER = ("<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n",)
+CHATML_ASSISTANT = ("{{content}}<|im_end|>\n",)
+CHATML_SYSTEM = ("<|im_start|>system\n{{content}}<|im_end|>\n",)
+
+
+@dataclass(frozen=True)
+class LFTemplate:
+    user: tuple = ("{{content}}",)
+    assistant: tuple = ("{{content}}", EOS)
+    system: tuple = ("{{content}}",)  # register_template's default: the text alone
+    prefix: tuple = ()
+    default_system: str = ""
+    fuse_system: bool = False  # Llama2Template: the system text joins the first user message
+    thought: str | None = None  # ReasoningTemplate: the empty thought put before an assistant turn without one
+
+
+# register_template's arguments of LLaMA-Factory's data/template.py (main branch, November 2026) for the names its
+# examples use, the conversational ones alone.
+TEMPLATES = {
+    "alpaca": LFTemplate(user=("### Instruction:\n{{content}}\n\n### Response:\n",),
+                         assistant=("{{content}}", EOS, "\n\n"),
+                         default_system="Below is an instruction that describes a task. Write a response that "
+                                        "appropriately completes the request.\n\n"),
+    "chatml": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM),
+    "default": LFTemplate(user=("Human: {{content}}", EOS, "\nAssistant:"), assistant=("{{content}}", EOS, "\n"),
+                          system=("System: {{content}}", EOS, "\n")),
+    "empty": LFTemplate(assistant=("{{content}}",)),
+    "gemma": LFTemplate(user=("<start_of_turn>user\n{{content}}<end_of_turn>\n<start_of_turn>model\n",),
+                        assistant=("{{content}}<end_of_turn>\n",), system=("{{content}}\n\n",), prefix=(BOS,),
+                        fuse_system=True),
+    "llama3": LFTemplate(user=("<|start_header_id|>user<|end_header_id|>\n\n{{content}}<|eot_id|>"
+                               "<|start_header_id|>assistant<|end_header_id|>\n\n",),
+                         assistant=("{{content}}<|eot_id|>",),
+                         system=("<|start_header_id|>system<|end_header_id|>\n\n{{content}}<|eot_id|>",),
+                         prefix=(BOS,)),
+    "mistral": LFTemplate(user=("[INST] {{content}}[/INST]",), assistant=(" {{content}}", EOS),
+                          system=("{{content}}\n\n",), prefix=(BOS,), fuse_system=True),
+    "qwen": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM,
+                       default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
+    "qwen3": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM,
+                        thought="<think>\n\n</think>\n\n"),
+    "qwen3_nothink": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM),
+}
+# LLaMA-Factory's demo conversations, in the forms a template renders differently: one turn, a system text, two turns.
+PROBES = (
+    [{"role": "user", "content": "Hi, how are you?"}, {"role": "assistant", "content": "I am fine, thank you."}],
+    [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is 2 + 3?"},
+     {"role": "assistant", "content": "2 + 3 = 5."}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "And another one?"}, {"role": "assistant", "content": "Green."}],
+)
+
+
+def encode(template: LFTemplate, tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation's token ids as LLaMA-Factory encodes it with `template`."""
+    system = messages[0]["content"] if messages[0]["role"] == "system" else template.default_system
+    turns = messages[1:] if messages[0]["role"] == "system" else messages
+    ids = []
+    for i, message in enumerate(turns):
+        slots, content = [], message["content"]
+        if i == 0:
+            slots += template.prefix
+            if system and template.fuse_system:
+                content = _filled(template.system, system)[0] + content
+            elif system:
+                slots += _filled(template.system, system)
+        if message["role"] == "user":
+            slots += _filled(template.user, content)
+        else:
+            if template.thought is not None and "<think>" not in content:
+                slots.append(tokenizer.encode(template.thought, add_special_tokens=False))
+            slots += _filled(template.assistant, content)
+        ids += _ids(tokenizer, slots)
+    return ids
+
+
+def _filled(slots: tuple, content: str) -> list:
+    return [slot.replace("{{content}}", content) if slot not in (BOS, EOS) else slot for slot in slots]
+
+
+def _ids(tokenizer, slots: list) -> list[int]:
+    ids = []
+    for slot in slots:
+        if isinstance(slot, list):  # a ReasoningTemplate's thought, tokenized alone
+            ids += slot
+        elif slot == BOS:
+            ids += [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        elif slot == EOS:
+            ids += [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        elif slot:
+            ids += tokenizer.encode(slot, add_special_tokens=False)
+    return ids
+
+
+def renders_alike(name: str, tokenizer, chat_template: str) -> bool:
+    """Whether `chat_template` (Jinja) renders every probe conversation to LLaMA-Factory's ids of template `name`."""
+    for messages in PROBES:
+        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False)
+        if tokenizer(text, add_special_tokens=False)["input_ids"] != encode(TEMPLATES[name], tokenizer, messages):
+            return False
+    return True
+
+
+def resolve(name: str, tokenizer, builtins: dict[str, str]) -> tuple[str, str]:
+    """(the Jinja chat template that renders as LLaMA-Factory's `name` does, where it comes from): the tokenizer's
+    own, else a llmtune built-in; UserError where none does."""
+    if name not in TEMPLATES:
+        raise UserError(f"data.chat_template: {PREFIX}{name}: llmtune reads LLaMA-Factory's templates "
+                        f"{', '.join(TEMPLATES)}; give chat_template (a template llmtune has, or a .jinja file), or "
+                        "leave template out for the model's own chat template")
+    candidates = ([("the model's own chat template", tokenizer.chat_template)] if tokenizer.chat_template else []) + \
+        [(f"llmtune's built-in {key}", jinja) for key, jinja in builtins.items()]
+    for source, jinja in candidates:
+        if renders_alike(name, tokenizer, jinja):
+            return jinja, source
+    raise UserError(f"data.chat_template: LLaMA-Factory's template {name} renders conversations differently from "
+                    f"the model's own chat template{' (it has none)' if not tokenizer.chat_template else ''} and from "
+                    f"llmtune's built-ins ({', '.join(builtins)}); give chat_template: a .jinja file that renders as "
+                    f"{name} does, or leave template out to train with the model's own")
