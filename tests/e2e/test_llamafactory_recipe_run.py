@@ -5,6 +5,7 @@ config.yaml and the exported adapter say so, the start banner names them). The u
 
 import json
 
+import pytest
 import yaml
 
 from llmtune.run.cli import main
@@ -77,35 +78,66 @@ plot_loss: false
         (tmp_path / "out" / "train.log").read_text()
 
 
-def test_llamafactorys_qwen3_lora_sft_example_runs_as_published(tmp_path, capsys):
-    """examples/train_lora/qwen3_lora_sft.yaml as published but for model_name_or_path (a tiny Qwen2 whose tokenizer's
-    chat template is plain ChatML, which renders as LLaMA-Factory's qwen3_nothink), dataset_dir, output_dir and a
-    step count: its template is checked and the model's own trained with, the rest read as the unit tests say."""
+# LLaMA-Factory's demo datasets' entries in its data/dataset_info.json and a few rows in their forms.
+DEMO_DATA = {
+    "identity": ({"file_name": "identity.json"},
+                 [{"instruction": f"What is {a} plus {a + 1}?", "input": "", "output": f"It is {2 * a + 1}."}
+                  for a in range(12)]),
+    "dpo_en_demo": ({"file_name": "dpo_en_demo.json", "ranking": True, "formatting": "sharegpt",
+                     "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}},
+                    [{"conversations": [{"from": "human", "value": f"What is {a} plus {a + 1}?"}],
+                      "chosen": {"from": "gpt", "value": f"It is {2 * a + 1}."},
+                      "rejected": {"from": "gpt", "value": f"It is {2 * a}."}} for a in range(12)]),
+    "kto_en_demo": ({"file_name": "kto_en_demo.json", "formatting": "sharegpt",
+                     "columns": {"messages": "messages", "kto_tag": "label"},
+                     "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                              "assistant_tag": "assistant"}},
+                    [{"messages": [{"role": "user", "content": f"What is {a} plus {a + 1}?"},
+                                   {"role": "assistant", "content": f"It is {2 * a + 1 + a % 2}."}],
+                      "label": a % 2 == 0} for a in range(12)]),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen_with_chatml(tmp_path_factory):
+    """A tiny Qwen2 whose tokenizer's chat template is plain ChatML, which renders as LLaMA-Factory's qwen3_nothink."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from tests.helpers import byte_level_tokenizer
     from tests.unit.test_lf_templates import PLAIN_CHATML
-    from tests.unit.test_llamafactory_recipes import QWEN3_LORA_SFT
 
-    model = tmp_path / "qwen"
+    model = tmp_path_factory.mktemp("qwen_chatml")
     tokenizer = byte_level_tokenizer(model, PLAIN_CHATML)
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
                      ).save_pretrained(model)
-    rows = [{"instruction": f"What is {a} plus {a + 1}?", "input": "", "output": f"It is {2 * a + 1}."}
-            for a in range(12)]
-    (tmp_path / "identity.json").write_text(json.dumps(rows))
-    (tmp_path / "dataset_info.json").write_text(json.dumps({"identity": {"file_name": "identity.json"}}))
-    recipe = tmp_path / "qwen3_lora_sft.yaml"
-    recipe.write_text(QWEN3_LORA_SFT.replace("Qwen/Qwen3-4B-Instruct-2507", str(model))
-                      .replace("dataset: identity", f"dataset: identity\ndataset_dir: {tmp_path}")
-                      .replace("saves/qwen3-4b/lora/sft", str(tmp_path / "out"))
+    return model
+
+
+@pytest.mark.parametrize("example, dataset, unit", [("QWEN3_LORA_SFT", "identity", "samples"),
+                                                    ("QWEN3_LORA_DPO", "dpo_en_demo", "pairs"),
+                                                    ("QWEN3_LORA_KTO", "kto_en_demo", "examples")])
+def test_llamafactorys_qwen3_lora_examples_run_as_published(qwen_with_chatml, tmp_path, capsys, example, dataset,
+                                                            unit):
+    """examples/train_lora/qwen3_lora_{sft,dpo,kto}.yaml as published but for model_name_or_path, dataset_dir,
+    output_dir and a step count: the template is checked and the model's own trained with, bf16 on this CPU, 8
+    examples a step (1 x accumulation 8), the rest read as the unit tests say."""
+    from tests.unit import test_llamafactory_recipes as published
+
+    entry, rows = DEMO_DATA[dataset]
+    (tmp_path / entry["file_name"]).write_text(json.dumps(rows))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({dataset: entry}))
+    stage = {"identity": "sft", "dpo_en_demo": "dpo", "kto_en_demo": "kto"}[dataset]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(getattr(published, example).replace("Qwen/Qwen3-4B-Instruct-2507", str(qwen_with_chatml))
+                      .replace(f"dataset: {dataset}", f"dataset: {dataset}\ndataset_dir: {tmp_path}")
+                      .replace(f"saves/qwen3-4b/lora/{stage}", str(tmp_path / "out"))
                       .replace("num_train_epochs: 3.0", "num_train_epochs: 3.0\nmax_steps: 1"))
     assert main(["train", str(recipe)]) == 0
     log = (tmp_path / "out" / "train.log").read_text()
     assert "the model's own chat template renders conversations as LLaMA-Factory's qwen3_nothink does" in \
         capsys.readouterr().err + log
-    assert "start: global batch 8 samples = micro-batch 1 x accumulation 8 x 1 data-parallel" in log
+    assert f"start: global batch 8 {unit} = micro-batch 1 x accumulation 8 x 1 data-parallel" in log
