@@ -98,6 +98,24 @@ DEMO_DATA = {
 }
 
 
+def write_example(example: str, dataset: str, folder, model):
+    """LLaMA-Factory's example recipe `example` (tests/unit/test_llamafactory_recipes.py's copy of its published
+    text) written in folder with its demo dataset, but for model_name_or_path (`model`), dataset_dir, output_dir
+    (folder/out) and a step count (max_steps 1)."""
+    from tests.unit import test_llamafactory_recipes as published
+
+    entry, rows = DEMO_DATA[dataset]
+    (folder / entry["file_name"]).write_text(json.dumps(rows))
+    (folder / "dataset_info.json").write_text(json.dumps({dataset: entry}))
+    stage = {"identity": "sft", "dpo_en_demo": "dpo", "kto_en_demo": "kto"}[dataset]
+    recipe = folder / "recipe.yaml"
+    recipe.write_text(getattr(published, example).replace("Qwen/Qwen3-4B-Instruct-2507", str(model))
+                      .replace(f"dataset: {dataset}", f"dataset: {dataset}\ndataset_dir: {folder}")
+                      .replace(f"saves/qwen3-4b/lora/{stage}", str(folder / "out"))
+                      .replace("num_train_epochs: 3.0", "num_train_epochs: 3.0\nmax_steps: 1"))
+    return recipe
+
+
 @pytest.fixture(scope="module")
 def qwen_with_chatml(tmp_path_factory):
     """A tiny Qwen2 whose tokenizer's chat template is plain ChatML, which renders as LLaMA-Factory's qwen3_nothink."""
@@ -125,17 +143,7 @@ def test_llamafactorys_qwen3_lora_examples_run_as_published(qwen_with_chatml, tm
     """examples/train_lora/qwen3_lora_{sft,dpo,kto}.yaml as published but for model_name_or_path, dataset_dir,
     output_dir and a step count: the template is checked and the model's own trained with, bf16 on this CPU, 8
     examples a step (1 x accumulation 8), the rest read as the unit tests say."""
-    from tests.unit import test_llamafactory_recipes as published
-
-    entry, rows = DEMO_DATA[dataset]
-    (tmp_path / entry["file_name"]).write_text(json.dumps(rows))
-    (tmp_path / "dataset_info.json").write_text(json.dumps({dataset: entry}))
-    stage = {"identity": "sft", "dpo_en_demo": "dpo", "kto_en_demo": "kto"}[dataset]
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(getattr(published, example).replace("Qwen/Qwen3-4B-Instruct-2507", str(qwen_with_chatml))
-                      .replace(f"dataset: {dataset}", f"dataset: {dataset}\ndataset_dir: {tmp_path}")
-                      .replace(f"saves/qwen3-4b/lora/{stage}", str(tmp_path / "out"))
-                      .replace("num_train_epochs: 3.0", "num_train_epochs: 3.0\nmax_steps: 1"))
+    recipe = write_example(example, dataset, tmp_path, qwen_with_chatml)
     assert main(["train", str(recipe)]) == 0
     log = (tmp_path / "out" / "train.log").read_text()
     assert "the model's own chat template renders conversations as LLaMA-Factory's qwen3_nothink does" in \
