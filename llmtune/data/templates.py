@@ -35,6 +35,12 @@ BUILTIN_TEMPLATES = {
         "<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}{{ eos_token }}{% endif %}"
         "{% endfor %}"
     ),
+    # ChatML with no default system text, as LLaMA-Factory's chatml and qwen3_nothink render it (lf_templates.py):
+    # for a tokenizer whose own template renders otherwise (Qwen3's thinks in its last turn).
+    "chatml": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
 }
 
 

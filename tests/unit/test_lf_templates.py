@@ -46,6 +46,16 @@ def test_the_models_own_template_is_kept_where_it_renders_as_the_named_one(token
     assert tokenizer.chat_template == PLAIN_CHATML
 
 
+def test_a_built_in_that_renders_as_the_named_one_stands_in_for_the_models_own(tmp_path):
+    """A Qwen3-style template (an empty thought in the last assistant turn alone) renders neither as LLaMA-Factory's
+    qwen3 nor as its qwen3_nothink; llmtune's chatml renders as qwen3_nothink."""
+    thinking = PLAIN_CHATML.replace("{{ m.content }}", "{% if m.role == 'assistant' and loop.last %}<think>\n\n</think>"
+                                                       "\n\n{% endif %}{{ m.content }}")
+    tokenizer = byte_level_tokenizer(tmp_path, thinking)
+    assert lf_templates.resolve("qwen3_nothink", tokenizer, BUILTIN_TEMPLATES) == \
+        (BUILTIN_TEMPLATES["chatml"], "llmtune's built-in chatml")
+
+
 @pytest.mark.parametrize("name, why", [
     ("qwen", "renders conversations differently"),  # its default system text, which the model's template lacks
     ("qwen3", "renders conversations differently"),  # an empty thought in every assistant turn
