@@ -24,9 +24,9 @@ step, and see the same machine, as throughput.py --interleaved does for the plai
   at on_step_end), one of llmtune dpo's.
 - TRL, no checkpointing: the same with gradient_checkpointing false, the work llmtune does (it checkpoints nothing by
   default), in turn with llmtune dpo again.
-- llmtune dpo there: its defaults (dpo.reference: model, a second sharded copy; pairs packed into rows of --seq tokens,
-  each sequence's log-probabilities by the chunked loss path), --batch x (packed rows / pairs) rows per step (at
-  least 1): about --batch pairs, every pair whole. Its trainer is built after TRL's, so TRL's steps run under
+- llmtune dpo there: its defaults (dpo.reference: model, a second sharded copy; each sequence's log-probabilities by
+  the chunked loss path), --batch pairs per step, as TRL's (per_device_train_batch_size counts pairs), which the
+  collator packs into one row, every pair whole. Its trainer is built after TRL's, so TRL's steps run under
   llmtune's setting of glibc's malloc (run/cpu_memory.py), which speeds them up if anything.
 Each step is timed by throughput.py's StepClock (llmtune: one Trainer.advance, data included; TRL: from the end of
 llmtune's step to its next on_step_end, data included), the first --warmup left out. Pairs/s: the mean pairs of a
@@ -37,7 +37,8 @@ TRL DPOTrainer >= 2.
 
 Memory (and the speed of each alone), each llmtune contender alone in fresh processes:
 - llmtune sft: the pairs' sequences as sft samples (each pair's prompt + chosen and prompt + rejected, the same token
-  ids), packed into as many rows of --seq tokens per step as llmtune dpo's: the same tokens per step.
+  ids), packed into as many rows of --seq tokens per step as llmtune dpo's --batch pairs fill on average (--batch x
+  packed rows / pairs, at least 1): about the same tokens per step.
 - llmtune dpo, as above.
 - llmtune dpo precomputed: dpo.reference: precomputed (the reference's log-probabilities of every pair computed before
   training, in the same process, its model freed after).
@@ -143,7 +144,9 @@ def contender_workload(contender: Contender, workload: Workload, root: Path, out
     """The workload as this contender reads it: its task's data, tokenized into a cache of its own run (each llmtune
     run pays its tokenization and, precomputed, its reference values)."""
     data = str(root / (SFT_FILE if contender.task == "sft" else PAIRS_FILE))
-    return replace(workload, task=contender.task, data=data,
+    # dpo's micro-batch counts pairs, TRL's --batch; sft's its packed rows, the workload's llmtune_batch.
+    batch = workload.llmtune_batch if contender.task == "sft" else workload.batch
+    return replace(workload, task=contender.task, data=data, llmtune_batch=batch,
                    llmtune_data={**workload.llmtune_data, "train_files": [data], "cache_dir": str(out / "cache")})
 
 
@@ -296,7 +299,7 @@ def prepare(root: Path, args) -> tuple[Workload, dict]:
     if lengths.max() > args.seq // 2:
         raise SystemExit(f"--seq {args.seq}: a sequence of {lengths.max()} tokens would be cut by dpo.max_length "
                          f"(--seq / 2); raise --seq")
-    setup = {"params": params, "pairs": len(pairs), "pairs_per_step_trl": args.batch, "llmtune_rows_per_step": rows,
+    setup = {"params": params, "pairs": len(pairs), "pairs_per_step": args.batch, "llmtune_sft_rows_per_step": rows,
              "row_tokens": args.seq, "pair_tokens_mean": float(pair_tokens.mean()), "steps": args.steps,
              "warmup": args.warmup, "repeats": args.repeats, "learning_rate": LEARNING_RATE, "beta": BETA}
     print(f"Llama {params / 1e6:.1f}M parameters ({MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, "
@@ -304,10 +307,9 @@ def prepare(root: Path, args) -> tuple[Workload, dict]:
           f"{args.repeats} repeat(s)")
     print(f"{len(pairs)} pairs; tokens: prompt {spread(prompts)}; prompt + answer {spread(lengths.tolist())}; "
           f"pair (both sequences) mean {pair_tokens.mean():.0f}, {spread(pair_tokens.tolist())}")
-    print(f"TRL: {args.batch} pairs per step; llmtune: {rows} row(s) of {args.seq} tokens per step (about "
-          f"{rows * len(pairs) / dpo_rows:.1f} pairs: {dpo_rows} rows hold the {len(pairs)} pairs, "
-          f"{pair_tokens.sum() / dpo_rows / args.seq:.0%} full; as sft samples, {sft_rows} rows, "
-          f"{lengths.sum() / sft_rows / args.seq:.0%} full)")
+    print(f"TRL and llmtune dpo: {args.batch} pairs per step (llmtune's packed into one row); llmtune sft: {rows} "
+          f"row(s) of {args.seq} tokens per step ({sft_rows} rows hold the samples, "
+          f"{lengths.sum() / sft_rows / args.seq:.0%} full), about as many tokens")
     workload = Workload(task="dpo", model=str(root / "model"), tokenizer=str(tokenizer), data=str(root / PAIRS_FILE),
                         seq=args.seq, batch=args.batch, llmtune_batch=rows,
                         llmtune_data={"max_seq_len": args.seq}, steps=args.steps, warmup=args.warmup,

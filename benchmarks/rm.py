@@ -25,9 +25,9 @@ padded to the longest of them), gradient checkpointing (its default); bf16 off, 
 on CPU, autocast to bf16, is another computation). TRL, no checkpointing: the same with gradient_checkpointing
 false, the work llmtune does (it checkpoints nothing by default). llmtune rm: its defaults (rm.max_length
 data.max_seq_len / 2, no prompt limit, truncation on, dropout off; a cosine schedule where TRL's is linear, which
-costs nothing), data.chat_template basic, pairs packed into rows of --seq tokens (each pair's chosen then rejected
-sequence, several pairs a row), each sequence scored at its last token; --batch x (packed rows / pairs) rows per
-step (at least 1), as preference.py's dpo: about --batch pairs, every pair whole.
+costs nothing), data.chat_template basic, each step's pairs packed into one row by the collator (each pair's chosen
+then rejected sequence), each sequence scored at its last token;
+--batch pairs per step, as TRL's (per_device_train_batch_size counts pairs), every pair whole.
 
 Speed. As preference.py: this machine is shared, so llmtune and TRL take turns in one process, step by step, and
 see the same machine: after each of TRL's optimizer steps (a callback at on_step_end) one of llmtune rm's, for TRL
@@ -62,7 +62,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(H
 from preference import (PAIRS_FILE, pair_options, preference_pairs, rss_gib, sequence_lengths, speed,  # noqa: E402
                         spread, taking_turns, write_jsonl, write_tokenizer, write_weights)
 from throughput import (MODEL, RESULT, StepClock, Workload, contender_options, llmtune_step, run_contenders,  # noqa: E402
-                        packed_rows, peak_rss_gib, time_steps, write_model)
+                        peak_rss_gib, time_steps, write_model)
 
 LEARNING_RATE = 1e-4  # RewardConfig's default
 TRL_MAX_LENGTH = 1024  # RewardConfig's default max_length: a pair with a longer sequence is dropped
@@ -79,16 +79,6 @@ SPEED_GOAL = ">= 2"  # llmtune rm / TRL RewardTrainer, pairs/s taking turns
 def beside(trl: str) -> str:
     """The name of llmtune rm's steps taken in turn with those of TRL contender `trl`."""
     return f"{LLMTUNE}, in turn with {trl}"
-
-
-def llmtune_rows(pair_tokens: list[int], batch: int, seq: int) -> tuple[int, float]:
-    """llmtune's rows of `seq` tokens per step for about `batch` pairs of these tokens (both sequences) a step, every
-    pair whole: batch x (packed rows / pairs), at least 1; and the pairs those rows hold, on average."""
-    import numpy as np
-
-    packed = packed_rows(np.array(pair_tokens), seq)
-    rows = max(1, round(batch * packed / len(pair_tokens)))
-    return rows, rows * len(pair_tokens) / packed
 
 
 # --- in a worker process: build the contenders, time their steps, read their memory
@@ -211,20 +201,18 @@ def prepare(root: Path, args) -> tuple[Workload, dict]:
         raise SystemExit(f"a sequence of {max(lengths)} tokens: TRL would drop its pair (max_length "
                          f"{TRL_MAX_LENGTH}); lower --length-scale")
     pair_tokens = [a + b for a, b in zip(lengths[0::2], lengths[1::2])]
-    rows, rows_pairs = llmtune_rows(pair_tokens, args.batch, args.seq)
     classifier = params - MODEL["vocab_size"] * MODEL["hidden_size"] + MODEL["hidden_size"]  # lm_head -> score
-    setup = {"params": classifier, "pairs": len(pairs), "pairs_per_step_trl": args.batch,
-             "llmtune_rows_per_step": rows, "row_tokens": args.seq, "pair_tokens_mean": statistics.mean(pair_tokens),
+    setup = {"params": classifier, "pairs": len(pairs), "pairs_per_step": args.batch, "row_tokens": args.seq, "pair_tokens_mean": statistics.mean(pair_tokens),
              "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "learning_rate": LEARNING_RATE}
     print(f"LlamaForSequenceClassification {classifier / 1e6:.1f}M parameters ({MODEL['num_hidden_layers']} layers, "
           f"hidden {MODEL['hidden_size']}, vocab {MODEL['vocab_size']}, one label), fp32, one process; {args.steps} "
           f"steps timed after {args.warmup}, {args.repeats} repeat(s)")
     print(f"{len(pairs)} pairs; tokens: prompt {spread(prompts)}; prompt + answer {spread(lengths)}; pair (both "
           f"sequences) mean {statistics.mean(pair_tokens):.0f}, {spread(pair_tokens)}")
-    print(f"TRL: {args.batch} pairs per step ({2 * args.batch} sequences padded to their longest); llmtune: {rows} "
-          f"row(s) of {args.seq} tokens per step (about {rows_pairs:.1f} pairs)")
+    print(f"{args.batch} pairs per step: TRL's {2 * args.batch} sequences padded to their longest; llmtune's packed "
+          "into one row")
     workload = Workload(task="rm", model=str(root / "model"), tokenizer=str(tokenizer), data=str(root / PAIRS_FILE),
-                        seq=args.seq, batch=args.batch, llmtune_batch=rows,
+                        seq=args.seq, batch=args.batch, llmtune_batch=args.batch,
                         llmtune_data={"train_files": [str(root / PAIRS_FILE)], "chat_template": "basic",
                                       "max_seq_len": args.seq},
                         steps=args.steps, warmup=args.warmup, learning_rate=LEARNING_RATE)

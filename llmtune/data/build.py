@@ -92,7 +92,7 @@ class DataStats:
             kept = (f"{self.rows} rows of up to {self.max_seq_len} tokens ({self.dropped_tail_tokens} tokens of the "
                     "last, partial rows dropped)")
         elif self.packed_per_batch:
-            kept = f"{counted}, each micro-batch's packed into rows of up to {self.max_seq_len} tokens"
+            kept = f"{counted}, each micro-batch's packed into one row"
         elif self.rows != self.samples:
             kept = f"{counted} packed into {self.rows} rows of up to {self.max_seq_len} tokens"
         else:
@@ -253,17 +253,12 @@ def fully_labelled(samples: datasets.Dataset) -> int:
     return int((labelled == np.asarray(pc.list_value_length(labels))).sum())
 
 
-def padded_efficiency(lengths: np.ndarray, batch_size: int, seed: int, pack_to: int | None = None) -> float:
-    """Non-pad share of batches padded to their longest row, over one seeded shuffle; pack_to: each batch's units
-    packed first into rows of at most this many tokens, as the collator packs pairs (packing.pack_units)."""
+def padded_efficiency(lengths: np.ndarray, batch_size: int, seed: int) -> float:
+    """Non-pad share of batches padded to their longest row, over one seeded shuffle."""
     if not len(lengths):
         return 0.0
     order = lengths[np.random.default_rng(seed).permutation(len(lengths))]
-    padded = 0
-    for chunk in np.array_split(order, math.ceil(len(order) / batch_size)):
-        rows = [sum(int(chunk[i]) for i in members)
-                for members in packing.first_fit_decreasing(list(chunk), pack_to)] if pack_to else list(chunk)
-        padded += int(max(rows)) * len(rows)
+    padded = sum(int(chunk.max()) * len(chunk) for chunk in np.array_split(order, math.ceil(len(order) / batch_size)))
     return float(lengths.sum()) / padded
 
 
@@ -364,8 +359,8 @@ def describe(task: str, train: datasets.Dataset, val, test, counts: dict, data_c
              seed: int) -> DataStats:
     lengths, label_tokens = length_stats(train)
     per_batch = two_sequence_rows(task) and data_cfg.packing
-    if per_batch:
-        efficiency = padded_efficiency(lengths, batch_size, seed, data_cfg.max_seq_len)
+    if per_batch:  # one row a micro-batch: no padding
+        efficiency = 1.0
     elif "position_ids" in train.column_names and not two_sequence_rows(task):  # packed samples or blocks
         efficiency = float(lengths.sum()) / (len(lengths) * data_cfg.max_seq_len)
     else:

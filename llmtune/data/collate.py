@@ -56,7 +56,7 @@ def pad_token_id(tokenizer) -> int:
 
 
 def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_sequences: bool = False,
-            scored: bool = False, pack_to: int | None = None) -> MicroBatch:
+            scored: bool = False, pack: bool = False) -> MicroBatch:
     """Right-pad to the longest row; pads carry label -100.
 
     Rows with position_ids are packed (several documents or samples per row): the model gets
@@ -66,12 +66,12 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_seque
     Rows without position_ids get an attention mask that hides the pads. Rows without labels
     are labelled with their own ids. Rows of two sequences (`two_sequences`: a preference pair, a KTO example and its
     KL sequence) also number their sequences (sequence_ids); with `scored` (a task whose model ends in a score head),
-    they also mark the token each sequence is scored at (score_marks). pack_to: the rows are units (a pair, an
-    example and its KL sequence), packed here into rows of at most this many tokens (packing.pack_units): the
-    micro-batch holds as many units as it was given, in as few rows as they fit.
+    they also mark the token each sequence is scored at (score_marks). pack: the rows are units (a pair, an example
+    and its KL sequence), packed here into one row (packing.pack_units): the micro-batch holds as many units as it
+    was given, with no padding (rows of data.max_seq_len would pad all but the longest).
     """
-    if pack_to is not None:
-        rows = pack_units(rows, pack_to)
+    if pack:
+        rows = pack_units(rows, sum(len(row["input_ids"]) for row in rows))
     length = max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)

@@ -308,7 +308,7 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
     pairs = two_sequence_rows(config.task)
     rows_collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask, two_sequences=pairs,
                            scored=TASKS[config.task].head == SCORE_HEAD,
-                           pack_to=data_cfg.max_seq_len if pairs and data_cfg.packing else None)
+                           pack=pairs and data_cfg.packing)
     if data_cfg.streaming:
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)
@@ -324,7 +324,7 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
             log.info("data: %s", stats.summary())
         if annotate is not None:
             # One unit a row, unpacked: the hook reads its values back by row.
-            splits = annotate({"train": train, "val": val, "test": test}, partial(rows_collate, pack_to=None))
+            splits = annotate({"train": train, "val": val, "test": test}, partial(rows_collate, pack=False))
             train, val, test = splits["train"], splits["val"], splits["test"]
         data = DataManager(train, data_cfg, train_cfg.per_device_train_batch_size,
                            train_cfg.gradient_accumulation_steps, state.dp_size, state.dp_rank, train_cfg.seed,

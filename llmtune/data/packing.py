@@ -3,9 +3,9 @@ row, position_ids restarting at each sequence.
 
 The first token of each sequence carries no label, so no label (after the shift) asks one sequence to
 predict the next. sft rows are filled first-fit-decreasing within windows of samples when the data is built,
-deterministic and independent of the number of ranks; the pairs of dpo, rm and kto (two sequences, never split) when
-a micro-batch is made of them (collate.collate), so that a step trains as many pairs as the recipe says, as TRL and
-LLaMA-Factory count them. A unit's other columns hold one
+deterministic and independent of the number of ranks; the pairs of dpo, rm and kto (two sequences, never split) are
+packed into one row when a micro-batch is made of them (collate.collate), so that a step trains as many pairs as the
+recipe says, as TRL and LLaMA-Factory count them. A unit's other columns hold one
 value per sequence (kto's `desirable`): they are concatenated in the same order, so they stay in line with the
 sequences.
 """
@@ -62,7 +62,8 @@ def pack_samples(samples: datasets.Dataset, max_seq_len: int, map_kw: dict) -> d
 
 def pack_units(units: list[dict], max_seq_len: int) -> list[dict]:
     """Units (samples, or pairs with their position_ids and any per-sequence values) -> rows of at most max_seq_len
-    tokens, first-fit-decreasing: a sample's window (pack_samples), or a micro-batch's pairs (collate.collate)."""
+    tokens, first-fit-decreasing: a sample's window (pack_samples), or a micro-batch's pairs into one row
+    (collate.collate)."""
     columns = [column for column in TOKEN_COLUMNS if column in units[0]]
     per_sequence = [column for column in units[0] if column not in TOKEN_COLUMNS]
     rows = []

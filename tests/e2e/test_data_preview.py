@@ -187,7 +187,7 @@ def test_a_dpo_recipe_shows_its_pairs_and_their_statistics(assets, tmp_path, cap
     out = capsys.readouterr().out
     assert re.search(r"^pair 1: prompt \d+ tokens, chosen \d+ tokens \(\d+ trained\), rejected \d+ tokens", out, re.M)
     assert "\nchosen:\n[[It is 5.</s>]]\nrejected:\n[[It is 6.</s>]]\n" in out and "pair 2:" not in out
-    assert re.search(r"^data: 2 pairs, each micro-batch's packed into rows of up to 128 tokens, .* 0 truncated "
+    assert re.search(r"^data: 2 pairs, each micro-batch's packed into one row, .* 0 truncated "
                      r"\(0\.0%\), 0 dropped",
                      out, re.M)
     assert "lengths of the 2 training pairs:" in out

@@ -50,7 +50,7 @@ def test_the_losses_do_not_depend_on_how_many_rows_a_micro_batch_takes(tiny_mode
     # one step hold different numbers of rows and tokens: averaging each micro-batch's pairs, or rows, would weigh
     # them differently in each layout.
     log = (tmp_path / "micro1" / "train.log").read_text()
-    assert "48 pairs, each micro-batch's packed into rows of up to 128 tokens" in log
+    assert "48 pairs, each micro-batch's packed into one row" in log
     # The banner counts the pairs a step trains, as TRL and LLaMA-Factory count them.
     assert "start: 48 pairs, 0.25 epochs of 12 steps = 3 optimizer steps" in log
     assert "start: global batch 4 pairs = micro-batch 1 x accumulation 4 x 1 data-parallel" in log

@@ -57,7 +57,7 @@ def test_the_losses_do_not_depend_on_how_many_rows_a_micro_batch_takes(tiny_mode
         llmtune.train("rm", recipe(tiny_model, pairs_file, out, train={"per_device_train_batch_size": micro}))
         runs[micro] = [value for r in read_metrics(out) if "loss" in r for value in (r["loss"], r["accuracy"])]
     assert len(runs[1]) == 6
-    assert "48 pairs, each micro-batch's packed into rows of up to 128 tokens" in \
+    assert "48 pairs, each micro-batch's packed into one row" in \
         (tmp_path / "micro1" / "train.log").read_text()
     for micro in (2, 4):
         assert runs[micro] == pytest.approx(runs[1], rel=1e-5)

@@ -275,8 +275,8 @@ def test_the_statistics_count_examples_desirable_and_undesirable(tmp_path, token
     train, val, counts = build_datasets("kto", data, tokenizer, 0, LIMITS)
     stats = describe("kto", train, val, None, counts, data, 4, 0)
     assert stats.samples == 24 and stats.desirable == 6 and stats.rows == len(train) == 24
-    assert stats.summary().startswith("24 examples (6 desirable, 18 undesirable), each micro-batch's packed into rows "
-                                      "of up to 96 tokens, ")
+    assert stats.summary().startswith("24 examples (6 desirable, 18 undesirable), each micro-batch's packed into one "
+                                      "row, ")
     assert ", 0 truncated (0.0%), 0 dropped (0.0%), efficiency " in stats.summary()
     assert stats.summary().endswith("0 validation examples")
 

@@ -279,15 +279,16 @@ def sequences(row) -> list[tuple]:
 
 
 def test_a_micro_batchs_pairs_are_packed_whole_with_their_positions(tmp_path, tokenizer):
-    """The data holds one pair a row, whether data.packing is on or off; the collator packs a micro-batch's pairs
-    (packing.pack_units), every pair whole, into as few rows as they fit."""
+    """The data holds one pair a row, whether data.packing is on or off; packing.pack_units packs pairs whole into
+    rows, and the collator a micro-batch's pairs into one row."""
     path = write_jsonl(tmp_path / "pairs.jsonl", varied_pairs(30))
     one_per_row, _, _ = build_datasets("dpo", DataConfig(train_files=[path], packing=True, max_seq_len=96,
                                                          cache_dir=str(tmp_path / "c")), tokenizer, 0, LIMITS)
     packed = pack_units(list(one_per_row), 96)
     assert len(packed) < len(one_per_row) and all(len(row["input_ids"]) <= 96 for row in packed)
-    batch = collate(list(one_per_row), pad_id=0, two_sequences=True, pack_to=96)
-    assert len(batch.inputs["input_ids"]) == len(packed) and len(batch.sequences["length"]) == 60
+    batch = collate(list(one_per_row), pad_id=0, two_sequences=True, pack=True)
+    assert len(batch.inputs["input_ids"]) == 1 and len(batch.sequences["length"]) == 60
+    assert batch.num_tokens == sum(len(row["input_ids"]) for row in one_per_row)
     alone = sorted(tuple(map(tuple, seq)) for row in one_per_row for seq in [sum(sequences(row), ())])
     in_rows = []
     for row in packed:
@@ -368,9 +369,8 @@ def test_pairs_are_counted_as_pairs_and_packed_per_micro_batch(tmp_path, tokeniz
     train, val, counts = build_datasets("dpo", data, tokenizer, 0, LIMITS)
     stats = describe("dpo", train, val, None, counts, data, 4, 0)
     assert stats.samples == stats.rows == len(train) == 24
-    assert stats.summary().startswith("24 pairs, each micro-batch's packed into rows of up to 96 tokens, ")
-    # The padding of micro-batches of 4 pairs packed into rows, below the 100% of rows with no padding at all.
-    assert 0.5 < stats.efficiency < 1.0
+    assert stats.summary().startswith("24 pairs, each micro-batch's packed into one row, ")
+    assert stats.efficiency == 1.0  # one row a micro-batch: nothing to pad
 
 
 def test_the_preview_shows_the_prompt_once_and_marks_each_responses_trained_tokens(tmp_path, tokenizer, capsys):
