@@ -10,25 +10,31 @@ from llmtune.data.formats import prompt_problem
 from llmtune.errors import UserError
 
 
-def read_prompt_rows(path: str | Path, limit: int | None = None) -> list[dict]:
-    """The rows of a JSONL file of prompts (the first `limit`), each with a string or messages `prompt`; the other
-    columns kept for the scorers and the output."""
-    rows = []
+def json_lines(path: str | Path):
+    """(line number, value) of each line of a JSONL file, blank lines skipped; a line that is not JSON refused,
+    naming it."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield number, json.loads(line)
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}: line {number} is not valid JSON ({err.msg}); write one JSON object per "
                                 "line") from None
-            problem = prompt_problem(row.get("prompt") if isinstance(row, dict) else None)
-            if problem:
-                raise UserError(f"{path}: line {number}: {problem}")
-            rows.append(row)
-            if limit is not None and len(rows) == limit:
-                break
+
+
+def read_prompt_rows(path: str | Path, limit: int | None = None) -> list[dict]:
+    """The rows of a JSONL file of prompts (the first `limit`), each with a string or messages `prompt`; the other
+    columns kept for the scorers and the output."""
+    rows = []
+    for number, row in json_lines(path):
+        problem = prompt_problem(row.get("prompt") if isinstance(row, dict) else None)
+        if problem:
+            raise UserError(f"{path}: line {number}: {problem}")
+        rows.append(row)
+        if limit is not None and len(rows) == limit:
+            break
     if not rows:
         raise UserError(f"{path}: no prompts; write JSONL rows with a 'prompt' column")
     return rows

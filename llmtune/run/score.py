@@ -11,6 +11,7 @@ from pathlib import Path
 from llmtune.atomic import write_text
 from llmtune.data.formats import prompt_problem
 from llmtune.errors import UserError
+from llmtune.generation.prompts import json_lines
 
 FORM = ("write each row as {\"prompt\": ..., \"completion\": ...} (both strings, or both lists of messages), or "
         "{\"messages\": [...]} ending with the assistant's answer")
@@ -19,18 +20,10 @@ FORM = ("write each row as {\"prompt\": ..., \"completion\": ...} (both strings,
 def read_rows(path: str) -> list[tuple[int, dict]]:
     """(line number, JSON object) of each row of a JSONL file, one a line (blank lines skipped)."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}: line {number} is not valid JSON ({err.msg}); write one JSON object per "
-                                "line") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}: line {number} is not a JSON object; {FORM}")
-            rows.append((number, row))
+    for number, row in json_lines(path):
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: line {number} is not a JSON object; {FORM}")
+        rows.append((number, row))
     if not rows:
         raise UserError(f"{path}: no rows to score; {FORM}")
     return rows
