@@ -64,6 +64,9 @@ ALIASES_BY_ORIGIN = {
         "kto.pref_beta": "kto.beta",
         "kto.kto_chosen_weight": "kto.desirable_weight",
         "kto.kto_rejected_weight": "kto.undesirable_weight",
+        "train.freeze_trainable_layers": "train.trainable_layers",
+        "train.freeze_trainable_modules": "train.trainable_layer_modules",
+        "train.freeze_extra_modules": "train.trainable_extra_modules",
     },
     "TRL's": {"dpo.rpo_alpha": "dpo.sft_weight",
               "eval_generation.max_completion_length": "eval_generation.max_new_tokens"},
@@ -74,7 +77,7 @@ KEY_ALIASES = {alias: target for names in ALIASES_BY_ORIGIN.values() for alias, 
 ALIAS_ORIGINS = {alias: origin for origin, names in ALIASES_BY_ORIGIN.items() for alias in names}
 SCHEDULER_ALIASES = {"constant_with_warmup": "constant", "cosine_with_min_lr": "cosine", "warmup_stable_decay": "wsd"}
 # LLaMA-Factory's finetuning_type values, as peft.method reads them; its freeze (the last layers trained) is llmtune's
-# train.trainable_modules, a choice of parameters rather than a method.
+# train.trainable_layers, a choice of parameters rather than a method (llamafactory.FREEZE).
 FINETUNING_TYPES = {"full": "none", "lora": "lora"}
 ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 CATCHABLE_SIGNALS = {sig.name for sig in signal.Signals} - {"SIGKILL", "SIGSTOP"}
@@ -373,6 +376,13 @@ class TrainConfig:
                                               "parameters they match are trained, the rest frozen; empty = all.")
     frozen_modules: list[str] = _field([], "Regular expressions (re.search on parameter names): the parameters they "
                                            "match are frozen (applied after trainable_modules).")
+    trainable_layers: int | None = _field(None, "LLaMA-Factory's freeze tuning: train the last N decoder layers (the "
+                                                "first -N when negative), the rest frozen; peft.method freeze sets "
+                                                f"{llamafactory.FREEZE_LAYERS}; null = off.")
+    trainable_layer_modules: list[str] = _field(["all"], "With trainable_layers: the modules of those layers that "
+                                                         "train (self_attn, mlp, ...; all = every one).")
+    trainable_extra_modules: list[str] = _field([], "With trainable_layers: modules outside the decoder layers that "
+                                                    "train too (embed_tokens, norm, lm_head, ...).")
     callbacks: list[str] = _field([], "Callbacks, each package.module:Class (made without arguments; llmtune.train "
                                       "also takes instances: callbacks=[...]): called on every rank at the HF "
                                       "Trainer's events (on_step_end, on_evaluate, ...); see docs/training.md.")
@@ -440,7 +450,15 @@ class TrainConfig:
         for key in ("trainable_modules", "frozen_modules"):
             out += [f"train.{key}: {pattern!r} is not a regular expression ({err})"
                     for pattern, err in _regex_errors(getattr(self, key))]
+        if self.trainable_layers is None:
+            unset = {"trainable_layer_modules": ["all"], "trainable_extra_modules": []}
+            out += [f"train.{key}: read with train.trainable_layers (finetuning_type freeze); set that too, or leave "
+                    f"{key} out" for key, value in unset.items() if getattr(self, key) != value]
         return out
+
+    def freezes(self) -> bool:
+        """Whether a chosen part of the weights trains and the rest is frozen (features/freezing.py)."""
+        return bool(self.trainable_modules or self.frozen_modules) or self.trainable_layers is not None
 
 
     def half_precision(self) -> str | None:
@@ -1356,10 +1374,11 @@ def _canonical_names(raw: dict, recipe: str, problems: list[str]) -> None:
             peft["method"], model["quantize"] = "lora", "nf4"
     elif peft.get("method") in FINETUNING_TYPES:
         peft["method"] = FINETUNING_TYPES[peft["method"]]
-    elif peft.get("method") == "freeze":
-        problems.append(f"{recipe}: peft.method (finetuning_type) freeze: llmtune trains a chosen part of the "
-                        "weights with train.trainable_modules (regular expressions of parameter names, e.g. "
-                        "'layers\\.(2[0-9]|3[01])\\.'); set that and leave finetuning_type out")
+    elif peft.get("method") == llamafactory.FREEZE:
+        peft["method"] = "none"
+        train_values = raw.setdefault("train", {})
+        if isinstance(train_values, dict):
+            train_values.setdefault("trainable_layers", llamafactory.FREEZE_LAYERS)
     if train.pop("load_best_model_at_end", False) is True:
         checkpoint = raw.setdefault("checkpoint", {})
         if isinstance(checkpoint, dict):
@@ -1690,5 +1709,6 @@ def recipe_help(task: str) -> str:
               "  train.load_best_model_at_end: true = checkpoint.save_best: true and checkpoint.export_from: best; "
               "metric_for_best_model gets eval_ in front, as HF does",
               "  finetuning_type: " + ", ".join(f"{lf} = peft.method {ours}" for lf, ours in FINETUNING_TYPES.items())
-              + ", freeze = train.trainable_modules"]
+              + ", freeze = peft.method none and train.trainable_layers "
+              f"(default {llamafactory.FREEZE_LAYERS})"]
     return "\n".join(lines)

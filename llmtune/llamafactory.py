@@ -9,6 +9,8 @@ the start banner names them. A sectioned recipe keeps llmtune's defaults, whatev
 from llmtune.errors import UserError
 
 STAGES = ("pt", "sft", "rm", "dpo", "kto")
+FREEZE = "freeze"  # finetuning_type freeze: peft.method none and train.trainable_layers (features/freezing.py)
+FREEZE_LAYERS = 2  # its freeze_trainable_layers where a recipe with finetuning_type freeze leaves it out
 LF_TEMPLATE = "llamafactory:"  # data.chat_template's form of a LLaMA-Factory template name (data/lf_templates.PREFIX)
 # The tasks whose rows hold two sequences of one prompt: cutoff_len bounds each sequence there, as in
 # LLaMA-Factory's pairwise and KTO processing.
@@ -62,13 +64,12 @@ REFUSED = {
     "use_galore": "GaLore is not built",
     "use_badam": "BAdam is not built",
     "use_apollo": "APOLLO is not built",
-    "freeze_trainable_layers": "finetuning_type freeze is not read yet: give trainable_modules (regular expressions "
-                               "of parameter names)",
-    "freeze_trainable_modules": "finetuning_type freeze is not read yet: give trainable_modules (regular "
-                                "expressions of parameter names)",
+    "use_llama_pro": "LLaMA Pro's expanded layers are not built: finetuning_type freeze trains the last "
+                     "freeze_trainable_layers layers",
 }
 # The names of lists that LLaMA-Factory writes as one string, its items separated by commas.
-COMMA_LISTS = ("dataset", "eval_dataset", "lora_target", "additional_target")
+COMMA_LISTS = ("dataset", "eval_dataset", "lora_target", "additional_target", "freeze_trainable_modules",
+               "freeze_extra_modules")
 
 
 def is_flat(raw: dict, sections) -> bool:
@@ -164,6 +165,8 @@ def take_defaults(raw: dict, out: dict, task: str) -> list[str]:
         take("peft.r", 8, "lora_rank 8")
         rank = out["peft"]["r"]
         take("peft.alpha", 2 * rank, f"lora_alpha {2 * rank} (2 x lora_rank)")
+    if peft.get("method") == FREEZE:
+        take("train.trainable_layers", FREEZE_LAYERS, f"freeze_trainable_layers {FREEZE_LAYERS}")
     take("train.lr_scheduler_type", "linear", "lr_scheduler_type linear")
     if "datasets" in out.get("data", {}) or "val_datasets" in out.get("data", {}):
         take("data.dataset_info", "data", "dataset_dir data")

@@ -146,9 +146,10 @@ class Adapters(Feature):
     def check(config, model_config, world_size: int) -> list[str]:
         """The adapter folder, peft's own checks, and targets and saved modules that match no module of the model
         (built on the meta device)."""
-        if config.train.trainable_modules or config.train.frozen_modules:
-            return ["train.trainable_modules / train.frozen_modules: not used with peft, which freezes every weight "
-                    "but the adapters; name modules trained in full in peft.modules_to_save"]
+        if config.train.freezes():
+            return ["train.trainable_modules / frozen_modules / trainable_layers (finetuning_type freeze): not used "
+                    "with peft, which freezes every weight but the adapters; name modules trained in full in "
+                    "peft.modules_to_save"]
         if config.peft.adapter_path and (problems := adapter_folder_problems(config.peft)):
             return problems
         from peft import inject_adapter_in_model

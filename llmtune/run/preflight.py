@@ -75,7 +75,7 @@ def check_init_from(local, model_config) -> None:
         raise UserError(f"model.init_from: {path} is a checkpoint of train.output_dir, whose checkpoints "
                         "train.overwrite_output_dir: true removes before the run starts; copy it out first, or choose "
                         "another train.output_dir")
-    freezes = local.peft.method != "none" or local.train.trainable_modules or local.train.frozen_modules
+    freezes = local.peft.method != "none" or local.train.freezes()
     # As checkpoints name the model's tensors: those of the FSDP root's hf_model.
     current = None if freezes else {f"hf_model.{name}": list(tensor.shape) for name, tensor in
                                     meta_model(model_config, local.model).state_dict().items()}

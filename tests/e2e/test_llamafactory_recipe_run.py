@@ -6,6 +6,7 @@ config.yaml and the exported adapter say so, the start banner names them). The u
 import json
 
 import pytest
+import torch
 import yaml
 
 from llmtune.run.cli import main
@@ -76,6 +77,36 @@ plot_loss: false
     assert [r["epoch"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [8 / 48, 16 / 48]
     assert "start: global batch 8 pairs = micro-batch 1 x accumulation 8 x 1 data-parallel" in \
         (tmp_path / "out" / "train.log").read_text()
+
+
+def test_a_freeze_recipe_trains_the_last_layers_alone(tiny_model, sft_file, tmp_path):
+    """finetuning_type freeze, freeze_trainable_layers 1: the exported model differs from the start in the last
+    decoder layer's weights alone, every one of them moved."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    recipe = tmp_path / "freeze_sft.yaml"
+    recipe.write_text(f"""\
+model_name_or_path: {tiny_model}
+stage: sft
+finetuning_type: freeze
+freeze_trainable_layers: 1
+train_files: [{sft_file}]
+chat_template: basic
+cutoff_len: 64
+output_dir: {tmp_path / "out"}
+per_device_train_batch_size: 2
+max_steps: 1
+learning_rate: 1.0e-3
+export_dtype: fp32
+report_to: none
+plot_loss: false
+""")
+    assert main(["train", str(recipe)]) == 0
+    last = f"model.layers.{AutoConfig.from_pretrained(tiny_model).num_hidden_layers - 1}."
+    start, end = load_file(tiny_model / "model.safetensors"), load_file(tmp_path / "out" / "hf" / "model.safetensors")
+    moved = {name for name in start if not torch.equal(start[name], end[name])}
+    assert moved == {name for name in start if name.startswith(last)} and moved
 
 
 # LLaMA-Factory's demo datasets' entries in its data/dataset_info.json and a few rows in their forms.

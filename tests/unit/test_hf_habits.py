@@ -200,12 +200,11 @@ def test_llama_factory_finetuning_types_are_peft_methods(tmp_path, given, method
     assert load_config(write_recipe(tmp_path), overrides, "sft", 1).peft.method == method
 
 
-def test_llama_factory_freeze_is_answered_with_llmtunes_key(tmp_path):
-    recipe = write_recipe(tmp_path)
-    with pytest.raises(UserError) as err:
-        load_config(recipe, parse_overrides(["--finetuning_type", "freeze"])[0], "sft", 1)
-    assert str(err.value).startswith(f"{recipe}: peft.method (finetuning_type) freeze: llmtune trains a chosen part "
-                                     "of the weights with train.trainable_modules")
+def test_llama_factory_freeze_is_llmtunes_trainable_layers(tmp_path):
+    """finetuning_type freeze in a sectioned recipe too: the last two layers (LLaMA-Factory's freeze_trainable_layers
+    where it is left out), no adapters."""
+    config = load_config(write_recipe(tmp_path), parse_overrides(["--finetuning_type", "freeze"])[0], "sft", 1)
+    assert (config.peft.method, config.train.trainable_layers) == ("none", 2)
 
 
 def test_a_global_batch_on_the_command_line_replaces_the_recipes_accumulation(tmp_path):

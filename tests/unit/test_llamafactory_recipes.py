@@ -180,3 +180,81 @@ def test_llmtune_data_and_plan_take_a_flat_recipes_stage_without_task(tmp_path):
 
     assert default_task(flat(tmp_path, QWEN3_LORA_KTO)) == "kto"
     assert default_task(flat(tmp_path, "model:\n  name_or_path: m\n", "sectioned.yaml")) == "sft"
+
+
+def freeze_choice(tmp_path, lines: str, task: str = "sft", classifier: bool = False):
+    """The parameters a flat recipe with finetuning_type freeze trains on a 4-layer Qwen3 (its names, grouped by the
+    part after model.layers.N or model.), and the problems Freezing.check finds."""
+    from transformers import Qwen3Config
+
+    from llmtune.features.freezing import Freezing, chosen_names
+    from llmtune.model.build import meta_model
+
+    config = load_config(flat(tmp_path, MINIMAL + f"stage: {task}\nfinetuning_type: freeze\n" + lines), [], task, 1)
+    model_config = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=False,
+                               **({"num_labels": 1, "architectures": ["Qwen3ForSequenceClassification"]}
+                                  if classifier else {}))
+    names = [name for name, _ in meta_model(model_config, config.model).named_parameters()]
+    chosen, _ = chosen_names(config.train, model_config, names)
+    return config, chosen, Freezing.check(config, model_config, 1)
+
+
+def test_finetuning_type_freeze_trains_the_last_two_layers_as_llamafactory_does(tmp_path):
+    """LLaMA-Factory's freeze_trainable_layers 2 and freeze_trainable_modules all where the recipe leaves them out:
+    every parameter of the last two decoder layers trains, nothing else; said in the banner's defaults."""
+    config, chosen, problems = freeze_choice(tmp_path, "")
+    assert (config.peft.method, config.train.trainable_layers, config.train.trainable_layer_modules) == \
+        ("none", 2, ["all"])
+    assert "freeze_trainable_layers 2" in config.recipe_defaults and problems == []
+    assert chosen and {name.split(".")[2] for name in chosen} == {"2", "3"}
+    assert all(name.startswith(("model.layers.2.", "model.layers.3.")) for name in chosen)
+    assert len(chosen) == 2 * 11  # q, k, v, o, their q/k norms, gate, up, down, and the two layer norms
+
+
+def test_freeze_choices_read_as_llamafactory_reads_them(tmp_path):
+    """A negative count: the first layers; comma-separated modules of those layers; extra modules outside them,
+    matched as LLaMA-Factory matches them (by substring, so an extra `norm` trains every layer's norms too)."""
+    _, chosen, problems = freeze_choice(tmp_path, "freeze_trainable_layers: -1\nfreeze_trainable_modules: "
+                                                  "self_attn,mlp\nfreeze_extra_modules: embed_tokens\n")
+    assert problems == []
+    assert chosen == {name for name in chosen if name.startswith(("model.layers.0.self_attn.", "model.layers.0.mlp.",
+                                                                  "model.embed_tokens."))}
+    assert {name.split(".")[3] for name in chosen if ".layers." in name} == {"self_attn", "mlp"}
+    assert "model.embed_tokens.weight" in chosen
+    _, norms, _ = freeze_choice(tmp_path, "freeze_trainable_layers: 1\nfreeze_trainable_modules: mlp\n"
+                                          "freeze_extra_modules: norm\n")
+    assert "model.norm.weight" in norms and "model.layers.0.input_layernorm.weight" in norms
+    assert "model.layers.3.mlp.up_proj.weight" in norms and "model.layers.2.mlp.up_proj.weight" not in norms
+
+
+def test_freeze_modules_the_model_lacks_are_named_with_the_choices(tmp_path):
+    _, _, problems = freeze_choice(tmp_path, "freeze_trainable_modules: attn\nfreeze_extra_modules: head\n")
+    assert problems == [
+        "train.trainable_layer_modules (freeze_trainable_modules): 'attn' is no module of the decoder layers; choose "
+        "from all, input_layernorm, mlp, post_attention_layernorm, self_attn",
+        "train.trainable_extra_modules (freeze_extra_modules): 'head' is no module outside the decoder layers; choose "
+        "from embed_tokens, lm_head, norm"]
+    _, chosen, problems = freeze_choice(tmp_path, "freeze_trainable_layers: 0\n")
+    assert chosen == set() and problems == ["train: every parameter is frozen (trainable_modules, frozen_modules, "
+                                            "trainable_layers); nothing is left to train"]
+
+
+def test_a_reward_models_new_score_head_trains_under_freeze(tmp_path):
+    """As LLaMA-Factory's value head does: a new head is never left at its random start."""
+    _, chosen, problems = freeze_choice(tmp_path, "freeze_trainable_layers: 1\n", "rm", classifier=True)
+    assert problems == [] and "score.weight" in chosen
+    assert {name for name in chosen if not name.startswith("model.layers.3.")} == {"score.weight"}
+
+
+def test_freeze_settings_without_freeze_are_refused(tmp_path):
+    """LLaMA-Factory reads freeze_* with finetuning_type freeze alone; here they are never silently dropped."""
+    with pytest.raises(UserError) as err:
+        load_config(flat(tmp_path, MINIMAL + "finetuning_type: full\nfreeze_extra_modules: norm\n"), [], "sft", 1)
+    assert str(err.value).endswith("train.trainable_extra_modules: read with train.trainable_layers (finetuning_type "
+                                   "freeze); set that too, or leave trainable_extra_modules out")
+    from llmtune.features.adapters import Adapters
+
+    lora = load_config(flat(tmp_path, MINIMAL + "freeze_trainable_layers: 2\n"), [], "sft", 1)
+    assert Adapters.check(lora, None, 1)[0].startswith("train.trainable_modules / frozen_modules / trainable_layers "
+                                                       "(finetuning_type freeze): not used with peft")

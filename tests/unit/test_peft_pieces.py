@@ -67,8 +67,9 @@ def test_freezing_patterns_select_by_search():
     names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
              "model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight", "lm_head.weight"]
     assert trainable_names(names, [r"self_attn\."], [r"layers\.0\."]) == {"model.layers.1.self_attn.q_proj.weight"}
-    assert trainable_names(names, [], ["embed", "lm_head"]) == set(names[1:4])
-    assert trainable_names(names, [], []) == set(names)
+    assert trainable_names(names, None, ["embed", "lm_head"]) == set(names[1:4])
+    assert trainable_names(names, None, []) == set(names)
+    assert trainable_names(names, [], []) == set()
 
 
 @pytest.mark.parametrize("changes, problem", [
