@@ -205,7 +205,8 @@ class DataConfig:
     text_sample_by: str = _field("line", ".txt sources, what one document is: line (as datasets and LLaMA-Factory "
                                          "read them), paragraph (blank-line separated) or document (a whole file); "
                                          "blank lines are no documents.")
-    chat_template: str | None = _field(None, "Chat template: a built-in name (basic, chatml), a .jinja file, or "
+    chat_template: str | None = _field(None, "Chat template: a built-in name (basic, chatml, gemma, llama3: the last "
+                                             "three as LLaMA-Factory renders them), a .jinja file, or "
                                              "llamafactory:NAME (LLaMA-Factory's template NAME: the tokenizer's own "
                                              "or a built-in that renders as it does, else refused); default: the "
                                              "tokenizer's own. sft and dpo render with it; it is saved with the "

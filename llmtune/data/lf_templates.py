@@ -57,13 +57,16 @@ TEMPLATES = {
                         thought="<think>\n\n</think>\n\n"),
     "qwen3_nothink": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM),
 }
-# LLaMA-Factory's demo conversations, in the forms a template renders differently: one turn, a system text, two turns.
+# LLaMA-Factory's demo conversations, in the forms a template renders differently: one turn, a system text, two turns,
+# and texts that begin and end in white space (its kto_en_demo has them), which LLaMA-Factory keeps and some models'
+# own templates trim (Gemma's, Llama 3's).
 PROBES = (
     [{"role": "user", "content": "Hi, how are you?"}, {"role": "assistant", "content": "I am fine, thank you."}],
     [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is 2 + 3?"},
      {"role": "assistant", "content": "2 + 3 = 5."}],
     [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
      {"role": "user", "content": "And another one?"}, {"role": "assistant", "content": "Green."}],
+    [{"role": "user", "content": "\nQ: Is the sky blue?\nA: "}, {"role": "assistant", "content": "Yes, it is. "}],
 )
 
 

@@ -41,6 +41,22 @@ BUILTIN_TEMPLATES = {
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     ),
+    # Gemma's turns as LLaMA-Factory's gemma renders them: the system text before the first user message, every text
+    # as it is (Gemma's own template trims them, which LLaMA-Factory does not).
+    "gemma": (
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] + '\\n\\n' %}"
+        "{% set turns = messages[1:] %}{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
+        "{% for m in turns %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+        "{{ system if loop.first else '' }}{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    ),
+    # Llama 3's turns as LLaMA-Factory's llama3 renders them: no date or default system text, every text as it is
+    # (Llama 3's own template trims them and, from 3.1, writes a dated system turn).
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    ),
 }
 
 

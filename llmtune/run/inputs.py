@@ -194,7 +194,7 @@ def check_inputs(config) -> None:
     tokenizer_dir = Path(config.model.tokenizer or config.model.name_or_path)
     if TASKS[config.task].rows != DOCUMENTS and not config.data.chat_template and not has_chat_template(tokenizer_dir):
         raise UserError(f"data.chat_template: the tokenizer in {tokenizer_dir} has no chat template; set "
-                        "data.chat_template to a built-in one (basic, chatml) or to a .jinja file")
+                        "data.chat_template to a built-in one (basic, chatml, gemma, llama3) or to a .jinja file")
     for split in ("train", "val", "test"):
         check_data_sources(split_sources(config.data, config.task, split))
     template = config.data.chat_template

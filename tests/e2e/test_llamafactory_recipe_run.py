@@ -133,17 +133,13 @@ def write_example(example: str, dataset: str, folder, model):
     """LLaMA-Factory's example recipe `example` (tests/unit/test_llamafactory_recipes.py's copy of its published
     text) written in folder with its demo dataset, but for model_name_or_path (`model`), dataset_dir, output_dir
     (folder/out) and a step count (max_steps 1)."""
-    from tests.unit import test_llamafactory_recipes as published
+    from tests.unit import test_llamafactory_recipes as examples
 
     entry, rows = DEMO_DATA[dataset]
     (folder / entry["file_name"]).write_text(json.dumps(rows))
     (folder / "dataset_info.json").write_text(json.dumps({dataset: entry}))
-    stage = {"identity": "sft", "dpo_en_demo": "dpo", "kto_en_demo": "kto"}[dataset]
     recipe = folder / "recipe.yaml"
-    recipe.write_text(getattr(published, example).replace("Qwen/Qwen3-4B-Instruct-2507", str(model))
-                      .replace(f"dataset: {dataset}", f"dataset: {dataset}\ndataset_dir: {folder}")
-                      .replace(f"saves/qwen3-4b/lora/{stage}", str(folder / "out"))
-                      .replace("num_train_epochs: 3.0", "num_train_epochs: 3.0\nmax_steps: 1"))
+    recipe.write_text(examples.published(getattr(examples, example), model, folder, folder / "out", 1))
     return recipe
 
 

@@ -1,8 +1,8 @@
 """LLaMA-Factory's template names: the model's own chat template is trained with where it renders LLaMA-Factory's probe
 conversations to the ids LLaMA-Factory encodes for the name, and the name is refused where no template llmtune has
 does. The tokenizer is a byte-level BPE trained here (tests/helpers.byte_level_tokenizer); its chat template is a
-plain ChatML one written here. (Against real tokenizers, measured once: Qwen2.5's template renders as LLaMA-Factory's
-qwen, Gemma-3's as its gemma; Qwen3-4B's as neither qwen3 nor qwen3_nothink, whose multi-turn renderings differ.)"""
+plain ChatML one written here. (Against the real tokenizers and LLaMA-Factory's demo data of ../shared/real:
+benchmarks/llamafactory_real.py, docs/from-other-trainers.md.)"""
 
 import pytest
 
@@ -28,7 +28,7 @@ def test_llamafactorys_encoding_of_its_templates(tokenizer):
     def text(name, messages):
         return tokenizer.decode(lf_templates.encode(lf_templates.TEMPLATES[name], tokenizer, messages))
 
-    one_turn, _, two_turns = lf_templates.PROBES
+    one_turn, _, two_turns, _ = lf_templates.PROBES
     assert text("qwen", one_turn) == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
                                       "assistant.<|im_end|>\n<|im_start|>user\nHi, how are you?<|im_end|>\n"
                                       "<|im_start|>assistant\nI am fine, thank you.<|im_end|>\n")
@@ -56,10 +56,35 @@ def test_a_built_in_that_renders_as_the_named_one_stands_in_for_the_models_own(t
         (BUILTIN_TEMPLATES["chatml"], "llmtune's built-in chatml")
 
 
+# Gemma's own template as its tokenizer ships it, in short: the system text before the first user message, every text
+# trimmed.
+TRIMMING = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] | trim + "
+            "'\\n\\n' %}{% set turns = messages[1:] %}{% else %}{% set system = '' %}{% set turns = messages %}"
+            "{% endif %}{% for m in turns %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+            "{{ system if loop.first else '' }}{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}")
+
+
+def test_a_template_that_trims_is_not_kept_and_the_built_ins_render_as_llamafactory(tmp_path):
+    """LLaMA-Factory keeps a text's leading and trailing white space (its kto_en_demo has rows that begin with a
+    newline); Gemma's and Llama 3's own templates trim it, so they render those rows otherwise. The white-space probe
+    finds it, and the built-ins written as LLaMA-Factory renders gemma and llama3 stand in."""
+    tokenizer = byte_level_tokenizer(tmp_path, TRIMMING)
+    trimmed, kept = lf_templates.PROBES[-1][0]["content"].strip(), lf_templates.PROBES[-1][0]["content"]
+    assert trimmed != kept
+    # Alike on the conversations with no white space at their ends: only the last probe tells them apart.
+    assert all(tokenizer.apply_chat_template(messages, tokenize=False) ==
+               tokenizer.apply_chat_template(messages, chat_template=BUILTIN_TEMPLATES["gemma"], tokenize=False)
+               for messages in lf_templates.PROBES[:-1])
+    assert lf_templates.resolve("gemma", tokenizer, BUILTIN_TEMPLATES) == (BUILTIN_TEMPLATES["gemma"],
+                                                                           "llmtune's built-in gemma")
+    assert lf_templates.resolve("llama3", tokenizer, BUILTIN_TEMPLATES) == (BUILTIN_TEMPLATES["llama3"],
+                                                                            "llmtune's built-in llama3")
+
+
 @pytest.mark.parametrize("name, why", [
     ("qwen", "renders conversations differently"),  # its default system text, which the model's template lacks
     ("qwen3", "renders conversations differently"),  # an empty thought in every assistant turn
-    ("llama3", "renders conversations differently"),
+    ("mistral", "renders conversations differently"),
     ("vicuna", "llmtune reads LLaMA-Factory's templates alpaca, chatml"),
 ])
 def test_a_template_no_template_here_renders_as_is_refused(tokenizer, name, why):

@@ -61,6 +61,20 @@ QWEN3_LORA_KTO = QWEN3_LORA_SFT.replace("stage: sft", "stage: kto\npref_beta: 0.
     "lora/sft", "lora/kto").replace("save_only_model: false\n", "")
 
 
+EXAMPLE_DATASETS = {"sft": "identity", "dpo": "dpo_en_demo", "kto": "kto_en_demo"}
+
+
+def published(text: str, model, dataset_dir, output_dir, max_steps: int) -> str:
+    """An example recipe's published text with what a run elsewhere must change: model_name_or_path, dataset_dir,
+    output_dir, and a step count (max_steps, beside its num_train_epochs); every other line as published."""
+    stage = next(line.split(": ")[1] for line in text.splitlines() if line.startswith("stage: "))
+    dataset = EXAMPLE_DATASETS[stage]
+    return (text.replace("Qwen/Qwen3-4B-Instruct-2507", str(model))
+            .replace(f"dataset: {dataset}", f"dataset: {dataset}\ndataset_dir: {dataset_dir}")
+            .replace(f"saves/qwen3-4b/lora/{stage}", str(output_dir))
+            .replace("num_train_epochs: 3.0", f"num_train_epochs: 3.0\nmax_steps: {max_steps}"))
+
+
 # A flat recipe of the keys every run needs.
 MINIMAL = "model_name_or_path: m\ndataset: d\noutput_dir: out\n"
 
