@@ -1690,7 +1690,9 @@ def recipe_help(task: str) -> str:
     it."""
     names = key_names(task)
     lines = ["recipe keys: in the recipe's sections, or on the command line as --key VALUE (the key alone where no",
-             "other section has it) or section.key=VALUE; a later override wins."]
+             "other section has it) or section.key=VALUE; a later override wins.", ""]
+    lines += textwrap.wrap(f"per_device_train_batch_size and global_batch_size count {TASKS[task].batch}.",
+                           width=110, break_on_hyphens=False)
     current = None
     for section, key, default, help in recipe_keys(task_sections(task)):
         if section != current:

@@ -32,24 +32,37 @@ class Task:
     section: str | None  # the recipe section of the task's own keys, None for none
     description: str  # the first line of `llmtune TASK --help`
     head: str = LM_HEAD  # what the model ends in: LM_HEAD or SCORE_HEAD
+    batch: str = ""  # what per_device_train_batch_size and global_batch_size count, for `llmtune TASK --help`
+
+
+# The preference tasks' batches, as TRL and LLaMA-Factory count them.
+PACKED_PER_MICRO_BATCH = "as TRL and LLaMA-Factory count them, each micro-batch's packed into one row"
 
 
 TASKS = {
     "pt": Task("llmtune.tasks.language_model:LanguageModel", DOCUMENTS, None,
-               "Pre-training: packed blocks of text, every token trained."),
+               "Pre-training: packed blocks of text, every token trained.",
+               batch="rows of data.max_seq_len tokens, the documents packed into them"),
     "sft": Task("llmtune.tasks.language_model:LanguageModel", CONVERSATIONS, None,
                 "Supervised fine-tuning: conversations rendered by the chat template, the assistant's tokens "
-                "trained."),
+                "trained.", batch="samples; with data.packing (llmtune's default) rows of data.max_seq_len tokens "
+                "packed with samples, as TRL counts them with packing (a LLaMA-Factory recipe counts samples unless "
+                "it sets packing: true)"),
     "dpo": Task("llmtune.tasks.dpo:DPO", PAIRS, "dpo",
                 "Preference training (DPO and its kin): a chosen and a rejected response to each prompt, the policy "
-                "moved towards the chosen one against a reference model."),
+                "moved towards the chosen one against a reference model.",
+                batch=f"pairs (a prompt with its chosen and rejected responses), {PACKED_PER_MICRO_BATCH}"),
     "kto": Task("llmtune.tasks.kto:KTO", UNPAIRED, "kto",
                 "KTO: prompts with one response each, labelled desirable or undesirable, the policy moved towards the "
-                "desirable ones against a reference model."),
+                "desirable ones against a reference model.",
+                batch=f"examples (a prompt with its response), {PACKED_PER_MICRO_BATCH}"),
     "grpo": Task("llmtune.tasks.grpo:GRPO", PROMPTS, "grpo",
                  "Online RL (GRPO and its kin): completions sampled from the policy for each prompt, scored by reward "
-                 "functions, the policy moved towards the completions better than their group's mean."),
+                 "functions, the policy moved towards the completions better than their group's mean.",
+                 batch="completions (each prompt sampled grpo.num_generations times), as TRL counts them, each "
+                       "micro-batch's packed into one row"),
     "rm": Task("llmtune.tasks.reward:RM", PAIRS, "rm",
                "Reward modelling: a chosen and a rejected response to each prompt, a score head on the model trained "
-               "to score the chosen one higher (Bradley-Terry); exported as a sequence classifier.", SCORE_HEAD),
+               "to score the chosen one higher (Bradley-Terry); exported as a sequence classifier.", SCORE_HEAD,
+               batch=f"pairs (a prompt with its chosen and rejected responses), {PACKED_PER_MICRO_BATCH}"),
 }

@@ -23,13 +23,18 @@ def test_version_is_the_installed_packages():
     assert result.stdout.strip() == f"llmtune {importlib.metadata.version('llmtune')}"
 
 
-@pytest.mark.parametrize("task, words", [("sft", "Supervised fine-tuning"), ("pt", "Pre-training"),
-                                         ("dpo", "Preference training"), ("kto", "KTO: prompts")])
-def test_help_lists_every_recipe_key_with_its_default_and_help(task, words, capsys):
+@pytest.mark.parametrize("task, words, counted", [
+    ("sft", "Supervised fine-tuning", "count samples; with data.packing (llmtune's default) rows"),
+    ("pt", "Pre-training", "count rows of data.max_seq_len tokens"),
+    ("dpo", "Preference training", "count pairs (a prompt with its chosen and rejected responses), as TRL and "
+                                   "LLaMA-Factory count them"),
+    ("kto", "KTO: prompts", "count examples (a prompt with its response), as TRL and LLaMA-Factory count them")])
+def test_help_lists_every_recipe_key_with_its_default_and_help(task, words, counted, capsys):
     assert cli.main([task, "--help"]) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"usage: llmtune {task} RECIPE") and words in text
     flat = " ".join(text.split())  # the help is wrapped
+    assert f"per_device_train_batch_size and global_batch_size {counted}" in flat
     names = key_names(task)
     for section, key, default, help in recipe_keys(task_sections(task)):
         option = key if len(names[key]) == 1 else f"{section}.{key}"
