@@ -30,32 +30,53 @@ class LFTemplate:
     thought: str | None = None  # ReasoningTemplate: the empty thought put before an assistant turn without one
 
 
-# register_template's arguments of LLaMA-Factory's data/template.py (main branch, November 2026) for the names its
-# examples use, the conversational ones alone.
+GEMMA = LFTemplate(user=("<start_of_turn>user\n{{content}}<end_of_turn>\n<start_of_turn>model\n",),
+                  assistant=("{{content}}<end_of_turn>\n",), system=("{{content}}\n\n",), prefix=(BOS,),
+                  fuse_system=True)
+
+# register_template's arguments of LLaMA-Factory's data/template.py (main branch, August 2026) for the names its
+# examples use and those of the families llmtune trains, their text alone (no tools, no images).
 TEMPLATES = {
     "alpaca": LFTemplate(user=("### Instruction:\n{{content}}\n\n### Response:\n",),
                          assistant=("{{content}}", EOS, "\n\n"),
                          default_system="Below is an instruction that describes a task. Write a response that "
                                         "appropriately completes the request.\n\n"),
     "chatml": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM),
+    "deepseek3": LFTemplate(user=("<｜User｜>{{content}}<｜Assistant｜>",), prefix=(BOS,)),
     "default": LFTemplate(user=("Human: {{content}}", EOS, "\nAssistant:"), assistant=("{{content}}", EOS, "\n"),
                           system=("System: {{content}}", EOS, "\n")),
     "empty": LFTemplate(assistant=("{{content}}",)),
-    "gemma": LFTemplate(user=("<start_of_turn>user\n{{content}}<end_of_turn>\n<start_of_turn>model\n",),
-                        assistant=("{{content}}<end_of_turn>\n",), system=("{{content}}\n\n",), prefix=(BOS,),
-                        fuse_system=True),
+    "gemma": GEMMA,
+    "gemma3": GEMMA,  # gemma's text, with Gemma 3's image plugin
+    "llama2": LFTemplate(user=(BOS, "[INST] {{content}} [/INST]"), system=("<<SYS>>\n{{content}}\n<</SYS>>\n\n",),
+                         fuse_system=True),
     "llama3": LFTemplate(user=("<|start_header_id|>user<|end_header_id|>\n\n{{content}}<|eot_id|>"
                                "<|start_header_id|>assistant<|end_header_id|>\n\n",),
                          assistant=("{{content}}<|eot_id|>",),
                          system=("<|start_header_id|>system<|end_header_id|>\n\n{{content}}<|eot_id|>",),
                          prefix=(BOS,)),
+    "llama4": LFTemplate(user=("<|header_start|>user<|header_end|>\n\n{{content}}<|eot|>"
+                               "<|header_start|>assistant<|header_end|>\n\n",),
+                         assistant=("{{content}}<|eot|>",),
+                         system=("<|header_start|>system<|header_end|>\n\n{{content}}<|eot|>",), prefix=(BOS,)),
     "mistral": LFTemplate(user=("[INST] {{content}}[/INST]",), assistant=(" {{content}}", EOS),
                           system=("{{content}}\n\n",), prefix=(BOS,), fuse_system=True),
+    "phi": LFTemplate(user=("<|user|>\n{{content}}<|end|>\n<|assistant|>\n",), assistant=("{{content}}<|end|>\n",),
+                      system=("<|system|>\n{{content}}<|end|>\n",)),
+    "phi4": LFTemplate(user=("<|im_start|>user<|im_sep|>{{content}}<|im_end|><|im_start|>assistant<|im_sep|>",),
+                       assistant=("{{content}}<|im_end|>",),
+                       system=("<|im_start|>system<|im_sep|>{{content}}<|im_end|>",)),
+    "phi4_mini": LFTemplate(user=("<|user|>{{content}}<|end|><|assistant|>",), assistant=("{{content}}<|end|>",),
+                            system=("<|system|>{{content}}<|end|>",)),
     "qwen": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM,
                        default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
     "qwen3": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM,
                         thought="<think>\n\n</think>\n\n"),
     "qwen3_nothink": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM),
+    "vicuna": LFTemplate(user=("USER: {{content}} ASSISTANT:",),
+                         default_system="A chat between a curious user and an artificial intelligence assistant. "
+                                        "The assistant gives helpful, detailed, and polite answers to the user's "
+                                        "questions."),
 }
 # LLaMA-Factory's demo conversations, in the forms a template renders differently: one turn, a system text, two turns,
 # and texts that begin and end in white space (its kto_en_demo has them), which LLaMA-Factory keeps and some models'

@@ -85,7 +85,8 @@ def test_a_template_that_trims_is_not_kept_and_the_built_ins_render_as_llamafact
     ("qwen", "renders conversations differently"),  # its default system text, which the model's template lacks
     ("qwen3", "renders conversations differently"),  # an empty thought in every assistant turn
     ("mistral", "renders conversations differently"),
-    ("vicuna", "llmtune reads LLaMA-Factory's templates alpaca, chatml"),
+    ("vicuna", "renders conversations differently"),  # its default system text, run into the first user turn
+    ("yi", "llmtune reads LLaMA-Factory's templates alpaca, chatml, deepseek3"),
 ])
 def test_a_template_no_template_here_renders_as_is_refused(tokenizer, name, why):
     with pytest.raises(UserError, match=f"data.chat_template: .*{why}"):
