@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from llmtune.data.collate import MicroBatch
 from llmtune.errors import Preempted, TrainingStopped
@@ -340,13 +340,14 @@ def clip_gradients(parameters: list, max_norm: float) -> torch.Tensor:
     the factor comes out the same. (Each element squared in fp64 does the same at 20x the time: 19 ms against 1 ms a
     step for a 32k x 256 embedding's gradient on CPU.)
 
-    Sharded gradients are taken mesh by mesh, one collective each: DTensors of different device meshes (expert
-    parallelism's experts beside the dense weights) cannot enter one operation.
+    Sharded gradients are taken layout by layout (device mesh and placements), one collective each: DTensors of
+    different device meshes (expert parallelism's experts beside the dense weights) cannot enter one operation.
+    Each rank sums its own shards as plain tensors and the layout's sum is made whole once: the same sums in the same
+    order as DTensor's operations would take them, without their dispatch on every parameter (about 5 operations a
+    parameter, each tens of microseconds: milliseconds a step).
     """
-    groups = _by_mesh(parameters)
-    squares = [torch.stack([_square_sum(p.grad) for p in group]).sum() for group in groups.values()]
-    squares = [square.full_tensor() if isinstance(square, DTensor) else square for square in squares]
-    total = torch.stack(squares).sum().sqrt()
+    groups = _by_layout(parameters)
+    total = torch.stack([_layout_square_sum(group) for group in groups.values()]).sum().sqrt()
     if max_norm:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
@@ -360,10 +361,25 @@ def _square_sum(grad: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(rows, dim=1).double().square().sum()
 
 
-def _by_mesh(parameters: list) -> dict:
-    """The parameters that have a gradient, by their gradient's device mesh (None: not sharded), in their order."""
+def _layout_square_sum(group: list) -> torch.Tensor:
+    """The sum of the squares of the gradients of `group` (one layout), over every rank: the local shards' sums
+    added, then summed over the mesh's sharded dimensions (a partial sum there, whatever form the shards take; a
+    replicated dimension holds the same sum on each of its ranks)."""
+    grad = group[0].grad
+    local = torch.stack([_square_sum(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+                         for p in group]).sum()
+    if not isinstance(grad, DTensor):
+        return local
+    placements = [placement if placement.is_replicate() else Partial() for placement in grad.placements]
+    return DTensor.from_local(local, grad.device_mesh, placements, run_check=False).full_tensor()
+
+
+def _by_layout(parameters: list) -> dict:
+    """The parameters that have a gradient, by their gradient's device mesh and placements (None: not sharded), in
+    their order."""
     groups = {}
     for p in parameters:
         if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+            layout = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(layout, []).append(p)
     return groups
