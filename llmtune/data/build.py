@@ -134,10 +134,14 @@ def desirable_count(split: datasets.Dataset) -> int:
 
 
 def map_options(dataset, num_proc: int, desc: str) -> dict:
-    """datasets' map options; an iterable (streaming) dataset takes neither."""
+    """datasets' map options; an iterable (streaming) dataset takes neither. No more processes than the CPUs this
+    process may run on (LLaMA-Factory's examples ask 16): more would only take turns on them, each a process to
+    start and a connection to its pool's manager; the rows come out the same for any number."""
     if isinstance(dataset, datasets.IterableDataset):
         return {}
-    return {"num_proc": num_proc if num_proc > 1 else None, "desc": desc}
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    processes = min(num_proc, cpus)
+    return {"num_proc": processes if processes > 1 else None, "desc": desc}
 
 
 def boolean_label(rows) -> bool:

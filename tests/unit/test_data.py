@@ -373,3 +373,15 @@ def test_streaming_resume_gives_the_next_batches_of_an_uninterrupted_run(tmp_pat
     resumed = manager()
     resumed.load_state_dict(saved)
     assert ids(resumed.steps(8)) == straight[6:], "crosses into the next epoch too (40 samples = 10 steps)"
+
+
+def test_tokenization_takes_no_more_processes_than_the_cpus_it_may_run_on(monkeypatch):
+    """LLaMA-Factory's examples ask preprocessing_num_workers 16: on 2 CPUs, 2 processes; 1 CPU, none of its own."""
+    from llmtune.data import build
+
+    rows = datasets.Dataset.from_list([{"text": "a"}] * 40)
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert build.map_options(rows, 16, "tokenize") == {"num_proc": 2, "desc": "tokenize"}
+    assert build.map_options(rows, 1, "tokenize")["num_proc"] is None
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert build.map_options(rows, 16, "tokenize")["num_proc"] is None
