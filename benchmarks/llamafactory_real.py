@@ -108,10 +108,11 @@ def check_templates(real: Path, rows: int) -> list[dict]:
     demo = demo_rows(real / "llamafactory" / "data", rows)
     records = []
     for folder in sorted(p for p in (real / "tokenizers").iterdir() if p.is_dir()):
-        if encodes(folder) is None:
+        if (tokenizer := encodes(folder)) is None:
             continue
+        own = tokenizer.chat_template
         for name, template in TEMPLATES.items():
-            tokenizer = encodes(folder)
+            tokenizer.chat_template = own  # as the folder gives it: a run sets the template it resolves
             try:
                 source = apply_recipe_template(tokenizer, PREFIX + name)
             except UserError:

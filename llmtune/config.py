@@ -461,7 +461,6 @@ class TrainConfig:
         """Whether a chosen part of the weights trains and the rest is frozen (features/freezing.py)."""
         return bool(self.trainable_modules or self.frozen_modules) or self.trainable_layers is not None
 
-
     def half_precision(self) -> str | None:
         """The compute dtype below fp32, bf16 or fp16, or None (fp32)."""
         return "bf16" if self.bf16 else "fp16" if self.fp16 else None

@@ -37,6 +37,7 @@ class Task:
 
 # The preference tasks' batches, as TRL and LLaMA-Factory count them.
 PACKED_PER_MICRO_BATCH = "as TRL and LLaMA-Factory count them, each micro-batch's packed into one row"
+PAIR_BATCH = f"pairs (a prompt with its chosen and rejected responses), {PACKED_PER_MICRO_BATCH}"
 
 
 TASKS = {
@@ -51,7 +52,7 @@ TASKS = {
     "dpo": Task("llmtune.tasks.dpo:DPO", PAIRS, "dpo",
                 "Preference training (DPO and its kin): a chosen and a rejected response to each prompt, the policy "
                 "moved towards the chosen one against a reference model.",
-                batch=f"pairs (a prompt with its chosen and rejected responses), {PACKED_PER_MICRO_BATCH}"),
+                batch=PAIR_BATCH),
     "kto": Task("llmtune.tasks.kto:KTO", UNPAIRED, "kto",
                 "KTO: prompts with one response each, labelled desirable or undesirable, the policy moved towards the "
                 "desirable ones against a reference model.",
@@ -64,5 +65,5 @@ TASKS = {
     "rm": Task("llmtune.tasks.reward:RM", PAIRS, "rm",
                "Reward modelling: a chosen and a rejected response to each prompt, a score head on the model trained "
                "to score the chosen one higher (Bradley-Terry); exported as a sequence classifier.", SCORE_HEAD,
-               batch=f"pairs (a prompt with its chosen and rejected responses), {PACKED_PER_MICRO_BATCH}"),
+               batch=PAIR_BATCH),
 }
