@@ -230,7 +230,7 @@ class DataConfig:
     streaming: bool = _field(False, "Read the sources as a stream (for corpora larger than RAM); needs "
                                     "train.max_steps.")
     shuffle_buffer: int = _field(10000, "Streaming: samples in the shuffle buffer.")
-    num_proc: int = _field(1, "Processes for tokenization (datasets.map).")
+    num_proc: int = _field(1, "Processes for tokenization (datasets.map), at most the CPUs this process may run on.")
     num_workers: int = _field(0, "Processes that read and collate the next micro-batches while the model trains "
                                  "(torch DataLoader workers), training and validation; 0 does it in the training "
                                  "process. The samples and their order do not depend on it. Not with "
