@@ -26,7 +26,8 @@ on CPU, autocast to bf16, is another computation). TRL, no checkpointing: the sa
 false, the work llmtune does (it checkpoints nothing by default). llmtune rm: its defaults (rm.max_length
 data.max_seq_len / 2, no prompt limit, truncation on, dropout off; a cosine schedule where TRL's is linear, which
 costs nothing), data.chat_template basic, each step's pairs packed into one row by the collator (each pair's chosen
-then rejected sequence), each sequence scored at its last token;
+sequence, then its rejected one without the prompt the chosen one holds: data/collate.share_prefix, each sequence's
+score that of the sequence alone), each sequence scored at its last token;
 --batch pairs per step, as TRL's (per_device_train_batch_size counts pairs), every pair whole.
 
 Speed. As preference.py: this machine is shared, so llmtune and TRL take turns in one process, step by step, and

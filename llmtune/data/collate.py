@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmtune.data.packing import TOKEN_COLUMNS, pack_units
+from llmtune.model.attention import segment_starts
 from llmtune.model.loss import IGNORE_INDEX, TOKEN_VALUES, shift_labels
 
 
@@ -56,7 +57,7 @@ def pad_token_id(tokenizer) -> int:
 
 
 def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_sequences: bool = False,
-            scored: bool = False, pack: bool = False) -> MicroBatch:
+            scored: bool = False, pack: bool = False, share_prefixes: bool = False) -> MicroBatch:
     """Right-pad to the longest row; pads carry label -100.
 
     Rows with position_ids are packed (several documents or samples per row): the model gets
@@ -68,8 +69,12 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_seque
     KL sequence) also number their sequences (sequence_ids); with `scored` (a task whose model ends in a score head),
     they also mark the token each sequence is scored at (score_marks). pack: the rows are units (a pair, an example
     and its KL sequence), packed here into one row (packing.pack_units): the micro-batch holds as many units as it
-    was given, with no padding (rows of data.max_seq_len would pad all but the longest).
+    was given, with no padding (rows of data.max_seq_len would pad all but the longest). share_prefixes: each unit's
+    second sequence leaves out the beginning it shares with its first (share_prefix), for a model whose attention
+    attends such rows as it attends each sequence alone (Objective.shares_prefixes).
     """
+    if share_prefixes:
+        rows = [share_prefix(row) for row in rows]
     if pack:
         rows = pack_units(rows, sum(len(row["input_ids"]) for row in rows))
     length = max(len(row["input_ids"]) for row in rows)
@@ -107,6 +112,28 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_seque
     return batch
 
 
+def share_prefix(unit: dict) -> dict:
+    """A unit of two sequences (an rm pair: its chosen sequence, then its rejected one) -> the same unit without the
+    tokens the second begins with as the first does: the second's remaining tokens keep their positions, a branch
+    of the first (model/attention.document_starts) whose attention sees the first's tokens before them, as it would
+    see its own. Each sequence computes as it does alone, and the shared beginning (a pair's prompt, at least) is
+    computed once. The second keeps its last token, where it is scored, and one beyond the first's last at least,
+    so that its positions jump back: a branch, not the first's continuation. Its first token is labelled -100: no
+    token before it in the row predicts it."""
+    positions = unit["position_ids"]
+    split = positions.index(0, 1)
+    first, second = unit["input_ids"][:split], unit["input_ids"][split:]
+    shared = 0
+    while shared < min(len(first), len(second)) - 1 and first[shared] == second[shared]:
+        shared += 1
+    if not shared:
+        return unit
+    kept = {column: unit[column][:split] + unit[column][split + shared:]
+            for column in TOKEN_COLUMNS + TOKEN_VALUES if column in unit}
+    kept["labels"][split] = IGNORE_INDEX
+    return {**unit, **kept}
+
+
 def score_marks(input_ids: torch.Tensor, sequence_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
     """[b, S] float: 1.0 at each sequence's last token that is not `pad_id`, 0.0 elsewhere: where transformers'
     sequence classifiers read a sequence's score (the rightmost token that is not the config's pad_token_id), so that
@@ -125,14 +152,14 @@ def score_marks(input_ids: torch.Tensor, sequence_ids: torch.Tensor, pad_id: int
 
 def number_sequences(batch: MicroBatch, rows: list[dict]) -> MicroBatch:
     """Adds inputs["sequence_ids"] [b, S]: for every real token the index of its sequence in the micro-batch (numbered
-    row by row, in order; a sequence begins where position_ids is 0), -1 on padding; and per sequence its "length"
+    row by row, in order; a sequence begins where its position_ids do not go on by one), -1 on padding; and per sequence its "length"
     (real tokens) and every column the rows hold besides their tokens, one value per sequence of the row, as float64
     (a precomputed reference's "ref_logps", kto's "desirable"). A row holds whole pairs, chosen first, so sequence 2k
     is pair k's chosen response (kto: example k's completion) and 2k + 1 its rejected one (its KL completion)."""
     ids = torch.full(batch.inputs["input_ids"].shape, -1, dtype=torch.long)
     first = 0
     for i, row in enumerate(rows):
-        starts = torch.tensor(row["position_ids"]) == 0
+        starts = segment_starts(torch.tensor([row["position_ids"]]))[0]
         ids[i, :len(starts)] = first + torch.cumsum(starts, 0) - 1
         first += int(starts.sum())
     batch.inputs["sequence_ids"] = ids

@@ -295,12 +295,13 @@ class StreamingDataManager:
         self._batches = None
 
 
-def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | StreamingDataManager, Validation,
-                                                                  Validation]:
+def build_data(config, tokenizer, state, annotate=None,
+               share_prefixes: bool = False) -> tuple[DataManager | StreamingDataManager, Validation, Validation]:
     """This rank's training data, validation and test split, from the recipe's data section. annotate(splits,
     collate) -> splits: columns added to the built splits ({"train", "val", "test"} -> dataset or None) before they
     are handed out, given the collate that makes their micro-batches (the task's objective: a precomputed reference's
-    log-probabilities)."""
+    log-probabilities). share_prefixes: rows of two sequences leave out the second's beginning that the first holds
+    (collate.share_prefix; the objective's shares_prefixes)."""
     data_cfg, train_cfg = config.data, config.train
     pad_id = pad_token_id(tokenizer)
     cuda = state.device.type == "cuda"
@@ -308,7 +309,7 @@ def build_data(config, tokenizer, state, annotate=None) -> tuple[DataManager | S
     pairs = two_sequence_rows(config.task)
     rows_collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask, two_sequences=pairs,
                            scored=TASKS[config.task].head == SCORE_HEAD,
-                           pack=pairs and data_cfg.packing)
+                           pack=pairs and data_cfg.packing, share_prefixes=share_prefixes)
     if data_cfg.streaming:
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)

@@ -34,6 +34,10 @@ class Feature:
     # Whether the feature also acts on a frozen copy of the model (a preference task's reference model): what changes
     # how the model computes (its attention, its kernels), not what it trains.
     on_reference = False
+    # What rows whose sequences share their beginning (data/collate.share_prefix: a branch attends to its document's
+    # first segment) need of the feature once built: None, nothing; True, its attention attends them so; False, it
+    # cannot compute them as the sequences alone (a varlen kernel ends a document at every segment).
+    keeps_shared_prefixes: bool | None = None
 
     def __init__(self, config):
         self.config = config
@@ -114,6 +118,12 @@ class Features:
     def find(self, kind: type) -> Feature | None:
         """The run's feature of this class, if it is on."""
         return next((feature for feature in self.features if isinstance(feature, kind)), None)
+
+    def keep_shared_prefixes(self) -> bool:
+        """Whether the built features compute rows that share prefixes as they compute each sequence alone: some
+        feature's attention attends them so, and none objects."""
+        votes = [feature.keeps_shared_prefixes for feature in self.features]
+        return True in votes and False not in votes
 
     def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for feature in self.features:

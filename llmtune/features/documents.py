@@ -31,7 +31,7 @@ class PackedDocuments(Feature):
     def build(self, hf_model, state) -> None:
         backend = hf_model.config._attn_implementation
         self.varlen = is_varlen(backend)
-        self.spans = backend in ("sdpa", "eager")
+        self.spans = self.keeps_shared_prefixes = backend in ("sdpa", "eager")
         if self.spans:
             AttentionInterface.register(DOCUMENTS, partial(document_attention, backend=backend))
             hf_model.set_attn_implementation(DOCUMENTS)

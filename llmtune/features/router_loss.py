@@ -61,6 +61,8 @@ class RouterLoss(Feature):
         recipe_coef = self.config.train.router_aux_loss_coef
         self.coef = model_coef if recipe_coef is None else recipe_coef
         if self.coef:
+            # Its load-balancing loss would count a shared prefix's tokens once, where each sequence alone counts them.
+            self.keeps_shared_prefixes = False
             self.experts, self.top_k = hf_model.num_experts, hf_model.num_experts_per_tok
             # The decoder layers with routed experts, in order: those whose routers record the router logits (a
             # family may keep dense layers among them, as Qwen3-MoE's mlp_only_layers).

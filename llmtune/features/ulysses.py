@@ -72,6 +72,7 @@ class ContextParallel(Feature):
     def build(self, hf_model, state) -> None:
         backend = hf_model.config._attn_implementation
         self.varlen = is_varlen(backend)
+        self.keeps_shared_prefixes = not self.varlen  # sdpa and eager attend the spans of attention.attend
         hf_model.set_attn_implementation(register_attention(state, backend))
         self.shard = SequenceShard(state.cp_size, state.cp_rank)
 

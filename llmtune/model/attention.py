@@ -105,16 +105,26 @@ def document_positions(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
 
 
-def document_starts(positions: torch.Tensor) -> torch.Tensor:
-    """For each token of [b, s] position_ids: True where a document starts (the positions restart); the first
-    token of every row starts one."""
+def segment_starts(positions: torch.Tensor) -> torch.Tensor:
+    """For each token of [b, s] position_ids: True where a segment starts, the positions not going on by one; the
+    first token of every row starts one."""
     return torch.diff(positions, dim=1, prepend=positions[:, :1]) != 1
+
+
+def document_starts(positions: torch.Tensor) -> torch.Tensor:
+    """For each token of [b, s] position_ids: True where a document starts: the positions restart at 0, or the row
+    begins. A segment that starts mid-row at position p > 0 is a branch of the document before it (the rejected
+    sequence of an rm pair whose prompt the chosen one holds, data/collate.share_prefix): it attends to that
+    document's first segment's tokens at positions below p, then to itself (`_mask`)."""
+    starts = segment_starts(positions)
+    starts[:, 1:] &= positions[:, 1:] == 0
+    return starts
 
 
 def varlen_kwargs(positions: torch.Tensor) -> dict:
     """What flash attention's variable-length kernels take for [b, S] document positions: the offsets of every
     document in the rows laid end to end (int32, as the kernels take them) and the longest document."""
-    starts = document_starts(positions).flatten().nonzero().flatten()
+    starts = segment_starts(positions).flatten().nonzero().flatten()
     bounds = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
     longest = int(bounds.diff().max())
     return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
@@ -131,7 +141,8 @@ def document_spans(positions: torch.Tensor, window: int | None = None) -> torch.
     A tensor, not Python values: torch.compile passes it to document_sdpa as it passes any tensor, where values
     would be guarded on, and compiled again for at every new layout."""
     window = DOCUMENT_WINDOW if window is None else window
-    starts = document_starts(positions)
+    # One document in one segment needs no mask; a branch needs one as several documents do.
+    starts = segment_starts(positions)
     spans = torch.zeros(positions.shape, dtype=torch.int8)
     if positions.shape[1] <= window:
         spans[:, 0] = torch.where(starts[:, 1:].any(dim=1), SPAN_OF_SEVERAL, SPAN_OF_ONE)
@@ -152,17 +163,28 @@ def _cut(spans: torch.Tensor) -> list[list[tuple[int, int, bool]]]:
 
 
 def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtype: torch.dtype, single: bool):
-    """Causal, same-document and sliding-window mask over a stretch of a row (`single`: it holds one document);
-    None when the backend's own causal attention is all it takes (sdpa, one document, no window reached). Eager
-    attention has no causal mode of its own: it always gets one, additive."""
+    """Causal, same-document and sliding-window mask over a stretch of a row (`single`: it holds one document of
+    one segment); None when the backend's own causal attention is all it takes (sdpa, one document, no window
+    reached). Eager attention has no causal mode of its own: it always gets one, additive.
+
+    A token sees the earlier tokens of its own segment, and a branch's also its document's first segment's tokens
+    at positions below the branch's first (document_starts): the tokens it would see in a row of its own, the
+    document's shared beginning followed by the branch. The sliding window counts positions, which inside a
+    segment go on as the indices do."""
     length = positions.shape[1]
     if single and not eager and not (sliding_window and length > sliding_window):
         return None
-    documents = document_starts(positions).cumsum(dim=1)
+    segments, documents = segment_starts(positions), document_starts(positions)
     index = torch.arange(length, device=positions.device)
-    allowed = (index[None, :, None] >= index[None, None, :]) & (documents[:, :, None] == documents[:, None, :])
+    segment, document = segments.cumsum(dim=1), documents.cumsum(dim=1)
+    # The position each token's segment starts at, and whether that segment is its document's first.
+    start = positions.gather(1, torch.cummax(torch.where(segments, index, 0), dim=1).values)
+    trunk = segment == torch.cummax(torch.where(documents, segment, 0), dim=1).values
+    seen = (segment[:, :, None] == segment[:, None, :]) | (trunk[:, None, :]
+                                                           & (positions[:, None, :] < start[:, :, None]))
+    allowed = (index[None, :, None] >= index[None, None, :]) & (document[:, :, None] == document[:, None, :]) & seen
     if sliding_window:
-        allowed &= (index[None, :, None] - index[None, None, :]) < sliding_window
+        allowed &= (positions[:, :, None] - positions[:, None, :]) < sliding_window
     allowed = allowed[:, None]
     if eager:
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,

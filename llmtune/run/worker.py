@@ -88,7 +88,7 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     # The task's loss and metrics, and any extra model it needs (a reference); its hook may add to the data.
     objective = build_objective(config, local=local, model_config=model_config, model=model, features=features,
                                 state=state, tokenizer=tokenizer)
-    data, validation, test = build_data(local, tokenizer, state, objective.annotate)
+    data, validation, test = build_data(local, tokenizer, state, objective.annotate, objective.shares_prefixes)
     check_ranks_agree(state, config, data, validation, test, model.hf_model)
     # From here on ranks draw different random numbers (dropout), each from its own stream.
     torch.manual_seed(config.train.seed + state.rank)

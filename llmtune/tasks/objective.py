@@ -47,6 +47,10 @@ class Objective:
     unit: str = "samples"
     shown: tuple[str, ...] = ()
     rows_called: str | None = None  # the start banner's name of the data's rows, where not derived from unit
+    # Whether the rows of two sequences leave out the second's beginning that the first holds (data/collate.py's
+    # share_prefix): for an objective that reads no token of that beginning in the second, with a model that computes
+    # such rows as it computes each sequence alone (Features.keep_shared_prefixes).
+    shares_prefixes: bool = False
 
     def global_batch_words(self, global_batch: int) -> str | None:
         """The start banner's words for a step's global batch of `global_batch` data rows, where the objective has

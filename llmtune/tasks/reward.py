@@ -51,14 +51,16 @@ class RM(Objective):
     samples = unit = "pairs"
     shown = ("accuracy", "margin")
 
-    def __init__(self, rm_cfg, state):
-        self.cfg, self.state = rm_cfg, state
+    def __init__(self, rm_cfg, state, shares_prefixes: bool):
+        self.cfg, self.state, self.shares_prefixes = rm_cfg, state, shares_prefixes
 
     @classmethod
-    def build(cls, config, model, state, **parts) -> "RM":
+    def build(cls, config, model, state, features, **parts) -> "RM":
         if config.rm.disable_dropout:
             disable_dropout(model.hf_model)
-        return cls(config.rm, state)
+        # A score reads each sequence's last token alone: a pair's rejected sequence may leave the prompt it shares
+        # with its chosen one to the chosen's tokens (data/collate.share_prefix), computed once.
+        return cls(config.rm, state, features.keep_shared_prefixes())
 
     def count(self, inputs: dict, batch, cp_rank: int) -> list[float]:
         return [sequence_count(batch) / 2 * (cp_rank == 0)]

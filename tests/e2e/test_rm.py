@@ -63,6 +63,28 @@ def test_the_losses_do_not_depend_on_how_many_rows_a_micro_batch_takes(tiny_mode
         assert runs[micro] == pytest.approx(runs[1], rel=1e-5)
 
 
+def test_pairs_that_share_their_prompt_train_as_pairs_packed_whole(tiny_model, pairs_file, tmp_path, monkeypatch):
+    """Each pair's rejected sequence leaves its prompt to the chosen one's (data/collate.share_prefix): fewer tokens a
+    step, the same per-step losses, accuracies, margins and held-out metrics as with every sequence packed whole."""
+    from llmtune.features.base import Features
+
+    def run(out):
+        sections = recipe(tiny_model, pairs_file, out, train={"per_device_train_batch_size": 2, "eval_steps": 3})
+        sections["data"]["val_files"] = [str(pairs_file)]
+        llmtune.train("rm", sections)
+        records = read_metrics(out)
+        values = [r[key] for r in records for key in ("loss", "accuracy", "margin", "eval_loss", "eval_accuracy")
+                  if key in r]
+        return values, sum(r.get("input_tokens", 0) for r in records)
+
+    shared, shared_tokens = run(tmp_path / "shared")
+    monkeypatch.setattr(Features, "keep_shared_prefixes", lambda self: False)
+    whole, whole_tokens = run(tmp_path / "whole")
+    assert len(shared) == 3 * 3 + 2
+    assert shared == pytest.approx(whole, rel=1e-5)
+    assert shared_tokens < 0.8 * whole_tokens
+
+
 def sequences_of(row: dict) -> list[list[int]]:
     """A packed row's sequences (each begins where position_ids is 0): chosen, rejected, chosen, ..."""
     starts = [i for i, position in enumerate(row["position_ids"]) if position == 0] + [len(row["input_ids"])]

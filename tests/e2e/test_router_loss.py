@@ -1,7 +1,7 @@
 """The router load-balancing loss of a mixture-of-experts model (a tiny Qwen3-MoE, fp32, one process): on one
 micro-batch llmtune's loss and gradients equal those of the HF model's own forward with labels and router logits on
 (to 1e-5), the coefficient taken from the model config; train.router_aux_loss_coef: 0 leaves the cross-entropy
-alone."""
+alone. With a router loss, rows do not share their sequences' beginnings (data/collate.share_prefix)."""
 
 import pytest
 import torch
@@ -48,14 +48,17 @@ def step_of_one_batch(moe, assets, tmp_path, overrides):
         named = list(trainer.model.hf_model.named_parameters())
         grads = {name: param.grad.full_tensor() for name, param in named}
         weights = {name: param.full_tensor().detach() for name, param in named}
+        shares = trainer.features.keep_shared_prefixes()
     finally:
         state.close()
-    return loss.item(), grads, weights, input_ids, labels
+    return loss.item(), grads, weights, input_ids, labels, shares
 
 
 @pytest.mark.parametrize("overrides, router_logits", [([], True), (["train.router_aux_loss_coef=0"], False)])
 def test_loss_and_gradients_are_the_hf_models_own(moe, assets, tmp_path, overrides, router_logits):
-    loss, grads, weights, input_ids, labels = step_of_one_batch(moe, assets, tmp_path, overrides)
+    loss, grads, weights, input_ids, labels, shares = step_of_one_batch(moe, assets, tmp_path, overrides)
+    # A router's loss would count a prefix shared by two sequences (an rm pair's prompt) once: rows keep it twice.
+    assert shares is not router_logits
     reference = AutoModelForCausalLM.from_config(Qwen3MoeConfig.from_pretrained(moe), dtype=torch.float32)
     reference.load_state_dict(weights, strict=False)
     output = reference(input_ids=input_ids, labels=labels, output_router_logits=router_logits)

@@ -268,3 +268,83 @@ def test_flash_attention_on_packed_rows_equals_every_document_alone_on_cuda():
     for name, grad in grads.items():
         scale = expected_grads[name].abs().max().item()
         torch.testing.assert_close(grad, expected_grads[name], rtol=5e-2, atol=5e-2 * scale, msg=name)
+
+
+# Rows whose documents have branches (data/collate.share_prefix): (length, start position) of each segment; a segment
+# starting mid-row above position 0 goes on from its document's first segment's token before that position.
+BRANCHED = [[(20, 0), (7, 8), (14, 0), (10, 5), (13, 0)], [(30, 0), (12, 1), (22, 0)]]
+
+
+def branched_positions() -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(start, start + n) for n, start in row]) for row in BRANCHED])
+
+
+def sequences_alone(model, ids, weights):
+    """The reference for BRANCHED: every document's first segment run alone, and every branch run alone after the
+    first segment's tokens before it; each packed token's logits are those of its own sequence."""
+    model.zero_grad()
+    rows = []
+    for row, segments in enumerate(BRANCHED):
+        index, pieces, trunk = 0, [], None
+        for n, start in segments:
+            if start == 0:
+                trunk = ids[row:row + 1, index:index + n]
+                sequence = trunk
+            else:
+                sequence = torch.cat([trunk[:, :start], ids[row:row + 1, index:index + n]], dim=1)
+            pieces.append(model(input_ids=sequence, use_cache=False).logits[:, start:])
+            index += n
+        rows.append(torch.cat(pieces, dim=1))
+    logits = torch.cat(rows)
+    (logits * weights).sum().backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("feature_name", ["documents", "ulysses"])
+@pytest.mark.parametrize("backend,window", [("sdpa", 16), ("sdpa", 40), ("sdpa", 2048), ("eager", 16),
+                                            ("eager", 2048)])
+def test_a_branch_attends_to_its_documents_shared_beginning_as_its_sequence_alone(backend, window, feature_name,
+                                                                                 monkeypatch):
+    """A branch sees its document's first segment's tokens below its first position, then itself, and nothing else
+    (not the rest of the first segment, not another document): each token's logits and every gradient are those of
+    its own sequence run alone, whatever the spans the rows are cut into; the feature says it keeps such rows."""
+    monkeypatch.setattr(attention, "DOCUMENT_WINDOW", window)
+    model = tiny_llama(backend)
+    feature, state = packed_features(feature_name)
+    feature.build(model, state)
+    assert feature.keeps_shared_prefixes
+    ids = input_ids()
+    inputs = feature.transform({"input_ids": ids, "shift_labels": ids, "position_ids": branched_positions()})
+    inputs.pop("shift_labels")
+    weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2))
+    logits, grads = logits_and_grads(model, inputs, weights)
+    model.set_attn_implementation(backend)
+    expected_logits, expected_grads = sequences_alone(model, ids, weights)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_mask_of_a_branched_stretch_counts_the_sliding_window_in_positions(eager):
+    """The one mask of a whole row (compiled layers, eager attention): a token sees what its sequence alone would
+    see within the window, counted in positions: a branch's first token at position 8 sees the first segment's
+    positions 5-7 with a window of 4, though they lie 20 tokens back in the row."""
+    row = torch.tensor([list(range(20)) + list(range(8, 15))])
+    mask = attention._mask(row, 4, eager, torch.float32, False)
+    allowed = mask[0, 0] == 0 if eager else mask[0, 0]
+    assert allowed[20].nonzero().flatten().tolist() == [5, 6, 7, 20]
+    assert allowed[26].nonzero().flatten().tolist() == [23, 24, 25, 26]
+    assert allowed[19].nonzero().flatten().tolist() == [16, 17, 18, 19]
+
+
+def test_a_varlen_backend_does_not_keep_shared_prefixes(monkeypatch):
+    """flash attention's kernels end a document at every segment: the feature says so, and rm then packs each pair's
+    sequences whole."""
+    model = tiny_llama("sdpa")
+    AttentionInterface.register(VARLEN, varlen_reference_backend)
+    model.set_attn_implementation(VARLEN)
+    monkeypatch.setattr(documents, "is_varlen", lambda name: name == VARLEN)
+    feature = PackedDocuments(None)
+    feature.build(model, None)
+    assert feature.keeps_shared_prefixes is False

@@ -313,6 +313,33 @@ def test_collate_numbers_the_sequences_and_gives_their_lengths_and_reference_log
     assert "sequence_ids" not in collate(rows, pad_id=0).inputs and not collate(rows, pad_id=0).sequences
 
 
+def test_an_rm_pairs_rejected_sequence_leaves_out_the_beginning_it_shares_with_the_chosen_one():
+    """share_prefixes (rm, with an attention that keeps branches): the rejected sequence keeps its tokens from the
+    first that differs (its last token at least) at their own positions, its first kept one unlabelled; the
+    sequences are numbered where the positions jump and scored at their last tokens; a pair with nothing in common
+    is packed whole; the per-sequence values are kept."""
+    shared = {"input_ids": [1, 2, 3, 4, 5, 1, 2, 3, 7], "labels": [-100, -100, -100, 4, 5, -100, -100, -100, 7],
+              "position_ids": [0, 1, 2, 3, 4, 0, 1, 2, 3], "margin": [0.5, 0.5]}
+    prefix = {"input_ids": [1, 2, 3, 1, 2, 3, 4], "labels": [-100, 2, 3, -100, 2, 3, 4],
+              "position_ids": [0, 1, 2, 0, 1, 2, 3], "margin": [0.0, 0.0]}
+    apart = {"input_ids": [8, 9, 6, 9], "labels": [-100, 9, -100, 9], "position_ids": [0, 1, 0, 1],
+             "margin": [1.0, 1.0]}
+    batch = collate([shared, prefix, apart], pad_id=0, two_sequences=True, scored=True, pack=True,
+                    share_prefixes=True)
+    # The second pair's rejected sequence begins with all of the chosen one: it keeps the chosen's last token, so that
+    # its positions jump back (a branch, not the chosen's continuation).
+    assert batch.inputs["input_ids"].tolist() == [[1, 2, 3, 4, 5, 7, 1, 2, 3, 3, 4, 8, 9, 6, 9]]
+    assert batch.inputs["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 0, 1, 2, 2, 3, 0, 1, 0, 1]]
+    assert batch.inputs["sequence_ids"].tolist() == [[0, 0, 0, 0, 0, 1, 2, 2, 2, 3, 3, 4, 4, 5, 5]]
+    assert batch.inputs["scored"].nonzero()[:, 1].tolist() == [4, 5, 8, 10, 12, 14]
+    # The row's labels, shifted: each token's is its successor's; the branches' first tokens are unlabelled.
+    assert batch.inputs["shift_labels"].tolist() == [[-100, -100, 4, 5, -100, -100, 2, 3, -100, 4, -100, 9, -100, 9,
+                                                      -100]]
+    assert batch.num_tokens == 15 and batch.sequences["margin"].tolist() == [0.5, 0.5, 0.0, 0.0, 1.0, 1.0]
+    whole = collate([shared, prefix, apart], pad_id=0, two_sequences=True, scored=True, pack=True)
+    assert whole.num_tokens == 20 and whole.inputs["sequence_ids"].max() == 5
+
+
 def test_sft_and_pt_keep_their_batches_without_sequence_ids():
     rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 1, 2]}]
     batch = collate(rows, pad_id=0)
