@@ -117,9 +117,9 @@ def share_prefix(unit: dict) -> dict:
     tokens the second begins with as the first does: the second's remaining tokens keep their positions, a branch
     of the first (model/attention.document_starts) whose attention sees the first's tokens before them, as it would
     see its own. Each sequence computes as it does alone, and the shared beginning (a pair's prompt, at least) is
-    computed once. The second keeps its last token, where it is scored, and one beyond the first's last at least,
-    so that its positions jump back: a branch, not the first's continuation. Its first token is labelled -100: no
-    token before it in the row predicts it."""
+    computed once. The second keeps its last token, where it is scored, and starts at the first's last position at
+    the latest, so that its positions jump back: a branch, not the first's continuation. Its first token is labelled
+    -100: no token before it in the row predicts it."""
     positions = unit["position_ids"]
     split = positions.index(0, 1)
     first, second = unit["input_ids"][:split], unit["input_ids"][split:]
@@ -152,10 +152,11 @@ def score_marks(input_ids: torch.Tensor, sequence_ids: torch.Tensor, pad_id: int
 
 def number_sequences(batch: MicroBatch, rows: list[dict]) -> MicroBatch:
     """Adds inputs["sequence_ids"] [b, S]: for every real token the index of its sequence in the micro-batch (numbered
-    row by row, in order; a sequence begins where its position_ids do not go on by one), -1 on padding; and per sequence its "length"
-    (real tokens) and every column the rows hold besides their tokens, one value per sequence of the row, as float64
-    (a precomputed reference's "ref_logps", kto's "desirable"). A row holds whole pairs, chosen first, so sequence 2k
-    is pair k's chosen response (kto: example k's completion) and 2k + 1 its rejected one (its KL completion)."""
+    row by row, in order; a sequence begins where its position_ids do not go on by one), -1 on padding; and per
+    sequence its "length" (real tokens) and every column the rows hold besides their tokens, one value per sequence
+    of the row, as float64 (a precomputed reference's "ref_logps", kto's "desirable"). A row holds whole pairs,
+    chosen first, so sequence 2k is pair k's chosen response (kto: example k's completion) and 2k + 1 its rejected one
+    (its KL completion)."""
     ids = torch.full(batch.inputs["input_ids"].shape, -1, dtype=torch.long)
     first = 0
     for i, row in enumerate(rows):
