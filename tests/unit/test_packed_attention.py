@@ -348,3 +348,29 @@ def test_a_varlen_backend_does_not_keep_shared_prefixes(monkeypatch):
     feature = PackedDocuments(None)
     feature.build(model, None)
     assert feature.keeps_shared_prefixes is False
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_compiled_layers_attend_a_branch_as_its_sequence_alone(backend, monkeypatch):
+    """Under torch.compile (aot_eager) a branched row's logits and gradients are still those of each sequence alone:
+    sdpa's spans inside document_sdpa, eager's mask built inside the compiled layer; no graph break."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(attention, "DOCUMENT_WINDOW", 16)
+    model = tiny_llama(backend)
+    feature = PackedDocuments(None)
+    feature.build(model, None)
+    ids = input_ids()
+    inputs = feature.transform({"input_ids": ids, "position_ids": branched_positions()})
+    weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    counters.clear()
+    compile_with_backend(monkeypatch, "aot_eager")
+    for layer in model.model.layers:
+        compile_layer(layer)
+    logits, grads = logits_and_grads(model, inputs, weights)
+    expected_logits, expected_grads = sequences_alone(tiny_llama(backend), ids, weights)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert dict(counters["graph_break"]) == {}
