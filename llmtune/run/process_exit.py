@@ -34,11 +34,11 @@ def run_and_exit(main: Callable[[], int | None]) -> NoReturn:
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    # What the interpreter does before finalizing: wait for the threads that are not daemons, run the exit handlers
-    # (trackers' last writes, logging, compile workers).
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter does before finalizing, in its order: threading's exit hooks (they tell the workers of a
+    # concurrent.futures executor a library left open to stop; joining those workers first waits forever), the
+    # joins of the threads that are not daemons, then the exit handlers (trackers' last writes, logging, compile
+    # workers). threading._shutdown is the function the interpreter calls for the first two.
+    threading._shutdown()
     atexit._run_exitfuncs()
     try:
         sys.stdout.flush()

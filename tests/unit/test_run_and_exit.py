@@ -74,3 +74,24 @@ def test_dataloader_workers_end_with_the_process(tmp_path):
     workers = [int(pid) for pid in pids.read_text().split()]
     assert len(workers) == 2
     assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == []
+
+
+EXECUTOR_PROGRAM = """
+from concurrent.futures import ThreadPoolExecutor
+from llmtune.run.process_exit import run_and_exit
+
+def main():
+    global pool  # left open, as torch.compile's and other libraries' executors are
+    pool = ThreadPoolExecutor(max_workers=2)
+    pool.submit(print, "task ran", flush=True).result()
+
+run_and_exit(main)
+"""
+
+
+def test_an_executor_left_open_ends_with_the_process():
+    """concurrent.futures' workers wait for work until its threading exit hook tells them to stop: the interpreter
+    runs those hooks before it joins the threads, and so must run_and_exit, or the join waits forever."""
+    done = subprocess.run([sys.executable, "-c", EXECUTOR_PROGRAM], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout) == (0, "task ran\n"), done.stderr
