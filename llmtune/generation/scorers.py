@@ -6,15 +6,14 @@ generation/reward_model.py. Torch-free: the CLI checks them before any process s
 
 from __future__ import annotations
 
-import importlib
 import math
-import operator
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from llmtune.errors import UserError
+from llmtune.user_code import import_named
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -96,15 +95,10 @@ def load_scorers(names: list[str], answer_column: str, regex: str | None, key: s
                                 "model's folder (AutoModelForSequenceClassification), e.g. a run's output_dir/hf")
             scorers.append(Scorer(Path(name).name, _reward_model(name)))
             continue
-        module_name, _, attribute = name.partition(":")
-        try:
-            function = operator.attrgetter(attribute)(importlib.import_module(module_name))
-        except (ImportError, AttributeError, ValueError) as err:
-            raise UserError(f"{key}: cannot import {name!r} ({type(err).__name__}: {err}); make the "
-                            "module importable from where llmtune runs (the working directory or PYTHONPATH)") from None
+        function = import_named(name, key)
         if not callable(function):
             raise UserError(f"{key}: {name!r} is not a function")
-        scorers.append(Scorer(getattr(function, "__name__", attribute), function))
+        scorers.append(Scorer(getattr(function, "__name__", name.partition(":")[2]), function))
     return scorers
 
 

@@ -17,9 +17,7 @@ trainer_state.json and given back to load_state_dict() on resume.
 
 import dataclasses
 import functools
-import importlib
 import json
-import operator
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
@@ -30,6 +28,7 @@ from transformers.training_args import OptimizerNames, TrainingArguments
 from llmtune.checkpoint.best import better
 from llmtune.errors import TrainingStopped, UserError
 from llmtune.training.optim import schedule
+from llmtune.user_code import import_named
 
 EVENTS = ("on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_substep_end",
           "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log", "on_evaluate", "on_save", "on_load",
@@ -255,14 +254,7 @@ class EarlyStopping(Callback):
 
 def import_callback(path: str):
     """`package.module:Class` -> the class (train.callbacks); UserError naming the entry when it cannot be had."""
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise UserError(f"train.callbacks: {path!r} is not written package.module:Class")
-    try:
-        found = operator.attrgetter(attribute)(importlib.import_module(module_name))
-    except (ImportError, AttributeError) as err:
-        raise UserError(f"train.callbacks: cannot import {path!r} ({type(err).__name__}: {err}); make the module "
-                        "importable from where llmtune runs (the working directory or PYTHONPATH)") from None
+    found = import_named(path, "train.callbacks")
     if not isinstance(found, type):
         raise UserError(f"train.callbacks: {path!r} is not a class; name the callback's class")
     return found
