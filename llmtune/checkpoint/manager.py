@@ -233,7 +233,8 @@ class CheckpointManager:
             raise TrainingStopped(
                 f"checkpoint: could not write {partial} ({error}); it was removed and "
                 f"{kept[-1] if kept else 'no earlier checkpoint'} is the one to resume from; free space or fix the "
-                "folder, then run again with checkpoint.resume_from_checkpoint=auto")
+                "folder, then run again with checkpoint.resume_from_checkpoint=auto (and "
+                "train.overwrite_output_dir=false where the recipe sets it true)")
 
     def finish_pending(self) -> None:
         """Wait for an asynchronous save, then publish it."""

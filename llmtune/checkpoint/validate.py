@@ -7,6 +7,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from llmtune.checkpoint.manifest import manifest_problems
+from llmtune.command import command_line
 from llmtune.errors import UserError
 from llmtune.model.pretrained import not_loaded_line
 
@@ -100,11 +101,11 @@ def init_from_plan(path: Path, base: dict | None, current: dict[str, list[int]] 
     if strict and (missing or reshaped or unused):
         if saved_base(path):
             fix = (f"it holds only the parameters its run trained (adapters, train.trainable_modules): start from it "
-                   f"with that run's peft and train settings (its config.yaml), or export it (llmtune export {path} "
-                   "DIR, --merge for adapters) and set model.name_or_path: DIR")
+                   f"with that run's peft and train settings (its config.yaml), or export it "
+                   f"({command_line('export', path, 'DIR')}, --merge for adapters) and set model.name_or_path: DIR")
         else:
             fix = (f"start from a checkpoint of this model and kind of run (a run with frozen weights reads them from "
-                   f"model.name_or_path: export a full checkpoint with llmtune export {path} DIR and set "
+                   f"model.name_or_path: export a full checkpoint with {command_line('export', path, 'DIR')} and set "
                    "model.name_or_path: DIR)")
         shapes = [f"{name} {saved[name]} vs {current[name]}" for name in reshaped]
         raise UserError(f"model.init_from: {path} does not hold this run's model: "

@@ -12,6 +12,7 @@ import math
 import os
 from pathlib import Path
 
+from llmtune.command import command_line
 from llmtune.errors import UserError
 
 log = logging.getLogger("llmtune")
@@ -78,7 +79,7 @@ def write_plots(output_dir: Path) -> list[Path]:
         from matplotlib.ticker import EngFormatter, MaxNLocator
     except ImportError:
         raise UserError(f"matplotlib is not installed; to draw the plots: pip install 'llmtune[plots]', then "
-                        f"llmtune plot {output_dir}") from None
+                        f"{command_line('plot', output_dir)}") from None
     steps = [record["step"] for record in records]
     tokens = cumulative_tokens(records)
     folder = output_dir / "plots"
@@ -142,6 +143,7 @@ def plot_run(output_dir: Path) -> None:
     except UserError as err:  # no matplotlib, or no whole record yet
         log.info("plots: %s", err)
     except Exception as err:
-        log.warning("plots: not drawn (%s: %s); draw them with: llmtune plot %s", type(err).__name__, err, output_dir)
+        log.warning("plots: not drawn (%s: %s); draw them with: %s", type(err).__name__, err,
+                    command_line("plot", output_dir))
     else:
         log.info("plots: %s in %s", ", ".join(path.name for path in written), output_dir / "plots")

@@ -5,6 +5,7 @@ that names Hub ids is fetched and checked in the worker once the process group e
 node fetches while the others wait."""
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -57,21 +58,28 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
                                    {launch.MICRO_BATCH: str(config.train.per_device_train_batch_size)} if auto else {})
     from llmtune.run.worker import run
 
-    run(config, local, resume_command(task, recipe, overrides))
+    run(config, local, resume_command(task, recipe, overrides, config.train.overwrite_output_dir))
     return 0
 
 
-def resume_command(task: str, recipe: str, overrides: list[str]) -> str:
-    """The command line that continues this run from its newest good checkpoint."""
+def resume_command(task: str, recipe: str, overrides: list[str], overwrites: bool) -> str:
+    """The command line that continues this run from its newest good checkpoint. overwrites: the run's
+    train.overwrite_output_dir, which would refuse to go on from its checkpoints: the command turns it off."""
+    from llmtune.command import command_line
     from llmtune.run import launch
 
-    kept = [o for o in overrides if not o.startswith("checkpoint.resume_from_checkpoint=")]
-    words = [task, recipe, *kept, "checkpoint.resume_from_checkpoint=auto"]
+    kept = [o for o in overrides
+            if not o.startswith(("checkpoint.resume_from_checkpoint=", "train.overwrite_output_dir="))]
+    words = [task, recipe, *kept, *(["train.overwrite_output_dir=false"] if overwrites else []),
+             "checkpoint.resume_from_checkpoint=auto"]
     if launch.local_nproc():
-        return shlex.join(["llmtune", *words, "--nproc", launch.local_nproc()])
+        return command_line(*words, "--nproc", launch.local_nproc())
     if launch.launched_by_torchrun():
-        return "torchrun <the same options> -m llmtune " + shlex.join(words)
-    return shlex.join(["llmtune", *words])
+        per_node = os.environ.get("LOCAL_WORLD_SIZE")
+        if os.environ.get("GROUP_WORLD_SIZE") == "1" and per_node:  # one node (torchrun sets both)
+            return shlex.join(["torchrun", "--standalone", f"--nproc-per-node={per_node}", "-m", "llmtune", *words])
+        return "on every node, the launch that started this run, with: -m llmtune " + shlex.join(words)
+    return command_line(*words)
 
 
 def take_flag(args: list[str], flag: str, default: str) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtune.checkpoint.folders import EXPORTS, complete_checkpoints
+from llmtune.command import command_line
 from llmtune.config import GENERATION_METRICS
 
 
@@ -53,8 +54,9 @@ def run_result(output_dir: Path, step: int, total_steps: int, task_metrics: tupl
                      checkpoints[-1] if checkpoints else None, hf, adapter)
 
 
-def run_summary(result: RunResult, seconds: float, outcome: str, resume: str) -> str:
-    """outcome: how the run ended ("finished", "stopped by SIGTERM", ...); resume: the command that continues it."""
+def run_summary(result: RunResult, seconds: float, outcome: str, resume: str, saves: bool) -> str:
+    """outcome: how the run ended ("finished", "stopped by SIGTERM", ...); resume: the command that continues it;
+    saves: whether the recipe saves checkpoints (checkpoint.save_steps or save_epochs)."""
     parts = [f"run {outcome} at step {result.steps} of {result.total_steps}: {result.tokens:,} tokens, {seconds:,.0f} "
              "s in this process"]
     if result.loss is not None:
@@ -68,10 +70,11 @@ def run_summary(result: RunResult, seconds: float, outcome: str, resume: str) ->
     if result.test_loss is not None:
         parts.append(f"test loss {result.test_loss:.4f}")
     if result.checkpoint:
-        parts.append(f"newest checkpoint {result.checkpoint} (export it with: llmtune export {result.checkpoint} "
-                     f"OUT_DIR; go on from it with: {resume})")
+        parts.append(f"newest checkpoint {result.checkpoint} (export it with: "
+                     f"{command_line('export', result.checkpoint, 'OUT_DIR')}; go on from it with: {resume})")
     else:
-        parts.append("no checkpoint saved (checkpoint.save_steps or save_epochs turn saving on)")
+        parts.append("no checkpoint saved (the run ended before its first save)" if saves else
+                     "no checkpoint saved (checkpoint.save_steps or save_epochs turn saving on)")
     exported = [path for path in (result.export, result.adapter) if path]
     if exported:
         parts.append("exported to " + " and ".join(str(path) for path in exported))

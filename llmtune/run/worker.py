@@ -12,6 +12,7 @@ from transformers import enable_full_determinism, set_seed
 from llmtune.checkpoint.folders import continues, remove_earlier_run
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
+from llmtune.command import command_line
 from llmtune.config import AUTO
 from llmtune.data.collate import pad_token_id
 from llmtune.data.manager import build_data
@@ -163,10 +164,11 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
             if config.monitor.plots and (outcome == "finished" or state.world_size == 1):
                 plot_run(Path(config.train.output_dir))
             elif config.monitor.plots:
-                log.info("plots: draw them with: llmtune plot %s", config.train.output_dir)
+                log.info("plots: draw them with: %s", command_line("plot", config.train.output_dir))
             result = run_result(Path(config.train.output_dir), trainer.step, trainer.total_steps,
                                 trainer.objective.metric_names())
-            log.info("%s", run_summary(result, time.perf_counter() - started, outcome, resume))
+            saves = bool(config.checkpoint.save_steps or config.checkpoint.save_epochs)
+            log.info("%s", run_summary(result, time.perf_counter() - started, outcome, resume, saves))
         if outcome == "finished":  # a failed run raises on every rank: no rank waits for this
             result = state.broadcast_object(result)
         state.close()

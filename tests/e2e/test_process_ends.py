@@ -4,6 +4,7 @@ stdout that goes away (`| head`) ends it quietly."""
 
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -167,3 +168,40 @@ def test_the_summary_of_a_stop_between_two_records_names_the_step_it_stopped_at(
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("llmtune: stopped by SIGTERM after step 3 of 10")
     summary = caplog.records[-1].getMessage()
     assert summary.startswith("run stopped by a signal at step 3 of 10"), summary
+
+
+@pytest.mark.slow
+def test_the_printed_resume_and_export_commands_run_as_printed(tmp_path, recipe, monkeypatch, capsys, caplog):
+    """A run of a recipe that sets train.overwrite_output_dir: true (as every LLaMA-Factory example does), stopped by
+    a signal after step 2 of 4: the command its last line prints goes on from step 2 to the end, and the summary's
+    export command writes a HF folder. Both run as printed, from where the run was started, through bin/llmtune
+    (which names itself in the commands it prints)."""
+    from llmtune.training.stop_signals import StopSignals
+
+    given = yaml.safe_load(Path(recipe).read_text())
+    given["train"].update(overwrite_output_dir=True, logging_steps=1)
+    Path(recipe).write_text(yaml.safe_dump(given))
+    asked = []
+
+    def number(self):
+        asked.append(1)
+        return signal.SIGTERM.value if len(asked) == 2 else 0
+
+    monkeypatch.setattr(StopSignals, "number", property(number))
+    monkeypatch.setenv("LLMTUNE_PROG", str(REPO / "bin" / "llmtune"))
+    caplog.set_level(logging.INFO, logger="llmtune")
+    assert cli_main(["sft", recipe, "--max_steps", "4", "train.overwrite_output_dir=true"]) == 75
+    resume = capsys.readouterr().err.strip().splitlines()[-1].partition("; resume with: ")[2]
+    summary = caplog.records[-1].getMessage()
+    assert f"go on from it with: {resume})" in summary
+    export = summary.partition("export it with: ")[2].partition(";")[0]
+    assert export.startswith(f"{REPO / 'bin' / 'llmtune'} export ") and export.endswith(" OUT_DIR"), summary
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LLMTUNE_PROG")}
+    for command in (resume, export):
+        done = subprocess.run(shlex.split(command), cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, (command, done.stderr[-3000:])
+    assert [r["step"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [1, 2, 3, 4]
+    assert (tmp_path / "out" / "hf" / "model.safetensors").is_file()
+    assert (tmp_path / "OUT_DIR" / "config.json").is_file()
