@@ -5,6 +5,7 @@ Every number is global (summed over ranks by the trainer before it gets here) ex
 which is this rank's. Only rank 0 writes records; every rank writes its own trace.
 """
 
+import dataclasses
 import json
 import resource
 import time
@@ -139,13 +140,25 @@ class TrainMonitor:
         self.started = time.perf_counter()
         self.window: list[StepRecord] = []
         self.window_started = self.started
+        self.window_seconds = 0.0  # the time a resumed window's steps took before the checkpoint
+
+    def state_dict(self) -> dict:
+        """The steps since the last record, for a checkpoint: a resumed run's first record then averages the steps
+        the straight run's does (its loss bitwise), not those since the resume alone."""
+        return {"window": [dataclasses.asdict(s) for s in self.window],
+                "window_seconds": time.perf_counter() - self.window_started}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.window = [StepRecord(**s) for s in state.get("window", [])]  # none in checkpoints written before it
+        self.window_seconds = state.get("window_seconds", 0.0)
 
     def begin(self, step: int) -> None:
         """Training starts after `step`: metrics.jsonl starts fresh, or, on resume, keeps the records up to the
         checkpoint's step and drops those of later steps that the interrupted run left (they are logged again). The
         trackers open: new runs, or on resume the runs of the fresh start."""
         self.first_step = step
-        self.started = self.window_started = time.perf_counter()
+        self.started = time.perf_counter()
+        self.window_started = self.started - self.window_seconds
         if not self.is_main:
             return
         self.console = Console(self.total_steps, step, self.monitor_cfg.progress_bar)

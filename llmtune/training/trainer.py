@@ -202,7 +202,8 @@ class Trainer:
                 "skipped_steps": self.monitor.skipped_steps, "data": self.data.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "features": self.features.state_dict(),
                 "callbacks": self.callbacks.state_dict(), "loss_scale": self.loss_scale.state_dict(),
-                "log_history": self.callbacks.state.log_history, "objective": self.objective.state_dict()}
+                "log_history": self.callbacks.state.log_history, "objective": self.objective.state_dict(),
+                "monitor": self.monitor.state_dict()}
 
     def tensor_state(self) -> dict:
         """Sharded tensors besides model and optimizer that a checkpoint holds (DCP, loaded in place): the moving
@@ -212,6 +213,7 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.skipped_in_a_row = state["step"], state["skipped_in_a_row"]
         self.monitor.skipped_steps = state["skipped_steps"]
+        self.monitor.load_state_dict(state.get("monitor", {}))
         self.data.load_state_dict(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.features.load_state_dict(state["features"])

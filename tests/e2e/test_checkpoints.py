@@ -17,7 +17,7 @@ from llmtune.run.cli import main as cli_main
 from llmtune.run.export import export_checkpoint
 from llmtune.run.parallel import ParallelState
 from llmtune.run.worker import build_trainer, run
-from tests.helpers import without_plots
+from tests.helpers import read_metrics, without_plots
 
 
 def recipe(root, model: str, sft_file, **checkpoint) -> str:
@@ -177,3 +177,15 @@ def test_save_epochs_saves_at_each_epoch_end_and_at_the_end(tmp_path, tiny_model
     names = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
     assert names == ["global_step_4", "global_step_5", "latest"], "64 samples = 4 steps an epoch, then the end"
     assert not (tmp_path / "out" / "plots").exists(), "monitor.plots=false draws none"
+
+
+def test_a_resumed_runs_first_record_averages_the_steps_the_straight_runs_does(tmp_path, tiny_model, sft_file):
+    """Records every 3 steps, a checkpoint at step 2: the steps since the last record travel in the checkpoint, so
+    the resumed run's record at step 3 is the mean of steps 1 to 3, bitwise the straight run's."""
+    path = recipe(tmp_path, str(tiny_model), sft_file, save_steps=2)
+    straight, resumed = tmp_path / "out", tmp_path / "resumed"
+    train(path, "train.logging_steps=3")
+    train(path, "train.logging_steps=3", f"train.output_dir={resumed}",
+          f"checkpoint.resume_from_checkpoint={straight / 'checkpoints' / 'global_step_2'}")
+    losses = [[(r["step"], r["loss"]) for r in read_metrics(out) if "loss" in r] for out in (straight, resumed)]
+    assert losses[0] == losses[1] and [step for step, _ in losses[0]] == [3, 5]
