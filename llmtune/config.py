@@ -769,7 +769,8 @@ class EvalGenerationConfig:
     max_new_tokens: int | None = _field(None, "The most tokens of a completion (TRL's max_completion_length); unset: "
                                               "the model's generation_config.json, else 256 (TRL's).")
     do_sample: bool | None = _field(None, "Sample (true) or take the likeliest token (false)." + SAMPLING_HELP + ".")
-    temperature: float | None = _field(None, "Sampling temperature." + SAMPLING_HELP + " (1.0).")
+    temperature: float | None = _field(None, "Sampling temperature; 0: greedy decoding, as do_sample: false."
+                                             + SAMPLING_HELP + " (1.0).")
     top_p: float | None = _field(None, "Nucleus sampling's probability mass." + SAMPLING_HELP + " (1.0).")
     top_k: int | None = _field(None, "Sample among the k likeliest tokens; 0: all." + SAMPLING_HELP + " (50).")
     min_p: float | None = _field(None, "Drop tokens below min_p x the likeliest's probability." + SAMPLING_HELP
@@ -783,16 +784,20 @@ class EvalGenerationConfig:
         for name in ("max_samples", "steps", "max_new_tokens", "num_return_sequences", "batch_size", "top_k",
                      "temperature"):
             value = getattr(self, name)
-            least = 0 if name in ("steps", "top_k") else 1
-            if value is not None and (value < least or (name == "temperature" and value <= 0)):
-                out.append(f"eval_generation.{name}: {value} must be {'above 0' if name == 'temperature' else f'at least {least}'}")
+            least = 0 if name in ("steps", "top_k", "temperature") else 1
+            if value is not None and value < least:
+                out.append(f"eval_generation.{name}: {value} must be at least {least}")
         for name in ("top_p", "min_p"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
                 out.append(f"eval_generation.{name}: {value} must be between 0 and 1")
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             out.append(f"eval_generation.repetition_penalty: {self.repetition_penalty} must be above 0")
-        if self.do_sample is False and (self.num_return_sequences or 1) > 1:
+        if self.temperature == 0 and self.do_sample:
+            out.append("eval_generation.temperature: 0 is greedy decoding (as do_sample: false); leave do_sample: "
+                       "true out, or sample at a temperature above 0")
+        greedy = self.do_sample is False or self.temperature == 0
+        if greedy and (self.num_return_sequences or 1) > 1:
             out.append("eval_generation.num_return_sequences: greedy decoding (do_sample: false) gives one completion "
                        "per prompt, as transformers' generate; set do_sample: true or num_return_sequences: 1")
         if not self.files:
@@ -1031,7 +1036,10 @@ class GRPOConfig:
                 out.append(f"grpo.{key}: {value} must be at least 1")
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             out.append("grpo.generation_batch_size: set it or grpo.steps_per_generation, not both")
-        if self.temperature <= 0:
+        if self.temperature == 0:
+            out.append("grpo.temperature: 0 is greedy decoding, which gives a group's completions alike: their "
+                       "advantages are 0 and teach nothing; sample at a temperature above 0 (TRL's default 1.0)")
+        elif self.temperature < 0:
             out.append(f"grpo.temperature: {self.temperature} must be above 0")
         if not 0.0 < self.top_p <= 1.0:
             out.append(f"grpo.top_p: {self.top_p} must be above 0 and at most 1")

@@ -56,13 +56,15 @@ class Sampling:
     @classmethod
     def resolve(cls, given: dict, model_defaults: GenerationConfig | None = None) -> "Sampling":
         """As transformers' generate decides: a key given (not None) wins, then the model's generation config
-        (generation_config.json), then DEFAULTS."""
+        (generation_config.json), then DEFAULTS. A temperature of 0 is greedy decoding (do_sample false)."""
         values = {}
         for f in fields(cls):
             value = given.get(f.name)
             if value is None and model_defaults is not None:
                 value = getattr(model_defaults, f.name, None)
             values[f.name] = DEFAULTS[f.name] if value is None else value
+        if values["temperature"] == 0:  # greedy, as vLLM and OpenAI-style APIs read it (transformers refuses it)
+            values.update(do_sample=False, temperature=DEFAULTS["temperature"])
         return cls(**values)
 
     def processors(self) -> LogitsProcessorList:

@@ -213,7 +213,8 @@ def generate_parser() -> argparse.ArgumentParser:
                         help="the most tokens of a completion")
     parser.add_argument("--do_sample", metavar="true|false", type=true_or_false,
                         help="true: sample; false: the likeliest token")
-    parser.add_argument("--temperature", metavar="T", type=bounded(float, 0, above=True), help="sampling temperature")
+    parser.add_argument("--temperature", metavar="T", type=bounded(float, 0),
+                        help="sampling temperature; 0: greedy decoding, as --do_sample false")
     parser.add_argument("--top_p", metavar="P", type=bounded(float, 0, 1), help="nucleus sampling's probability mass")
     parser.add_argument("--top_k", metavar="K", type=bounded(int, 0),
                         help="sample among the k likeliest tokens; 0: all")
@@ -276,6 +277,9 @@ def check_generate_flags(parsed: argparse.Namespace) -> None:
                         "process, without --nproc or torchrun")
     if parsed.nproc and launched_by_torchrun():
         raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
+    if parsed.temperature == 0 and parsed.do_sample:
+        raise UserError("--temperature 0 is greedy decoding (as --do_sample false); leave out --do_sample true, or "
+                        "sample at a temperature above 0")
     if parsed.chat and (parsed.num_return_sequences or 1) > 1:
         raise UserError("--num_return_sequences: --chat goes on with one reply per turn; leave it out")
 

@@ -6,11 +6,12 @@ sampling on; --out appears whole or not at all, a bad row refused before anythin
 
 import io
 import json
+import shutil
 import subprocess
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 from llmtune.generation.engine import Sampling
 from llmtune.run import generate as generate_module
@@ -91,6 +92,27 @@ def test_file_completions_are_transformers_greedy_ones(chat_model, loaded, rows_
     assert all(expected) and len(set(expected)) == len(expected), "the tiny model completes each prompt its own way"
     assert written == [{**ROWS[0], "completion": expected[0]}, {**ROWS[1], "completion": expected[1]},
                        {**ROWS[2], "completion": [{"role": "assistant", "content": expected[2]}]}]
+
+
+def test_temperature_0_is_greedy_decoding_token_for_token(chat_model, loaded, rows_file, tmp_path, capsys):
+    """In a folder whose generation_config.json samples, --temperature 0 decodes as --do_sample false does (vLLM's
+    and OpenAI-style APIs' meaning); with --do_sample true it is refused."""
+    folder = tmp_path / "sampling_model"
+    shutil.copytree(chat_model, folder)
+    GenerationConfig(do_sample=True, temperature=0.8, top_k=0).save_pretrained(folder)
+    files = {flag: tmp_path / f"{flag}.jsonl" for flag in ("greedy", "temperature_0", "sampled")}
+    for name, flags in (("greedy", ["--do_sample", "false"]), ("temperature_0", ["--temperature", "0"]),
+                        ("sampled", [])):
+        result = in_process(capsys, "generate", str(folder), "--file", str(rows_file), "--out", str(files[name]),
+                            "--max_new_tokens", str(NEW_TOKENS), *flags)
+        assert result.returncode == 0, result.stderr
+    assert files["temperature_0"].read_bytes() == files["greedy"].read_bytes()
+    assert read_rows(files["greedy"])[0]["completion"] == greedy(loaded, ROWS[0]["prompt"])
+    assert files["sampled"].read_bytes() != files["greedy"].read_bytes(), "the folder's own setting samples"
+    result = in_process(capsys, "generate", str(folder), "--prompt", "hi", "--temperature", "0", "--do_sample", "true")
+    assert (result.returncode, result.stderr.strip()) == (2, "llmtune: error: --temperature 0 is greedy decoding (as "
+                                                             "--do_sample false); leave out --do_sample true, or "
+                                                             "sample at a temperature above 0")
 
 
 @pytest.mark.slow
