@@ -2,9 +2,16 @@
 tiny models built from configs, made once per test run. Nothing is downloaded."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+# pytest-xdist's workers share the machine's cores: one intra-op thread in each, and in the runs each starts (they
+# inherit it), as torchrun gives each of several ranks; set before torch is imported. Threads that outnumber the
+# free cores wait for each other at every parallel operation (llmtune/run/threads.py).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.helpers import save_tiny_model, write_pairs
 

@@ -27,6 +27,7 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
+from llmtune.cpus import usable_cpus
 from llmtune.data import packing, preference, pretrain, prompts, sft, unpaired
 from llmtune.data.files import is_saved_dataset, resolve_data_files
 from llmtune.data.formats import (KTO_LABEL, PROMPT_ROW, ROWS_FORMS, canonical_columns, check_columns, detect_format,
@@ -139,8 +140,7 @@ def map_options(dataset, num_proc: int, desc: str) -> dict:
     start and a connection to its pool's manager; the rows come out the same for any number."""
     if isinstance(dataset, datasets.IterableDataset):
         return {}
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    processes = min(num_proc, cpus)
+    processes = min(num_proc, usable_cpus())
     return {"num_proc": processes if processes > 1 else None, "desc": desc}
 
 

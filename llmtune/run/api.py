@@ -1,6 +1,9 @@
 """`llmtune.train`: a run from Python (a script, a notebook), in the calling process: the recipe checked, its Hub ids
 fetched and every preflight check made as the CLI makes them, then the same worker, returning the run's result."""
 
+import signal
+from contextlib import contextmanager
+
 import yaml
 
 from llmtune.config import SECTIONS, load_config, plain, qualified
@@ -41,4 +44,18 @@ def run_recipe(task: str, recipe, overrides: dict, callbacks: list) -> RunResult
     local = checked_inputs(config, world_size)
     from llmtune.run.worker import run  # torch and transformers: imported once the recipe has passed its checks
 
-    return run(config, local, RESUME_CALL, callbacks)
+    with handlers_kept(config.train.save_on_signals):
+        return run(config, local, RESUME_CALL, callbacks)
+
+
+@contextmanager
+def handlers_kept(names: list[str]):
+    """The calling process's handlers of the stop signals as they were, however the run ends: a run stopped by one
+    leaves its own in place (training/stop_signals.py), which a process that goes on after llmtune.train must not
+    keep."""
+    kept = {name: signal.getsignal(signal.Signals[name]) for name in names}
+    try:
+        yield
+    finally:
+        for name, handler in kept.items():
+            signal.signal(signal.Signals[name], handler)

@@ -35,6 +35,7 @@ class Banner:
     precision: str
     attention: str
     peak: str  # the plan's peak per rank, or why there is none
+    threads: str = ""  # torch's intra-op threads and why (run/threads.set_threads)
     quantized: int = 0  # parameters held in nf4 (model.quantize), whole-model count
     kept: int = 0  # model.quantize: those of the frozen linear weights nf4 cannot hold (not whole groups)
     batch: str | None = None  # the objective's own words for the global batch (Objective.global_batch_words)
@@ -61,7 +62,7 @@ class Banner:
                "groups, which nf4 cannot hold)" if self.kept else ""),
             f"precision {self.precision}, attention {self.attention}",
             f"planned peak memory {self.peak}",
-        ] + ([f"LLaMA-Factory recipe: its defaults for {', '.join(self.recipe_defaults)}"]
+        ] + ([f"threads {self.threads}"] if self.threads else []) + ([f"LLaMA-Factory recipe: its defaults for {', '.join(self.recipe_defaults)}"]
              if self.recipe_defaults else [])
 
 
@@ -89,9 +90,9 @@ def planned_peak(config, model_config, world_size: int) -> str:
     return f"{gib(plan.peak)} per rank (llmtune plan's estimate for this layout)"
 
 
-def start_banner(trainer, config, world_size: int, peak: str) -> Banner:
+def start_banner(trainer, config, world_size: int, peak: str, threads: str = "") -> Banner:
     """The banner of a built (and, if it resumes, restored) trainer. config: the recipe as the run reads it (Hub ids
-    fetched); peak: planned_peak's line, made before the model was built."""
+    fetched); peak: planned_peak's line, made before the model was built; threads: set_threads' line."""
     data, model = trainer.data, trainer.model
     stream = isinstance(data, StreamingDataManager)
     # A DTensor's numel is the whole parameter's: the counts are the model's on any number of ranks.
@@ -109,13 +110,13 @@ def start_banner(trainer, config, world_size: int, peak: str) -> Banner:
         dp=world_size // config.parallel.cp_size, layout=config.parallel.describe(world_size),
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
-        peak=peak, batch=trainer.objective.global_batch_words(data.global_batch),
+        peak=peak, threads=threads, batch=trainer.objective.global_batch_words(data.global_batch),
         quantized=sum(p.numel() for p in params if is_quantized(p)),
         kept=sum(linear.weight.numel() for linear in frozen_linears(model.hf_model, decoder_layers(model.hf_model))
                  .values() if not is_quantized(linear.weight)) if config.model.quantize != "none" else 0,
         recipe_defaults=tuple(config.recipe_defaults))
 
 
-def log_start(trainer, config, world_size: int, peak: str) -> None:
-    for line in start_banner(trainer, config, world_size, peak).lines():
+def log_start(trainer, config, world_size: int, peak: str, threads: str = "") -> None:
+    for line in start_banner(trainer, config, world_size, peak, threads).lines():
         log.info("start: %s", line)

@@ -40,13 +40,15 @@ def launch_local(nproc: int, module_args: list[str], env: dict[str, str] | None 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from llmtune.errors import Preempted, UserError
+    from llmtune.run.threads import launch_env
 
     # This process has fetched every Hub id the run names: its workers read them from the cache alone, at the
     # commits it fetched, without a Hub call each.
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ[LOCAL_NPROC] = str(nproc)
     args = torchrun.parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module", "llmtune", *module_args])
-    os.environ.update(env or {})
+    env = {**launch_env(nproc), **(env or {})}  # each worker's threads: its share of the cores, not torchrun's 1
+    os.environ.update(env)
     try:
         torchrun.run(args)
     except ChildFailedError as err:
@@ -55,6 +57,6 @@ def launch_local(nproc: int, module_args: list[str], env: dict[str, str] | None 
     except SignalException:
         return Preempted.exit_code
     finally:
-        for name in env or {}:
+        for name in env:
             del os.environ[name]
     return 0

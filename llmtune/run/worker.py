@@ -31,6 +31,7 @@ from llmtune.run.parallel import ParallelState
 from llmtune.run.preflight import check_run
 from llmtune.run.rank_agreement import check_ranks_agree
 from llmtune.run.summary import RunResult, run_result, run_summary
+from llmtune.run.threads import set_threads
 from llmtune.tasks.objective import build_objective
 from llmtune.generation.evaluation import GenerationEval
 from llmtune.training.callbacks import CallbackArgs, Callbacks, CallbackState, recipe_callbacks
@@ -59,6 +60,7 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     local: the recipe with its Hub ids fetched (local_inputs), which the run reads; default: config itself.
     callbacks: callback objects beside those the recipe names (llmtune.train's)."""
     local = local or config
+    threads = set_threads()
     if config.train.per_device_train_batch_size == AUTO:  # under torchrun, where every worker read the recipe's auto
         agree_micro_batch(config, local, state)
     if state.device.type == "cpu":
@@ -116,7 +118,7 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     trainer.built()
     checkpoints.restore(trainer)
     if state.is_main:
-        log_start(trainer, local, state.world_size, peak)
+        log_start(trainer, local, state.world_size, peak, threads)
     return trainer, tokenizer
 
 

@@ -11,7 +11,10 @@ log = logging.getLogger(__name__)
 
 class StopSignals:
     """Installed for the training loop (`with StopSignals(names) as stop:`); the handlers it replaced come back
-    after it."""
+    after it, unless a signal stopped the run: the process is then ending, and its later signals are noted until it
+    exits, not acted on (a second Ctrl-C in the moments after the save would end a stopped run with 130 and
+    "interrupted" instead of 75 and the command that resumes, depending on when it came). llmtune.train, which
+    returns to its caller, puts the caller's handlers back itself (run/api.py)."""
 
     def __init__(self, names: list[str]):
         self.signals = [signal.Signals[name] for name in names]
@@ -24,8 +27,9 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        if self.received is None:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
 
     def _note(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name

@@ -2,13 +2,15 @@
 keyword overrides, returning the run's result; bad input raises the CLI's exception with the CLI's message."""
 
 import copy
+import os
+import signal
 
 import pytest
 import yaml
 
 import llmtune
 from llmtune.config import plain
-from llmtune.errors import UserError
+from llmtune.errors import Preempted, UserError
 from tests.helpers import read_metrics, run_cli
 
 
@@ -108,3 +110,21 @@ def test_bad_arguments_are_named(tiny_model, sft_file, tmp_path, task, overrides
     with pytest.raises(UserError) as raised:
         llmtune.train(task, recipe(tiny_model, sft_file, tmp_path / "run"), **overrides)
     assert str(raised.value).startswith(message)
+
+
+class SignalsItself:
+    """SIGUSR1 to this process after optimizer step 1, as a scheduler's warning before a time limit."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.step == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_a_run_stopped_by_a_signal_raises_preempted_and_gives_the_caller_its_handlers_back(tiny_model, sft_file,
+                                                                                          tmp_path):
+    """The stopped run keeps noting signals while it ends (training/stop_signals.py); a process that goes on after
+    llmtune.train has its own handlers again."""
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(Preempted, match=r"stopped by SIGUSR1 after step 1 of 8; saved .*; resume with: the same "):
+        llmtune.train("sft", recipe(tiny_model, sft_file, tmp_path / "run"), callbacks=[SignalsItself()])
+    assert signal.getsignal(signal.SIGUSR1) is before

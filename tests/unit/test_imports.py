@@ -35,7 +35,7 @@ def import_graph() -> dict[str, set[str]]:
 # features build on the model, the trainer drives the model, data, checkpoints and monitor it is handed, run/ wires
 # them all. A module of no layer fails the test, so a new one is placed on purpose.
 LAYERS = [
-    ("recipe", ["llmtune.errors", "llmtune.atomic", "llmtune.command", "llmtune.user_code", "llmtune.config", "llmtune.hub", "llmtune.llamafactory",
+    ("recipe", ["llmtune.errors", "llmtune.atomic", "llmtune.command", "llmtune.cpus", "llmtune.user_code", "llmtune.config", "llmtune.hub", "llmtune.llamafactory",
                 "llmtune.tasks.registry"]),
     ("model", ["llmtune.model"]),
     ("features", ["llmtune.features"]),

@@ -8,15 +8,22 @@ import signal
 from llmtune.training.stop_signals import StopSignals
 
 
-def test_a_signal_is_noted_and_agreed_and_the_old_handlers_come_back():
-    before = signal.getsignal(signal.SIGUSR1)
+def test_a_signal_is_noted_and_agreed_and_the_old_handlers_come_back_after_a_loop_it_did_not_stop():
+    before, before_2 = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)
     with StopSignals(["SIGUSR1", "SIGUSR2"]) as stop:
         assert stop.number == 0
-        os.kill(os.getpid(), signal.SIGUSR2)
-        os.kill(os.getpid(), signal.SIGUSR1)  # a second signal while stopping changes nothing
-        assert stop.received == "SIGUSR2"
-        assert stop.number == signal.SIGUSR2.value
     assert signal.getsignal(signal.SIGUSR1) is before
+    try:
+        with StopSignals(["SIGUSR1", "SIGUSR2"]) as stop:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            os.kill(os.getpid(), signal.SIGUSR1)  # a second signal while stopping changes nothing
+            assert stop.received == "SIGUSR2"
+            assert stop.number == signal.SIGUSR2.value
+        os.kill(os.getpid(), signal.SIGUSR1)  # after the loop a stopped run goes on ending: noted, not acted on
+        assert stop.received == "SIGUSR2"
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        signal.signal(signal.SIGUSR2, before_2)
 
 
 def test_of_signals_that_arrive_together_the_highest_numbered_is_kept():
