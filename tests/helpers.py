@@ -1,5 +1,6 @@
 """Helpers the tests share: the CLI as a user runs it, and its outputs."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -73,6 +74,32 @@ def needs_cpu_float8(on_cpu: bool = True):
 
     return pytest.mark.skipif(on_cpu and torch.__version__ < (2, 13),
                               reason=f"torch {torch.__version__} has no rowwise float8 matmul on the CPU (2.13 has)")
+
+
+@contextlib.contextmanager
+def emulated_float8_matmul():
+    """torch's float8 matmul (torch._scaled_mm) on the CPU by its emulation on every CPU: inputs upcast to fp32 and
+    scaled, then one fp32 matmul. Why: on a CPU with AMX (aten's Blas.cpp: AMX-INT8, or AMX-FP16 where the operands'
+    float8 kinds differ, as in the backward's e5m2 x e4m3) torch sends it to oneDNN instead, whose float8 matmul took
+    about 6 minutes a step of tests/e2e/test_fp8_run.py's model on such a machine, against seconds here (AMD, no AMX,
+    the emulation). The rest of the run (torchao's casts and scales, the bf16 layers) is as it is."""
+    import torch
+
+    scaled_mm = torch._scaled_mm
+
+    def emulated(*args, **kwargs):
+        enabled = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)  # the switch Blas.cpp reads before choosing oneDNN
+        try:
+            return scaled_mm(*args, **kwargs)
+        finally:
+            torch._C._set_mkldnn_enabled(enabled)
+
+    torch._scaled_mm = emulated
+    try:
+        yield
+    finally:
+        torch._scaled_mm = scaled_mm
 
 
 def compile_with_backend(monkeypatch, backend: str) -> None:
