@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from llmtune.checkpoint.folders import EMA_EXPORTS, EXPORTS
 from llmtune.errors import UserError
 from llmtune.user_code import import_named
 
@@ -93,13 +94,27 @@ def load_scorers(names: list[str], answer_column: str, regex: str | None, key: s
             if not (Path(name) / "config.json").is_file():
                 raise UserError(f"{key}: {name} is not a HF model folder (no config.json there); point it at a reward "
                                 "model's folder (AutoModelForSequenceClassification), e.g. a run's output_dir/hf")
-            scorers.append(Scorer(Path(name).name, _reward_model(name)))
+            scorers.append(Scorer(reward_model_name(Path(name)), _reward_model(name)))
             continue
         function = import_named(name, key)
         if not callable(function):
             raise UserError(f"{key}: {name!r} is not a function")
         scorers.append(Scorer(getattr(function, "__name__", name.partition(":")[2]), function))
+    given = [scorer.name for scorer in scorers]
+    twice = sorted({name for name in given if given.count(name) > 1})
+    if twice:
+        raise UserError(f"{key}: {', '.join(twice)} named twice: each scorer's metrics (rewards/NAME/mean, "
+                        "eval_gen/NAME) need a name of their own; list each once, or give a copy another name")
     return scorers
+
+
+def reward_model_name(folder: Path) -> str:
+    """A reward model's name in the metrics: its folder's name, as TRL names a model by the last part of its path;
+    for an llmtune export (output_dir/hf, hf_ema...), whose folder name every run shares, the run's folder's before it
+    (runs/rm/hf: rm-hf)."""
+    folder = folder.resolve()
+    exported = folder.name in EXPORTS or folder.name.startswith(EMA_EXPORTS)
+    return f"{folder.parent.name}-{folder.name}" if exported else folder.name
 
 
 def score(scorers: list[Scorer], prompts: list, completions: list, completion_ids: list[list[int]],

@@ -112,8 +112,11 @@ class CausalLMForTraining(nn.Module):
         terms summed), from the same decoder and LossOptions as forward (grpo's per-token ratios). A third forward
         method, registered with FSDP."""
         options = dataclasses.replace(self.loss_options, temperature=temperature)
-        return self._labelled_logps(input_ids, attention_mask, position_ids, shift_labels, labelled, sequence_ids,
-                                    options, with_entropy, model_kwargs)
+        logps, entropy, terms = self._labelled_logps(input_ids, attention_mask, position_ids, shift_labels, labelled,
+                                                     sequence_ids, options, with_entropy, model_kwargs)
+        # Cloned (a [b, S] copy): the values are a view of the flat per-token ones, and FSDP warns of a view returned
+        # by a forward method, on which an in-place op would skip its pre-backward hook.
+        return logps.clone(), entropy, terms
 
     def _labelled_logps(self, input_ids, attention_mask, position_ids, shift_labels, labelled, sequence_ids,
                         options: LossOptions, with_entropy: bool, model_kwargs: dict):
