@@ -54,9 +54,9 @@ def run_result(output_dir: Path, step: int, total_steps: int, task_metrics: tupl
                      checkpoints[-1] if checkpoints else None, hf, adapter)
 
 
-def run_summary(result: RunResult, seconds: float, outcome: str, resume: str, saves: bool) -> str:
+def run_summary(result: RunResult, seconds: float, outcome: str, resume: str, checkpoint_cfg) -> str:
     """outcome: how the run ended ("finished", "stopped by SIGTERM", ...); resume: the command that continues it;
-    saves: whether the recipe saves checkpoints (checkpoint.save_steps or save_epochs)."""
+    checkpoint_cfg: the recipe's checkpoint section (whether it saves, the export's dtype)."""
     parts = [f"run {outcome} at step {result.steps} of {result.total_steps}: {result.tokens:,} tokens, {seconds:,.0f} "
              "s in this process"]
     if result.loss is not None:
@@ -73,9 +73,12 @@ def run_summary(result: RunResult, seconds: float, outcome: str, resume: str, sa
         parts.append(f"newest checkpoint {result.checkpoint} (export it with: "
                      f"{command_line('export', result.checkpoint, 'OUT_DIR')}; go on from it with: {resume})")
     else:
+        saves = checkpoint_cfg.save_steps or checkpoint_cfg.save_epochs
         parts.append("no checkpoint saved (the run ended before its first save)" if saves else
                      "no checkpoint saved (checkpoint.save_steps or save_epochs turn saving on)")
     exported = [path for path in (result.export, result.adapter) if path]
     if exported:
-        parts.append("exported to " + " and ".join(str(path) for path in exported))
+        # The dtype said: an fp32 run exports bf16 weights unless the recipe says otherwise.
+        parts.append("exported to " + " and ".join(str(path) for path in exported)
+                     + f" ({checkpoint_cfg.export_dtype} weights: checkpoint.export_dtype)")
     return "; ".join(parts) + "."

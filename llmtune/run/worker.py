@@ -169,8 +169,7 @@ def run(config, local=None, resume: str = "the same command with checkpoint.resu
                 log.info("plots: draw them with: %s", command_line("plot", config.train.output_dir))
             result = run_result(Path(config.train.output_dir), trainer.step, trainer.total_steps,
                                 trainer.objective.metric_names())
-            saves = bool(config.checkpoint.save_steps or config.checkpoint.save_epochs)
-            log.info("%s", run_summary(result, time.perf_counter() - started, outcome, resume, saves))
+            log.info("%s", run_summary(result, time.perf_counter() - started, outcome, resume, config.checkpoint))
         if outcome == "finished":  # a failed run raises on every rank: no rank waits for this
             result = state.broadcast_object(result)
         state.close()

@@ -207,6 +207,6 @@ def test_every_run_ends_with_a_summary_on_rank_0(runs):
     assert f"last logged loss {last['loss']:.4f}" in summaries[0]
     assert f"newest checkpoint {straight / 'checkpoints' / f'global_step_{STEPS}'}" in summaries[0]
     assert f"llmtune export {straight / 'checkpoints' / f'global_step_{STEPS}'} OUT_DIR" in summaries[0]
-    assert f"exported to {straight / 'hf'}" in summaries[0]
+    assert f"exported to {straight / 'hf'} (fp32 weights: checkpoint.export_dtype)" in summaries[0]
     stopped = [line for line in runs["preempted"]["stderr"].splitlines() if "run stopped by a signal at step" in line]
     assert len(stopped) == 1 and f"{RESUME} --nproc 2" in stopped[0]
