@@ -300,6 +300,11 @@ class GRPO(Objective):
             owned.append(indices)
         return batches, owned
 
+    def _kl_weights(self, log_weights: torch.Tensor) -> torch.Tensor:
+        """The factor of the KL term of each token (token level) or completion (sequence level): its unclipped
+        importance ratio where use_bias_correction_kl (TRL's default, its coef_1), else 1."""
+        return log_weights.exp() if self.cfg.use_bias_correction_kl else torch.ones_like(log_weights)
+
     def terms(self, model, inputs: dict, batch) -> Terms:
         logps, entropy, features_terms = model.token_logps(**model_inputs(inputs), temperature=self.cfg.temperature,
                                                            with_entropy=True)
@@ -318,7 +323,9 @@ class GRPO(Objective):
         if self.cfg.importance_sampling_level == "token":
             losses, low, high = token_losses(log_ratio, advantage[owners], epsilon_low, epsilon_high)
             if kl is not None:
-                losses = losses + self.cfg.beta * kl * (log_ratio.exp() if self.cfg.use_bias_correction_kl else 1.0)
+                # TRL weights each token's k3 by its ratio before both the loss and the logged kl use it.
+                kl = kl * self._kl_weights(log_ratio)
+                losses = losses + self.cfg.beta * kl
             policy = (losses * weight[owners]).where(mask, 0.0).sum()
             clipped = torch.stack([low.where(mask, False).sum(), high.where(mask, False).sum(),
                                    (low | high).where(mask, False).sum()]).double()
@@ -334,8 +341,10 @@ class GRPO(Objective):
             losses, low, high = token_losses(mean_log_ratio, advantage, epsilon_low, epsilon_high)
             losses = losses * tokens
             if kl is not None:
-                losses = losses + self.cfg.beta * whole(kl) * (
-                    mean_log_ratio.exp() if self.cfg.use_bias_correction_kl else 1.0)
+                kl_weights = self._kl_weights(mean_log_ratio)
+                losses = losses + self.cfg.beta * whole(kl) * kl_weights
+                # The logged kl, as TRL's: each token's k3 times its completion's ratio, summed over this slice.
+                kl = kl * kl_weights[owners]
             policy = (losses * weight).sum() / self.state.cp_size
             clipped = torch.stack([low.sum(), high.sum(), (low | high).sum()]).double() * (self.state.cp_rank == 0)
         loss = torch.stack([policy, features_terms.reshape(())])

@@ -119,13 +119,15 @@ def metric_sums(policy: PairLogps, reference: PairLogps | None, beta: float) -> 
     """The step's metrics as fp64 scalar sums over these pairs, detached, under TRL's names: the caller adds them
     over micro-batches and ranks and divides by the global pair count, so every pair weighs the same however the
     pairs were split. A tie counts as half a pair ranked right (TRL counts it as none): a policy that is still its
-    reference has accuracy 0.5, chance, rather than 0."""
+    reference has accuracy 0.5, chance, rather than 0. logps/* are the summed log-probabilities (DPOTrainer's), or
+    without a reference their per-token averages, as TRL's CPO (simpo) and ORPO trainers log them."""
     chosen, rejected = (reward.double() for reward in pair_rewards(policy, reference, beta))
+    logps_chosen, logps_rejected = (policy.chosen, policy.rejected) if reference is not None else policy.averages()
     return {
         "rewards/chosen": chosen.sum(),
         "rewards/rejected": rejected.sum(),
         "rewards/accuracies": ((chosen > rejected).double() + 0.5 * (chosen == rejected).double()).sum(),
         "rewards/margins": (chosen - rejected).sum(),
-        "logps/chosen": policy.chosen.detach().double().sum(),
-        "logps/rejected": policy.rejected.detach().double().sum(),
+        "logps/chosen": logps_chosen.detach().double().sum(),
+        "logps/rejected": logps_rejected.detach().double().sum(),
     }

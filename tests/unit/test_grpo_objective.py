@@ -2,7 +2,8 @@
 truncated), against its loss computed by hand with the math module (relative 1e-6): the row's labels and old
 log-probabilities in line with the completions' tokens; every loss_type's weights with clipping below and above;
 mask_truncated_completions leaving the truncated completion out; GSPO's ratio per completion; the KL term with and
-without TRL's bias correction; the gradient of an unclipped token; and the step's counts."""
+without TRL's bias correction; the logged kl against TRL's formula in plain torch (ratios not 1); the gradient of an
+unclipped token; and the step's counts."""
 
 import math
 from pathlib import Path
@@ -142,9 +143,42 @@ def test_the_kl_term_is_k3_against_the_reference_weighted_by_the_ratio(bias_corr
             kl = math.exp(ref - new) - (ref - new) - 1
             ratio = math.exp(new - old)
             expected += clipped_loss(ratio, ADVANTAGES[s]) + BETA * kl * (ratio if bias_correction else 1.0)
-            kl_sum += kl
+            kl_sum += kl * (ratio if bias_correction else 1.0)
     assert terms.loss[0].item() == pytest.approx(expected, rel=1e-6)
-    assert terms.metrics[-1].item() == pytest.approx(kl_sum, rel=1e-6), "kl: the tokens' k3, without the ratio"
+    assert terms.metrics[-1].item() == pytest.approx(kl_sum, rel=1e-6), "kl: the tokens' k3, times TRL's ratio"
+
+
+def padded(values) -> torch.Tensor:
+    """[completions, longest] fp32, 0 after a completion's end, as TRL holds its completions."""
+    return torch.tensor([row + [0.0] * (3 - len(row)) for row in values])
+
+
+def trl_kl(level: str, bias_correction: bool, mask: torch.Tensor) -> float:
+    """TRL 1.16's logged kl, as its GRPOTrainer._compute_loss computes it for one process and micro-batch: the k3
+    estimate times coef_1 (the unclipped ratio: per token, or the completion's exp(mean log-ratio)) where
+    use_bias_correction_kl, its masked mean over every completion token (global_masked_mean)."""
+    new, old, ref = padded(NEW), padded(OLD), padded(REF)
+    log_ratio = new - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    per_token_kl = torch.exp(ref - new) - (ref - new) - 1
+    if bias_correction:
+        per_token_kl = per_token_kl * torch.exp(log_ratio)
+    return ((per_token_kl * mask).sum() / mask.sum().clamp(min=1.0)).item()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_the_logged_kl_is_trls_in_a_step_whose_ratios_are_not_1(level, bias_correction, mask_truncated):
+    grpo = objective(reference=True, beta=BETA, use_bias_correction_kl=bias_correction,
+                     importance_sampling_level=level, mask_truncated_completions=mask_truncated)
+    batch = micro_batch(grpo)
+    terms = grpo.terms(FakeModel(NEW), batch.inputs, batch)
+    logged = grpo.summary(terms.loss.tolist() + terms.metrics.tolist(), grpo.local_counts(batch.inputs, batch, 0))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [0.0 if mask_truncated else 1.0, 0.0 if mask_truncated else 1.0, 0.0]])
+    expected = trl_kl(level, bias_correction, mask)
+    assert logged["kl"] == pytest.approx(expected, rel=1e-5, abs=1e-7 * abs(expected))
 
 
 def test_an_unclipped_tokens_gradient_is_minus_its_advantage_times_its_ratio():

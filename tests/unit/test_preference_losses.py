@@ -183,16 +183,20 @@ def test_metric_sums_are_fp64_detached_sums_under_trls_names(with_reference):
     if with_reference:
         chosen = [BETA * (p["pi_c"] - p["ref_c"]) for p in PAIRS]
         rejected = [BETA * (p["pi_r"] - p["ref_r"]) for p in PAIRS]
+        logps_chosen, logps_rejected = [p["pi_c"] for p in PAIRS], [p["pi_r"] for p in PAIRS]
     else:
         chosen = [BETA * p["pi_c"] / p["n_c"] for p in PAIRS]
         rejected = [BETA * p["pi_r"] / p["n_r"] for p in PAIRS]
+        # TRL's CPO (simpo) and ORPO trainers log the per-token averages under logps/*, DPOTrainer the sums.
+        logps_chosen = [p["pi_c"] / p["n_c"] for p in PAIRS]
+        logps_rejected = [p["pi_r"] / p["n_r"] for p in PAIRS]
     expected = {
         "rewards/chosen": sum(chosen),
         "rewards/rejected": sum(rejected),
         "rewards/accuracies": sum(c > r for c, r in zip(chosen, rejected)),
         "rewards/margins": sum(c - r for c, r in zip(chosen, rejected)),
-        "logps/chosen": sum(p["pi_c"] for p in PAIRS),
-        "logps/rejected": sum(p["pi_r"] for p in PAIRS),
+        "logps/chosen": sum(logps_chosen),
+        "logps/rejected": sum(logps_rejected),
     }
     assert set(sums) == set(expected)
     for name, value in sums.items():
