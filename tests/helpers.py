@@ -36,6 +36,15 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_cli_imports(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """run_cli with Python's import-time report on (python -X importtime): the result, its stderr without the report,
+    and the packages the command imported (their top-level names): which a refusal must not have waited for."""
+    result = run_cli(*args, env={**(env or {}), "PYTHONPROFILEIMPORTTIME": "1"})
+    lines = result.stderr.splitlines(keepends=True)
+    result.stderr = "".join(line for line in lines if not line.startswith("import time:"))
+    return result, {line.rpartition("|")[2].strip().split(".")[0] for line in lines if line.startswith("import time:")}
+
+
 class StopAt:
     """A callback (llmtune's need no base class) that stops training after optimizer step `step`."""
 

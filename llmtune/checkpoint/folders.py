@@ -6,16 +6,32 @@ import shutil
 from pathlib import Path
 
 from llmtune.config import RESUME_BEST, RESUME_NEWEST
+from llmtune.errors import UserError
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 LATEST = "latest"
 EXPORTS = ("hf", "adapter")  # the folders hf_export publishes
 EMA_EXPORTS = ("hf_ema", "adapter_ema")  # and those of the moving averages (hf_ema_<decay> for several)
+REQUIRED = (".metadata", "trainer_state.json", "config.yaml")  # the files of every checkpoint
 
 
 def _step(path: Path) -> int | None:
     match = STEP_DIR.match(path.name)
     return int(match.group(1)) if match else None
+
+
+def check_checkpoint_folder(path: Path) -> None:
+    """`path` is a finished checkpoint's folder, with the files every checkpoint holds: the checks of a checkpoint
+    that need no torch, so that `llmtune export` refuses a wrong folder before torch is imported
+    (validate.check_complete makes them first)."""
+    if not path.is_dir():
+        raise UserError(f"{path}: no such checkpoint folder")
+    if path.name.startswith("."):
+        raise UserError(f"{path}: an unfinished checkpoint (its save never completed); resume from a "
+                        "global_step_N folder or from latest")
+    missing = [name for name in REQUIRED if not (path / name).is_file()]
+    if missing:
+        raise UserError(f"{path}: incomplete checkpoint, missing {', '.join(missing)}; use another checkpoint")
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

@@ -6,25 +6,17 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from llmtune.checkpoint.folders import check_checkpoint_folder
 from llmtune.checkpoint.manifest import manifest_problems
 from llmtune.command import command_line
 from llmtune.errors import UserError
 from llmtune.model.pretrained import not_loaded_line
 
-REQUIRED = (".metadata", "trainer_state.json", "config.yaml")
-
 
 def check_complete(path: Path, checksums: bool = False) -> None:
     """Every file the checkpoint needs is there and as long as its metadata and manifest say; with `checksums`, each
     file's bytes are those written."""
-    if not path.is_dir():
-        raise UserError(f"{path}: no such checkpoint folder")
-    if path.name.startswith("."):
-        raise UserError(f"{path}: an unfinished checkpoint (its save never completed); resume from a "
-                        "global_step_N folder or from latest")
-    missing = [name for name in REQUIRED if not (path / name).is_file()]
-    if missing:
-        raise UserError(f"{path}: incomplete checkpoint, missing {', '.join(missing)}; use another checkpoint")
+    check_checkpoint_folder(path)
     ends: dict[str, int] = {}
     for info in FileSystemReader(str(path)).read_metadata().storage_data.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)

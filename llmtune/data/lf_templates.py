@@ -2,13 +2,15 @@
 as its data/template.py registers them. llmtune never trains with a rendering of its own of them: it trains with the
 model's own chat template, or a llmtune built-in, where that renders LLaMA-Factory's probe conversations (PROBES: a
 turn, a system text, two turns) to the same token ids as LLaMA-Factory encodes them; where none does, the run is
-refused, naming what to set. Encoding as LLaMA-Factory does (Template._encode, encode_multiturn): the prefix and the
-system text before the first turn (its default system where a conversation has none; Llama2Template's fuse it into
-the first user turn), each formatted turn tokenized alone without special tokens, its {"bos_token"} and
-{"eos_token"} slots the tokenizer's ids; a ReasoningTemplate (qwen3) puts the empty thought before every assistant
-turn that has none.
+refused, saying why (the template's markers that are no tokens of the tokenizer, else where the model's own template
+first renders otherwise) and naming what to set (the names that do render here). Encoding as LLaMA-Factory does
+(Template._encode, encode_multiturn): the prefix and the system text before the first turn (its default system where
+a conversation has none; Llama2Template's fuse it into the first user turn), each formatted turn tokenized alone
+without special tokens, its {"bos_token"} and {"eos_token"} slots the tokenizer's ids; a ReasoningTemplate (qwen3)
+puts the empty thought before every assistant turn that has none.
 """
 
+import re
 from dataclasses import dataclass
 
 from llmtune.errors import UserError
@@ -17,6 +19,8 @@ BOS, EOS = "bos_token", "eos_token"  # the slots LLaMA-Factory writes as {"bos_t
 CHATML_USER = ("<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n",)
 CHATML_ASSISTANT = ("{{content}}<|im_end|>\n",)
 CHATML_SYSTEM = ("<|im_start|>system\n{{content}}<|im_end|>\n",)
+# A marker as the families write them: <|eot_id|>, <start_of_turn>, </SYS>, <｜User｜>.
+MARKER = re.compile(r"<[^<>\s{}]+>")
 
 
 @dataclass(frozen=True)
@@ -132,13 +136,37 @@ def _ids(tokenizer, slots: list) -> list[int]:
     return ids
 
 
-def renders_alike(name: str, tokenizer, chat_template: str) -> bool:
-    """Whether `chat_template` (Jinja) renders every probe conversation to LLaMA-Factory's ids of template `name`."""
+def difference(name: str, tokenizer, chat_template: str) -> str | None:
+    """Where `chat_template` (Jinja) renders a probe conversation otherwise than LLaMA-Factory encodes it with
+    template `name`, for a message; None where it renders every probe to LLaMA-Factory's ids."""
     for messages in PROBES:
         text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False)
-        if tokenizer(text, add_special_tokens=False)["input_ids"] != encode(TEMPLATES[name], tokenizer, messages):
-            return False
-    return True
+        expected = encode(TEMPLATES[name], tokenizer, messages)
+        if tokenizer(text, add_special_tokens=False)["input_ids"] == expected:
+            continue
+        encoded = tokenizer.decode(expected)
+        if encoded == text:
+            return "the same text in other tokens (LLaMA-Factory tokenizes each piece of a turn alone)"
+        at = next((i for i, (a, b) in enumerate(zip(text, encoded)) if a != b), min(len(text), len(encoded)))
+        start = max(0, at - 20)
+        return f"{text[start:at + 30]!r} where LLaMA-Factory's {name} has {encoded[start:at + 30]!r}"
+    return None
+
+
+def _missing_markers(template: LFTemplate, tokenizer) -> list[str]:
+    """The markers `template` writes (<|eot_id|>, <start_of_turn>, ...) that are no token of `tokenizer`: a template of
+    another family, whose markers this tokenizer cuts into pieces of text."""
+    slots = (*template.prefix, *template.system, *template.user, *template.assistant, template.thought or "")
+    vocabulary = tokenizer.get_vocab()
+    return sorted({marker for slot in slots if slot not in (BOS, EOS) for marker in MARKER.findall(slot)
+                   if marker not in vocabulary})
+
+
+def _fitting(tokenizer, candidates: list[tuple[str, str]]) -> list[str]:
+    """LLaMA-Factory's template names that one of `candidates` ((where from, Jinja)) renders as it does with
+    `tokenizer`, its markers the tokenizer's own tokens."""
+    return [name for name, template in TEMPLATES.items() if not _missing_markers(template, tokenizer)
+            and any(difference(name, tokenizer, jinja) is None for _, jinja in candidates)]
 
 
 def resolve(name: str, tokenizer, builtins: dict[str, str]) -> tuple[str, str]:
@@ -151,9 +179,27 @@ def resolve(name: str, tokenizer, builtins: dict[str, str]) -> tuple[str, str]:
     candidates = ([("the model's own chat template", tokenizer.chat_template)] if tokenizer.chat_template else []) + \
         [(f"llmtune's built-in {key}", jinja) for key, jinja in builtins.items()]
     for source, jinja in candidates:
-        if renders_alike(name, tokenizer, jinja):
+        if difference(name, tokenizer, jinja) is None:
             return jinja, source
     raise UserError(f"data.chat_template: LLaMA-Factory's template {name} renders conversations differently from "
                     f"the model's own chat template{' (it has none)' if not tokenizer.chat_template else ''} and from "
-                    f"llmtune's built-ins ({', '.join(builtins)}); give chat_template: a .jinja file that renders as "
-                    f"{name} does, or leave template out to train with the model's own")
+                    f"llmtune's built-ins ({', '.join(builtins)}){_why(name, tokenizer, builtins)}; "
+                    f"{_others(tokenizer, candidates)}give chat_template: a .jinja file that renders as {name} does, "
+                    "or leave template out to train with the model's own")
+
+
+def _why(name: str, tokenizer, builtins: dict[str, str]) -> str:
+    """What tells `name` apart here, for its refusal: its markers the tokenizer lacks, else where the model's own
+    chat template (without one, llmtune's built-in of the name) first renders otherwise."""
+    if missing := _missing_markers(TEMPLATES[name], tokenizer):
+        return f": its markers {', '.join(missing)} are no tokens of this tokenizer (a template of another family)"
+    if jinja := tokenizer.chat_template or builtins.get(name):
+        whose = "the model's own" if tokenizer.chat_template else f"llmtune's {name}"
+        return f": {whose} renders {difference(name, tokenizer, jinja)}"
+    return ""
+
+
+def _others(tokenizer, candidates: list[tuple[str, str]]) -> str:
+    """The refusal's first fix: the names that do render here, where some do."""
+    names = _fitting(tokenizer, candidates)
+    return f"name a template that renders here as LLaMA-Factory's does ({' or '.join(names)}), " if names else ""

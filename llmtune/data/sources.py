@@ -5,8 +5,10 @@ a Hub dataset (org/name[@revision][:config[:split]]), read from its snapshot in 
 Read errors name the file and, for JSON lines, the line.
 """
 
+import contextlib
 import csv
 import json
+import logging
 from pathlib import Path
 
 import datasets
@@ -44,7 +46,8 @@ def load_source(pattern: str, key: str, streaming: bool = False,
         if builder == ".txt":
             options = {**options, "sample_by": text_sample_by}
         try:
-            part = datasets.load_dataset(name, data_files=group, split="train", streaming=streaming, **options)
+            with _read_errors_said_once(name):
+                part = datasets.load_dataset(name, data_files=group, split="train", streaming=streaming, **options)
             parts.append(_without_blank_documents(part) if builder == ".txt" else part)
         except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as err:
             raise UserError(_read_error(group, err)) from None
@@ -55,6 +58,23 @@ def load_source(pattern: str, key: str, streaming: bool = False,
     except ValueError as err:
         raise UserError(f"{key}: the files of {pattern!r} have different columns ({err}); give each kind its own "
                         "entry") from None
+
+
+@contextlib.contextmanager
+def _read_errors_said_once(builder: str):
+    """datasets' reader of `builder` logs the error it fails with before it raises it, JSON's counting rows from 0
+    ("in row 7" for line 8); the UserError made of it (_read_error) says it once, the line numbered as editors number
+    it. Its warnings still show."""
+    logger = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")
+    logger.addFilter(_below_errors)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_below_errors)
+
+
+def _below_errors(record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR
 
 
 def hub_builder(source: HubDataset, key: str) -> datasets.DatasetBuilder:

@@ -11,6 +11,7 @@ import sys
 
 from llmtune import __version__
 from llmtune.errors import Preempted, TrainingStopped, UserError
+from llmtune.llamafactory import STAGES
 from llmtune.tasks.registry import TASKS
 
 NAMES = "|".join(TASKS)
@@ -36,6 +37,10 @@ COMMAND_HELP = {
             "and device, with no process started and no weight read.",
     "demo": "Generates data, a tokenizer and a tiny Llama under runs/demo, then pre-trains, fine-tunes, aligns it and "
             "trains it online (pt, sft, dpo, grpo), printing held-out accuracy; run it again to go on after a Ctrl-C.",
+    "train": "Trains a LLaMA-Factory recipe (flat, as its examples/ are: no sections) as llmtune STAGE FLAT_RECIPE "
+             f"does, the task its stage ({', '.join(STAGES)}; sft where it names none), its keys read under "
+             "llmtune's names or refused with the reason (docs/from-other-trainers.md). Every key, its default and "
+             "meaning: llmtune STAGE --help, or llmtune train FLAT_RECIPE --help for the recipe's own stage.",
 }
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
@@ -151,11 +156,13 @@ def export_command(args: list[str]) -> int:
     parsed = parser.parse_args(args)
     from pathlib import Path
 
+    from llmtune.checkpoint.folders import check_checkpoint_folder
+
+    check_checkpoint_folder(Path(parsed.checkpoint))  # a wrong folder refused before torch's import (seconds)
     from llmtune.run.export import export_checkpoint
 
-    export_checkpoint(Path(parsed.checkpoint), Path(parsed.out_dir), parsed.dtype, parsed.overwrite, parsed.merge,
-                      parsed.verify)
-    print(f"exported {parsed.checkpoint} to {parsed.out_dir}")
+    print(export_checkpoint(Path(parsed.checkpoint), Path(parsed.out_dir), parsed.dtype, parsed.overwrite,
+                            parsed.merge, parsed.verify))
     return 0
 
 
@@ -289,16 +296,20 @@ def generate_command(args: list[str]) -> int:
     workers through torchrun, this command line less --nproc, which share the prompts."""
     parsed = generate_parser().parse_args(args)
     check_generate_flags(parsed)
+    from llmtune.generation.prompts import read_prompt_rows
+
+    # Read before torch is imported (seconds): an empty file, or a row that is no prompt, refused at once.
+    rows = read_prompt_rows(parsed.file) if parsed.file else []
     from llmtune.run import generate
 
     if parsed.nproc and parsed.nproc > 1:
         from llmtune.run.launch import launch_local
 
-        generate.checked_inputs(parsed)  # refused here once, not by every worker
+        generate.checked_inputs(parsed, rows)  # refused here once, not by every worker
         workers = list(args)
         take_flag(workers, "--nproc", "")
         return launch_local(parsed.nproc, ["generate", *workers])
-    generate.run(parsed)
+    generate.run(parsed, rows)
     return 0
 
 
@@ -363,9 +374,14 @@ def plan_command(args: list[str]) -> int:
     if device_gib is not None and device_gib <= 0:
         raise UserError(f"--device-memory: {memory!r} is not a positive number of GiB (e.g. 80 for an H100 80GB)")
     world_size = nproc or int(nnodes or 1) * int(per_node or 1)
+    from llmtune.config import load_config
+    from llmtune.run.inputs import fetched_config
+
+    config = load_config(recipe, overrides, task, world_size, task_flag=True)
+    model = fetched_config(config.model)  # before torch's import (seconds): a missing id refused at once
     from llmtune.run.plan import plan_recipe
 
-    print(plan_recipe(recipe, overrides, task, world_size, device_gib, nproc or int(per_node or 1), task_flag=True))
+    print(plan_recipe(config, model, world_size, device_gib, nproc or int(per_node or 1)))
     return 0
 
 
@@ -398,6 +414,22 @@ def usage_of(command: str) -> str:
     return "\n".join([f"usage: {first}", *entry[1:]])
 
 
+def command_help(command: str, args: list[str]) -> str:
+    """`llmtune COMMAND --help`: a task's (every recipe key), or a command's of COMMAND_HELP; train's, given a flat
+    recipe, goes on with the help of the task its stage names."""
+    if command in TASKS:
+        from llmtune.config import recipe_help
+
+        return f"{usage_of(command)}\n\n{TASKS[command].description}\n\n{recipe_help(command)}"
+    shown = f"{usage_of(command)}\n\n{COMMAND_HELP[command]}"
+    if command == "train" and (recipe := next((arg for arg in args if not arg.startswith("-")), None)):
+        from llmtune.config import flat_recipe_task
+
+        task = flat_recipe_task(recipe)
+        shown += f"\n\n{recipe}: stage {task}, trained as llmtune {task} trains it:\n\n{command_help(task, [])}"
+    return shown
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtune", usage=USAGE,
                                      description="FSDP2 training of HF causal LMs: " + ", ".join(TASKS) + ".")
@@ -406,15 +438,10 @@ def main(argv: list[str] | None = None) -> int:
                                             "plan"])
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
-    if parsed.command in TASKS and {"-h", "--help"} & set(parsed.args):
-        from llmtune.config import recipe_help
-
-        print(f"{usage_of(parsed.command)}\n\n{TASKS[parsed.command].description}\n\n{recipe_help(parsed.command)}")
-        return 0
-    if parsed.command in COMMAND_HELP and {"-h", "--help"} & set(parsed.args):
-        print(f"{usage_of(parsed.command)}\n\n{COMMAND_HELP[parsed.command]}")
-        return 0
     try:
+        if (parsed.command in TASKS or parsed.command in COMMAND_HELP) and {"-h", "--help"} & set(parsed.args):
+            print(command_help(parsed.command, parsed.args))
+            return 0
         if parsed.command == "export":
             return export_command(parsed.args)
         if parsed.command == "generate":

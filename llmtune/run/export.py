@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from llmtune.checkpoint.hf_export import EXPORT_DTYPES, gather_weights, write_hf_folder
@@ -53,10 +54,11 @@ def checkpoint_model(checkpoint: Path, run, trainer_state: dict, features: Featu
 
 
 def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, overwrite: bool, merge: bool,
-                      verify: bool = False) -> None:
+                      verify: bool = False) -> str:
     """Offline, one process: a DCP checkpoint (any world size) -> the same HF folder as the end of training; for a
     run that trained adapters, their adapter folder, or (merge) the HF folder with them merged.
-    dtype_name None: the run's checkpoint.export_dtype. verify: check every file's checksum first."""
+    dtype_name None: the run's checkpoint.export_dtype. verify: check every file's checksum first. Returns the line
+    that says what was written."""
     check_complete(checkpoint, verify)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"{out_dir}: exists and is not empty; choose another folder or pass --overwrite")
@@ -76,9 +78,20 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, o
     tokenizer = AutoTokenizer.from_pretrained(source)
     if adapters and not merge:
         adapters.export_adapter(model, tokenizer, out_dir, dtype, is_main=True)
-        return
+        return exported_line(checkpoint, out_dir, "the adapter folder", dtype_name)
     if adapters:
         merge_adapters(model)
     generation = GenerationConfig.from_pretrained(source) if (source / "generation_config.json").is_file() else None
     write_hf_folder(gather_weights(model, dtype, True), model, generation, tokenizer, out_dir,
                     parse_size(run.checkpoint.max_shard_size), dtype, features)
+    return exported_line(checkpoint, out_dir, "the HF folder, adapters merged" if adapters else "the HF folder",
+                         dtype_name)
+
+
+def exported_line(checkpoint: Path, out_dir: Path, folder: str, dtype_name: str) -> str:
+    """What `llmtune export` wrote: the tensors counted in the folder's safetensors files, as written."""
+    tensors = 0
+    for path in out_dir.glob("*.safetensors"):
+        with safe_open(path, "pt") as weights:
+            tensors += len(weights.keys())
+    return f"exported {checkpoint} to {out_dir} ({folder}: {tensors} tensors, {dtype_name})"

@@ -19,7 +19,7 @@ from llmtune.data.collate import pad_token_id
 from llmtune.data.prompts import prompt_ids
 from llmtune.errors import UserError
 from llmtune.generation.engine import BATCH_SIZE, Sampling, generate
-from llmtune.generation.prompts import completion_value, read_prompt_rows, stop_ids
+from llmtune.generation.prompts import completion_value, stop_ids
 from llmtune.run.launch import launched_by_torchrun
 from llmtune.run.parallel import LONG_WAIT, ParallelState
 
@@ -67,10 +67,10 @@ def folder_generation_config(model_dir: Path) -> GenerationConfig:
     return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
 
 
-def file_prompts(path: str, tokenizer) -> tuple[list[dict], list[list[int]]]:
-    """The rows of a prompts file and each prompt's token ids; a row the model cannot complete is refused by its
-    number, before the model loads."""
-    rows, prompts = read_prompt_rows(path), []
+def file_prompts(path: str, rows: list[dict], tokenizer) -> list[list[int]]:
+    """The token ids of each prompt of `rows`, read from the prompts file `path` (read_prompt_rows); a row the model
+    cannot complete is refused by its number, before the model loads."""
+    prompts = []
     for number, row in enumerate(rows, 1):
         if isinstance(row["prompt"], list) and not tokenizer.chat_template:
             raise UserError(f"{path}: row {number}: a messages prompt needs a chat template, and the tokenizer has "
@@ -82,12 +82,13 @@ def file_prompts(path: str, tokenizer) -> tuple[list[dict], list[list[int]]]:
         if not ids:
             raise UserError(f"{path}: row {number}: the prompt is empty; give the text the completion follows")
         prompts.append(ids)
-    return rows, prompts
+    return prompts
 
 
-def checked_inputs(parsed: Namespace) -> tuple:
-    """(tokenizer, sampling, --file's rows, their prompts' ids): every refusal that needs the tokenizer or the
-    folder's generation config, made before the model loads (and, under --nproc, before the processes start)."""
+def checked_inputs(parsed: Namespace, rows: list[dict]) -> tuple:
+    """(tokenizer, sampling, their prompts' ids): every refusal that needs the tokenizer or the folder's generation
+    config, made before the model loads (and, under --nproc, before the processes start). rows: --file's, as
+    read_prompt_rows read them (none without --file)."""
     tokenizer = AutoTokenizer.from_pretrained(parsed.model_dir, trust_remote_code=False)
     sampling = resolved_sampling(parsed)
     if parsed.chat and not tokenizer.chat_template:
@@ -95,14 +96,13 @@ def checked_inputs(parsed: Namespace) -> tuple:
                         "(tokenizer_config.json's chat_template) or complete text with --prompt")
     if parsed.prompt == "":
         raise UserError("--prompt: empty; give the text the completion follows")
-    rows, prompts = file_prompts(parsed.file, tokenizer) if parsed.file else ([], [])
-    return tokenizer, sampling, rows, prompts
+    return tokenizer, sampling, file_prompts(parsed.file, rows, tokenizer)
 
 
-def run(parsed: Namespace) -> None:
+def run(parsed: Namespace, rows: list[dict]) -> None:
     """The command on this process; under torchrun, on each of its processes, which share --file's prompts, the
-    first one writing --out."""
-    tokenizer, sampling, rows, prompts = checked_inputs(parsed)
+    first one writing --out and saying so. rows: --file's (checked_inputs')."""
+    tokenizer, sampling, prompts = checked_inputs(parsed, rows)
     # The processes wait for each other once, when the completions are shared: as long as the slowest one's share
     # takes, not the training collectives' timeout.
     state = ParallelState.initialize(ParallelConfig(timeout_minutes=LONG_WAIT.total_seconds() / 60)) \
@@ -117,6 +117,7 @@ def run(parsed: Namespace) -> None:
             completions = completer.texts(prompts)
             if not state or state.is_main:
                 write_completions(Path(parsed.out), rows, completions)
+                print(f"wrote {len(completions)} completions of {len(rows)} prompts to {parsed.out}")
         else:
             print_completions([text for _, text in completer.texts([prompt_ids(tokenizer, parsed.prompt)])])
     finally:

@@ -12,7 +12,7 @@ from llmtune.config import RESUME_BEST, RESUME_NEWEST
 from llmtune.data.files import check_has_rows, is_saved_dataset, resolve_data_files
 from llmtune.data.registry import Source, split_sources
 from llmtune.errors import UserError
-from llmtune.hub import HubRepo, dataset_source, fetch, model_repo
+from llmtune.hub import HubRepo, dataset_source, fetch, model_config_repo, model_repo
 from llmtune.tasks.registry import DOCUMENTS, TASKS
 
 
@@ -63,6 +63,14 @@ def fetch_hub_inputs(config, commits: dict[HubRepo, str] | None = None,
     """The snapshot folder of every Hub repository the recipe names, at commits[repo] where given."""
     return {repo: fetch(replace(repo, revision=commits[repo]) if commits else repo, key, local_files_only)
             for repo, key in hub_inputs(config).items()}
+
+
+def fetched_config(model):
+    """The model section as `llmtune plan` reads it: a Hub id's config files alone fetched (name_or_path its snapshot
+    folder), through hub.fetch, which fails at once where the Hub cannot be reached (transformers' download of a
+    config retries it for a minute)."""
+    repo = model_config_repo(model.name_or_path, model.revision, model.trust_remote_code)
+    return replace(model, name_or_path=str(fetch(repo, "model.name_or_path")), revision=None) if repo else model
 
 
 def local_inputs(config, folders: dict[HubRepo, Path]):

@@ -547,23 +547,15 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
     return "\n".join(lines)
 
 
-def plan_recipe(recipe: str, overrides: list[str], task: str, world_size: int, device_gib: float | None,
-                processes_here: int = 1, task_flag: bool = False) -> str:
-    """The report of `llmtune plan`, after the checks a run makes of its recipe, layout and model (the same
-    messages), except that only the model's config is read: no weight, no data file is needed. processes_here: the
-    ranks of one node, which share its RAM on CPU (train.per_device_train_batch_size: auto); task_flag: as
-    load_config's (the command's --task)."""
-    from llmtune.config import AUTO, load_config
+def plan_recipe(config, model, world_size: int, device_gib: float | None, processes_here: int = 1) -> str:
+    """The report of `llmtune plan` of the loaded recipe `config`, after the checks a run makes of its recipe, layout
+    and model (the same messages), except that only the model's config is read: no weight, no data file is needed.
+    model: the recipe's model section with its config's files fetched (inputs.fetched_config). processes_here: the
+    ranks of one node, which share its RAM on CPU (train.per_device_train_batch_size: auto)."""
+    from llmtune.config import AUTO
     from llmtune.features.registry import check_features
-    from llmtune.hub import fetch, model_config_repo
     from llmtune.model.build import check_model, load_model_config
 
-    config = load_config(recipe, overrides, task, world_size, task_flag)
-    model = config.model
-    # Through llmtune's fetch, which fails at once where the Hub cannot be reached: transformers' download of the
-    # config retries it for a minute.
-    if repo := model_config_repo(model.name_or_path, model.revision, model.trust_remote_code):
-        model = replace(model, name_or_path=str(fetch(repo, "model.name_or_path")), revision=None)
     try:
         model_config = load_model_config(model, config.head())
     except (OSError, ValueError) as err:

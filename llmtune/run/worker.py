@@ -1,8 +1,11 @@
 """What each process runs: wire the parts from the config, top to bottom, train, export."""
 
 import logging
+import os
+import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from llmtune.config import AUTO
 from llmtune.data.collate import pad_token_id
 from llmtune.data.manager import build_data
 from llmtune.data.templates import recipe_tokenizer
-from llmtune.errors import Preempted, TrainingStopped
+from llmtune.errors import Preempted, TrainingStopped, UserError
 from llmtune.features.registry import enabled_features
 from llmtune.model.build import base_record, build_model, check_vocab, load_model_config
 from llmtune.monitor.console import TRAIN_LOG, close_train_log, configure_logging, open_train_log
@@ -56,9 +59,10 @@ def fetch_in_turn(config, state: ParallelState):
 
 
 def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tuple[Trainer, object]:
-    """(trainer, tokenizer) for this rank, resumed when the recipe says so; rank 0 writes the resolved config.
-    local: the recipe with its Hub ids fetched (local_inputs), which the run reads; default: config itself.
-    callbacks: callback objects beside those the recipe names (llmtune.train's)."""
+    """(trainer, tokenizer) for this rank, resumed when the recipe says so; rank 0 writes the resolved config, and
+    a refusal meanwhile leaves output_dir as it found it (nothing_left_if_refused). local: the recipe with its Hub
+    ids fetched (local_inputs), which the run reads; default: config itself. callbacks: callback objects beside those
+    the recipe names (llmtune.train's)."""
     local = local or config
     threads = set_threads()
     if config.train.per_device_train_batch_size == AUTO:  # under torchrun, where every worker read the recipe's auto
@@ -66,13 +70,43 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     if state.device.type == "cpu":
         keep_freed_memory()
     output_dir = Path(config.train.output_dir)
-    if state.is_main:
-        if config.train.overwrite_output_dir:
-            remove_earlier_run(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        # A run that goes on from its checkpoints adds to the log of the run it continues.
-        open_train_log(output_dir / TRAIN_LOG, continues(output_dir, config.checkpoint.resume_from_checkpoint))
-        config.write(output_dir / "config.yaml")
+    if state.is_main and config.train.overwrite_output_dir:
+        remove_earlier_run(output_dir)
+    with nothing_left_if_refused(output_dir, state.is_main):
+        if state.is_main:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            # A run that goes on from its checkpoints adds to the log of the run it continues.
+            open_train_log(output_dir / TRAIN_LOG, continues(output_dir, config.checkpoint.resume_from_checkpoint))
+        return wire(config, local, state, callbacks, threads)
+
+
+@contextmanager
+def nothing_left_if_refused(output_dir: Path, is_main: bool):
+    """A refused run (UserError, exit 2) writes nothing, also where the refusal is found once the run is being built
+    (its data, its model, the ranks' agreement, the checkpoint it resumes): rank 0 takes away what the run added to
+    output_dir, the folder itself (and the parents it made) where there was none, else the entries that were not
+    there; train.log first ends with the reason, so that a resumed run's log, which was there, tells it."""
+    if not is_main:  # rank 0 alone writes there before training
+        yield
+        return
+    created = next((p for p in reversed((output_dir, *output_dir.parents)) if not p.exists()), None)
+    before = None if created else set(os.listdir(output_dir))
+    try:
+        yield
+    except UserError as err:
+        close_train_log(err)
+        for path in [created] if created else [output_dir / n for n in os.listdir(output_dir) if n not in before]:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        raise
+
+
+def wire(config, local, state: ParallelState, callbacks, threads) -> tuple[Trainer, object]:
+    """build_trainer's parts, top to bottom, each from the config and what came before it; threads: set_threads',
+    for the banner."""
+    output_dir = Path(config.train.output_dir)
     if config.train.deterministic:
         # transformers' own switch (as the HF Trainer's full_determinism): deterministic algorithms, and the
         # cuBLAS workspace setting without which they raise on CUDA.
@@ -118,6 +152,9 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     trainer.built()
     checkpoints.restore(trainer)
     if state.is_main:
+        # Once every refusal is behind: a refused run writes no config.yaml, nor replaces the one of the run it would
+        # have gone on from.
+        config.write(output_dir / "config.yaml")
         log_start(trainer, local, state.world_size, peak, threads)
     return trainer, tokenizer
 

@@ -48,12 +48,15 @@ def test_retention_keeps_the_newest_complete_checkpoints(tmp_path, tiny_model, s
 
 
 @pytest.mark.parametrize("model", ["tiny_model", "tiny_qwen2", "tied_llama"])
-def test_offline_export_equals_the_end_of_training_export(tmp_path, sft_file, model, request):
+def test_offline_export_equals_the_end_of_training_export(tmp_path, sft_file, model, request, capsys):
     folder = request.getfixturevalue(model)
     train(recipe(tmp_path, str(folder), sft_file, save_steps=5))
-    out = tmp_path / "out"
-    assert cli_main(["export", str(out / "checkpoints" / "global_step_5"), str(tmp_path / "offline")]) == 0
+    out, checkpoint = tmp_path / "out", tmp_path / "out" / "checkpoints" / "global_step_5"
+    capsys.readouterr()
+    assert cli_main(["export", str(checkpoint), str(tmp_path / "offline")]) == 0
     online, offline = load_file(out / "hf" / "model.safetensors"), load_file(tmp_path / "offline" / "model.safetensors")
+    assert capsys.readouterr().out == \
+        f"exported {checkpoint} to {tmp_path / 'offline'} (the HF folder: {len(offline)} tensors, fp32)\n"
     assert online.keys() == offline.keys()
     assert all(torch.equal(online[k], offline[k]) and online[k].dtype == torch.float32 for k in online)
     assert ("lm_head.weight" in online) == (model != "tied_llama")

@@ -114,6 +114,18 @@ def test_a_data_file_without_rows_is_named_before_any_process_starts(tmp_path, r
     assert not (tmp_path / "out").exists()
 
 
+def test_a_refusal_the_worker_finds_leaves_no_output_folder(tmp_path, recipe, capsys):
+    """A row that is not JSON is found once the worker builds the data, after rank 0 started the output folder
+    (train.log): a refused run writes nothing, so the folder it made goes with it."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1 + 1?", "response": "2"}\n{"prompt": "2 + 2?", "response": 4\n')
+    result = in_process(capsys, "sft", recipe(data__train_files=[str(bad)]))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"llmtune: error: {bad}:2: not valid JSON (Expecting ',' delimiter); write one JSON object per line")
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_recipe_file():
     result = run_cli("pt", "no_such_recipe.yaml")
     assert result.returncode == 2
@@ -206,7 +218,7 @@ def test_bad_data_row_on_two_processes_exits_2_naming_file_and_line(launches):
     folder, result = launches["bad_row"]
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"llmtune: error: {folder / 'bad.jsonl'}:2: not valid JSON" in result.stderr
-    assert not (folder / "out" / "hf").exists()
+    assert not (folder / "out").exists()
 
 
 @pytest.mark.parametrize("tracker", ["tensorboard", "wandb", "mlflow"])
@@ -245,7 +257,7 @@ def test_an_incomplete_checkpoint_to_resume_from_stops_every_rank_with_its_name(
     checkpoint = folder / "global_step_3"
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"llmtune: error: {checkpoint}: incomplete checkpoint, missing .metadata, trainer_state.json" in result.stderr
-    assert not (folder / "out" / "hf").exists()
+    assert not (folder / "out").exists()
 
 
 @pytest.mark.slow
@@ -263,7 +275,7 @@ def test_a_dataset_info_entry_naming_a_missing_file_and_a_tool_result_without_a_
     assert result.returncode == 2, result.stderr[-2000:]
     assert (f"llmtune: error: {folder / 'calls.json'}: row 1: message 1 is a tool result after a user turn with no "
             "tool call before it") in result.stderr
-    assert not (folder / "out" / "hf").exists()
+    assert not (folder / "out").exists()
 
 
 def test_wandb_without_a_login_is_refused_up_front(tmp_path, recipe):

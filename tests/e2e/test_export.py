@@ -16,7 +16,7 @@ from llmtune.checkpoint.hf_export import export_trained
 from llmtune.config import load_config
 from llmtune.run.parallel import ParallelState
 from llmtune.run.worker import build_trainer
-from tests.helpers import read_metrics, train_and_export
+from tests.helpers import read_metrics, run_cli_imports, train_and_export
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +98,14 @@ def test_every_exported_file_has_the_umasks_permissions(tiny_model, sft_file, tm
              for folder in ("hf", "adapter") for path in (tmp_path / folder).iterdir()}
     assert {"hf/model.safetensors", "adapter/adapter_model.safetensors"} <= {str(path) for path in modes}
     assert {str(path): oct(mode) for path, mode in modes.items() if mode != 0o644} == {}
+
+
+def test_a_missing_checkpoint_folder_is_refused_before_torch_is_imported(tmp_path):
+    """The refusal came after torch, transformers and the rest were imported: seconds (half a minute on a cold
+    start) for one line."""
+    result, imported = run_cli_imports("export", str(tmp_path / "missing"), str(tmp_path / "out"))
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2, "", f"llmtune: error: {tmp_path / 'missing'}: no such checkpoint folder\n")
+    assert "llmtune" in imported, "the report lists the imports"
+    assert "torch" not in imported
+    assert not (tmp_path / "out").exists()

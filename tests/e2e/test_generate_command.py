@@ -17,7 +17,7 @@ from llmtune.generation.engine import Sampling
 from llmtune.run import generate as generate_module
 from llmtune.run.cli import main as cli_main
 from llmtune.run.generate import Completer, chat
-from tests.helpers import run_cli, save_tiny_model
+from tests.helpers import run_cli, run_cli_imports, save_tiny_model
 
 NEW_TOKENS = 6
 ROWS = [{"prompt": "What is 27 + 48?", "id": 1},
@@ -87,6 +87,7 @@ def test_file_completions_are_transformers_greedy_ones(chat_model, loaded, rows_
     result = in_process(capsys, "generate", str(chat_model), "--file", str(rows_file), "--out", str(out),
                         "--max_new_tokens", str(NEW_TOKENS))
     assert result.returncode == 0, result.stderr
+    assert result.stdout == f"wrote 3 completions of 3 prompts to {out}\n"
     written = read_rows(out)
     expected = [greedy(loaded, row["prompt"]) for row in ROWS]
     assert all(expected) and len(set(expected)) == len(expected), "the tiny model completes each prompt its own way"
@@ -126,6 +127,7 @@ def test_two_processes_write_the_file_of_one(chat_model, rows_file, tmp_path, ca
     result = run_cli("generate", str(chat_model), "--file", str(rows_file), "--out", str(files[2]), "--nproc", "2",
                      *sampling)
     assert result.returncode == 0, result.stderr
+    assert result.stdout == f"wrote 6 completions of 3 prompts to {files[2]}\n", "said by the process that writes"
     assert files[2].read_bytes() == files[1].read_bytes()
     written = read_rows(files[1])
     assert [row["id"] for row in written] == [1, 1, 2, 2, 3, 3], "n rows per prompt row, in order"
@@ -143,6 +145,20 @@ def test_a_bad_row_is_refused_before_anything_is_written(chat_model, tmp_path, c
                                     "messages")
     assert out.read_text() == "earlier\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "prompts.jsonl"]
+
+
+def test_an_empty_prompts_file_is_refused_before_torch_is_imported(chat_model, tmp_path):
+    """The refusal came after torch and transformers were imported: seconds (half a minute on a cold start) for one
+    line."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result, imported = run_cli_imports("generate", str(chat_model), "--file", str(empty), "--out",
+                                       str(tmp_path / "out.jsonl"))
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2, "", f"llmtune: error: {empty}: no prompts; write JSONL rows with a 'prompt' column\n")
+    assert "llmtune" in imported, "the report lists the imports"
+    assert "torch" not in imported
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
 
 
 def test_out_appears_whole_or_not_at_all(chat_model, rows_file, tmp_path, monkeypatch):

@@ -76,17 +76,31 @@ def test_a_fresh_run_refuses_an_earlier_runs_folder_and_starts_over_only_when_to
         < story.index("run finished at step 6 of 6")
 
 
-def test_a_run_that_fails_before_training_leaves_its_train_log_with_the_reason(tmp_path, tiny_model, sft_file,
-                                                                             capsys):
+def test_a_run_refused_once_it_is_built_leaves_nothing_but_the_reason_in_a_resumed_runs_train_log(
+        tmp_path, tiny_model, sft_file, capsys):
+    """The data's refusal is found by the worker, after rank 0 started the output folder (train.log): a refused run
+    writes nothing, so what it added goes, and what was there stays (the run it would have gone on from tells it)."""
     path, out = recipe(tmp_path, tiny_model, sft_file, max_steps=2, per_device_train_batch_size=1000), tmp_path / "out"
     assert cli_main(["sft", path]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1].removeprefix("llmtune: error: ")
     assert error.startswith("data: ") and "do not fill one optimizer step" in error
-    logged = (out / "train.log").read_text().splitlines()
-    assert " INFO llmtune.data.manager: data: " in logged[-2], logged
-    assert logged[-1].endswith(f" ERROR llmtune: the run ended with UserError: {error}")
-    assert cli_main(["sft", path, "--per_device_train_batch_size", "2", "--export_hf", "false"]) == 0, \
-        "train.log alone is no earlier run the folder holds"
+    assert not out.exists(), "the folder the refused run made is gone"
+
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    assert cli_main(["sft", path]) == 2
+    assert [p.name for p in out.iterdir()] == ["notes.txt"], "a folder that was there keeps what it held, alone"
+
+    assert cli_main(["sft", path, "--per_device_train_batch_size", "2", "--save_steps", "2", "--export_hf",
+                     "false"]) == 0
+    held, resolved, story = sorted(p.name for p in out.iterdir()), (out / "config.yaml").read_text(), \
+        (out / "train.log").read_text()
+    assert cli_main(["sft", path, "--max_steps", "4", "--resume_from_checkpoint", "auto"]) == 2
+    logged = (out / "train.log").read_text()
+    assert logged.startswith(story), "the resumed run's train.log is kept"
+    assert logged.splitlines()[-1].endswith(f" ERROR llmtune: the run ended with UserError: {error}")
+    assert sorted(p.name for p in out.iterdir()) == held
+    assert (out / "config.yaml").read_text() == resolved, "config.yaml stays the resumed run's"
 
 
 def test_auto_never_resumes_past_the_latest_pointer(tmp_path, tiny_model, sft_file, caplog):

@@ -175,6 +175,26 @@ def test_bad_data_is_one_clear_message(tmp_path, tokenizer, content, rows, expec
         build_datasets("sft", config(tmp_path, [str(path)], max_seq_len=16, truncation="drop"), tokenizer, 0)
 
 
+def test_a_line_that_is_not_json_is_said_once_by_its_line_number(tmp_path, tokenizer):
+    """datasets' JSON reader logged the line it failed on, counted from 0 ("in row 7"), before llmtune's message named
+    it as line 8: one line of the file said twice, with two numbers."""
+    lines = [json.dumps({"prompt": f"{i} + 1?", "response": str(i + 1)}) for i in range(10)]
+    lines[7] = '{"prompt": "7 + 1?" "response": "8"}'
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("datasets").addHandler(handler)  # the library's loggers' parent: datasets' own handler's place
+    try:
+        with pytest.raises(UserError) as refused:
+            build_datasets("sft", config(tmp_path, [str(path)], max_seq_len=64), tokenizer, 0)
+    finally:
+        logging.getLogger("datasets").removeHandler(handler)
+    assert str(refused.value) == f"{path}:8: not valid JSON (Expecting ',' delimiter); write one JSON object per line"
+    assert [r.getMessage() for r in records if r.levelno >= logging.ERROR] == []
+
+
 @pytest.fixture
 def letter_a_tokenizer(tmp_path):
     """A tokenizer that knows only the letter a: it turns other text into no tokens at all."""

@@ -54,7 +54,8 @@ def test_the_usage_gives_every_commands_options(capsys):
 
 
 @pytest.mark.parametrize("command, last", [("demo", "[section.key=VALUE ...]"), ("data", "[section.key=value ...]"),
-                                           ("plan", "\n               [section.key=VALUE ...]")])
+                                           ("plan", "\n               [section.key=VALUE ...]"),
+                                           ("train", "a LLaMA-Factory recipe: the task is its stage")])
 def test_the_commands_without_recipe_keys_answer_help_with_their_usage(command, last, capsys):
     assert cli.main([command, "--help"]) == 0
     usage, what = capsys.readouterr().out.split("\n\n")

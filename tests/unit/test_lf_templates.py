@@ -91,3 +91,25 @@ def test_a_template_that_trims_is_not_kept_and_the_built_ins_render_as_llamafact
 def test_a_template_no_template_here_renders_as_is_refused(tokenizer, name, why):
     with pytest.raises(UserError, match=f"data.chat_template: .*{why}"):
         lf_templates.resolve(name, tokenizer, BUILTIN_TEMPLATES)
+
+
+@pytest.mark.parametrize("name, builtins, why", [
+    # Llama 3's markers on a ChatML tokenizer (Qwen's, as a user tried), with no built-in standing in.
+    ("llama3", ["chatml"], "its markers <|end_header_id|>, <|eot_id|>, <|start_header_id|> are no tokens of this "
+                           "tokenizer (a template of another family)"),
+    # Qwen3's <think>, a token the ChatML tokenizers before it lack.
+    ("qwen3", list(BUILTIN_TEMPLATES), "its markers </think>, <think> are no tokens of this tokenizer (a template "
+                                       "of another family)"),
+    # The default system text qwen writes, which the model's own template does not.
+    ("qwen", list(BUILTIN_TEMPLATES), "the model's own renders '<|im_start|>user\\nHi, how are you?<|im_end|' where "
+                                      "LLaMA-Factory's qwen has '<|im_start|>system\\nYou are Qwen, created b'"),
+])
+def test_a_refusal_says_what_differs_and_names_the_templates_that_render_here(tokenizer, name, builtins, why):
+    """The refusal said only that the template renders differently, not why nor which name would do."""
+    with pytest.raises(UserError) as refused:
+        lf_templates.resolve(name, tokenizer, {key: BUILTIN_TEMPLATES[key] for key in builtins})
+    assert str(refused.value) == (
+        f"data.chat_template: LLaMA-Factory's template {name} renders conversations differently from the model's own "
+        f"chat template and from llmtune's built-ins ({', '.join(builtins)}): {why}; name a template that renders "
+        f"here as LLaMA-Factory's does (chatml or qwen3_nothink), give chat_template: a .jinja file that renders as "
+        f"{name} does, or leave template out to train with the model's own")

@@ -176,6 +176,21 @@ def test_llmtune_train_takes_the_task_from_the_stage(tmp_path, capsys, monkeypat
     assert "llmtune train reads the task from a LLaMA-Factory recipe's stage" in capsys.readouterr().err
 
 
+def test_llmtune_train_help_says_what_train_does_and_given_a_recipe_its_stages_help(tmp_path, capsys):
+    """`llmtune train --help` was refused as a recipe missing; given a recipe, the keys its stage's task reads."""
+    assert main(["train", "--help"]) == 0
+    usage, what = capsys.readouterr().out.strip().split("\n\n")
+    assert usage.startswith("usage: llmtune train FLAT_RECIPE")
+    assert "LLaMA-Factory recipe" in what and "the task its stage (pt, sft, rm, dpo, kto; sft where it names none)" \
+        in what and "llmtune STAGE --help" in what
+    recipe = flat(tmp_path, QWEN3_LORA_DPO)
+    assert main(["train", recipe, "--help"]) == 0
+    shown = capsys.readouterr().out
+    main(["dpo", "--help"])
+    assert shown.startswith(f"{usage}\n\n{what}\n\n{recipe}: stage dpo, trained as llmtune dpo trains it:\n\n")
+    assert shown.endswith(capsys.readouterr().out), "then dpo's help, every key"
+
+
 def test_max_samples_takes_the_first_rows_of_each_source_before_shuffling(tmp_path, tokenizer):
     from llmtune.config import DataConfig
     from llmtune.data.build import build_datasets

@@ -20,6 +20,7 @@ from llmtune.run import cli
 from llmtune.run.micro_batch import decide_micro_batch
 from llmtune.run.plan import (GIB, USABLE_FRACTION, auto_micro_batch, changes, cheapest_fit, device_memory_gib, gib,
                               loss_bytes, plan_memory, render, saved_activations, shard_bytes)
+from tests.helpers import run_cli_imports
 
 LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -168,6 +169,24 @@ def test_plan_names_the_cheapest_change_that_fits(plan_recipe, capsys):
 def test_plan_refuses_what_the_run_refuses(plan_recipe, capsys, args, expected):
     assert cli.main(["plan", plan_recipe(), *args]) == 2
     assert expected in capsys.readouterr().err
+
+
+def test_a_hub_id_not_in_the_cache_offline_is_refused_before_torch_is_imported(tmp_path):
+    """The refusal came after torch and transformers were imported: seconds (half a minute on a cold start) for one
+    line."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": "org/uncached"}, "data": {"train_files": ["t.jsonl"]},
+                                    "train": {"output_dir": str(tmp_path / "out")}}))
+    cache = tmp_path / "hf" / "hub"
+    result, imported = run_cli_imports("plan", str(path), env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+                                                               "HF_HUB_CACHE": str(cache)})
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"llmtune: error: model.name_or_path: org/uncached (revision main) is neither a local path nor in the Hub "
+        f"cache {cache}, and HF_HUB_OFFLINE=1 forbids a download; fetch it once with network access, name a local "
+        "path instead, or correct the name\n")
+    assert "llmtune" in imported, "the report lists the imports"
+    assert "torch" not in imported
 
 
 def test_plan_layout_of_nodes(plan_recipe, capsys):
