@@ -136,6 +136,21 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# fp32's machine epsilon, 2**-23 ~ 1.19e-7: the relative error of one rounding.
+EPS32 = 2.0 ** -23
+
+
+def near(expected, scale: float, rel: float = 1e-5, ulps: float = 8):
+    """pytest.approx for an fp32 result that can be near 0 next to the inputs it is computed from (a margin of two
+    rewards, a mean reward, grpo's loss at importance ratio 1, a KL): relative `rel`, and absolute ulps x EPS32 x
+    scale, `scale` being the inputs' magnitude (a bound on it, not the result's). Adding the same inputs in another
+    order (another layout, another CPU's vector kernels) leaves a few of their roundings in the result however small it
+    is, which a relative tolerance alone does not allow (pytest.approx's own absolute one is 1e-12). 8: the few
+    roundings that survive, with room; the layouts these tests compare differed by at most 0.4 x EPS32 x scale, with
+    AVX-512 kernels and with plain SSE ones (ATEN_CPU_CAPABILITY=default, MKL_ENABLE_INSTRUCTIONS=SSE4_2)."""
+    return pytest.approx(expected, rel=rel, abs=ulps * EPS32 * scale)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -67,4 +67,8 @@ def test_loss_and_gradients_are_the_hf_models_own(moe, assets, tmp_path, overrid
         assert output.aux_loss.item() > 0
     assert loss == pytest.approx(output.loss.item(), rel=1e-5)
     for name, param in reference.named_parameters():
-        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+        # An entry near 0 keeps the rounding of the terms it sums, on the scale of the tensor's largest entries: up to
+        # 7e-7 of that seen (the embedding's; AVX-512 and plain SSE kernels), so 1e-5 of it, as
+        # tests/dist/test_context_parallel.py allows (1e-7 absolute left a factor of 3).
+        scale = param.grad.abs().max().item()
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)

@@ -16,8 +16,8 @@ from llmtune.data.templates import LabelRules
 from llmtune.generation import reward_model as reward_model_module
 from llmtune.generation.scorers import load_scorers
 from tests.e2e.test_cli_errors import in_process
-from tests.e2e.test_rm import recipe
-from tests.helpers import read_metrics, run_cli
+from tests.e2e.test_rm import SCORES, recipe
+from tests.helpers import near, read_metrics, run_cli
 
 TEXT_ROWS = [{"prompt": "What is 2 + 3?", "completion": " 5", "id": "text"},
              {"prompt": "Add 38 and 31, then tell me the sum twice.", "completion": " 69 and 69"}]
@@ -80,8 +80,9 @@ def test_the_runs_pairs_scored_one_sequence_at_a_time_average_to_its_evaluation(
     scores = scored(capsys, str(folder), write_rows(tmp_path / "pairs.jsonl", rows))
     chosen, rejected = scores[0::2], scores[1::2]
     assert len(chosen) == 48
-    assert sum(chosen) / 48 == pytest.approx(last["eval_rewards/chosen"], rel=1e-5)
-    assert sum(rejected) / 48 == pytest.approx(last["eval_rewards/rejected"], rel=1e-5)
+    # A mean reward can be near 0 (a centred model's): absolute near's 8 x fp32's epsilon x the scores' magnitude too.
+    assert sum(chosen) / 48 == near(last["eval_rewards/chosen"], SCORES)
+    assert sum(rejected) / 48 == near(last["eval_rewards/rejected"], SCORES)
     assert sum((c > r) + 0.5 * (c == r) for c, r in zip(chosen, rejected)) / 48 == last["eval_accuracy"]
 
 
