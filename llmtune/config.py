@@ -242,6 +242,11 @@ class DataConfig:
     persistent_workers: bool = _field(False, "Keep the workers from one epoch (and evaluation) to the next "
                                              "instead of starting them anew; needs data.num_workers > 0 (HF: "
                                              "dataloader_persistent_workers).")
+    image_max_pixels: int = _field(768 * 768, "Vision-language models: an image with more pixels is scaled down, "
+                                              "its aspect kept, before its processor (LLaMA-Factory's name and "
+                                              "default).")
+    image_min_pixels: int = _field(32 * 32, "Vision-language models: an image with fewer pixels is scaled up, its "
+                                            "aspect kept (LLaMA-Factory's name and default).")
     cache_dir: str | None = _field(None, "Where tokenized datasets are cached; default $LLMTUNE_CACHE/data or "
                                          "~/.cache/llmtune/data.")
 
@@ -278,6 +283,9 @@ class DataConfig:
             out.append("data.val_ratio: set either data.val_files (data.val_datasets) or data.val_ratio, not both")
         if self.streaming and self.val_ratio:
             out.append("data.val_ratio: a stream cannot be split; give data.val_files instead")
+        if not 0 < self.image_min_pixels <= self.image_max_pixels:
+            out.append(f"data.image_min_pixels, data.image_max_pixels: {self.image_min_pixels} and "
+                       f"{self.image_max_pixels} must be positive, the first no larger than the second")
         if self.num_proc < 1 or self.shuffle_buffer < 1:
             out.append("data: num_proc and shuffle_buffer must be at least 1")
         if self.num_workers < 0:
@@ -373,6 +381,12 @@ class TrainConfig:
     save_on_signals: list[str] = _field(["SIGTERM", "SIGINT", "SIGUSR1"], "On any of these signals, on any rank, "
                                         "every rank saves a checkpoint after the current optimizer step and the run "
                                         "exits 75; [] leaves the signals' default actions.")
+    freeze_vision_tower: bool = _field(True, "Vision-language models: the vision tower stays as loaded, neither "
+                                             "trained nor adapted by peft (LLaMA-Factory's name and default).")
+    freeze_multi_modal_projector: bool = _field(True, "Vision-language models: the projector of the image features "
+                                                      "stays as loaded (LLaMA-Factory's name and default).")
+    freeze_language_model: bool = _field(False, "Vision-language models: the language model (and lm_head) stays as "
+                                                "loaded (LLaMA-Factory's name and default).")
     trainable_modules: list[str] = _field([], "Regular expressions (re.search on parameter names): only the "
                                               "parameters they match are trained, the rest frozen; empty = all.")
     frozen_modules: list[str] = _field([], "Regular expressions (re.search on parameter names): the parameters they "

@@ -36,6 +36,11 @@ NOTHING_TO_DO = {
     "do_train": "llmtune trains",
     "overwrite_cache": "llmtune's data cache is keyed by the data, the tokenizer and the settings: it is rebuilt "
                       "whenever one changes",
+    # LLaMA-Factory's video settings, which its image recipes carry: llmtune reads no videos (a video row is refused).
+    "video_max_pixels": "llmtune reads images, not videos",
+    "video_min_pixels": "llmtune reads images, not videos",
+    "video_fps": "llmtune reads images, not videos",
+    "video_maxlen": "llmtune reads images, not videos",
 }
 # LLaMA-Factory's keys llmtune refuses, each with its reason and what to do instead.
 REFUSED = {
@@ -44,10 +49,6 @@ REFUSED = {
     "do_predict": "llmtune trains; generate with `llmtune generate` on the export",
     "do_eval": "evaluation runs during training: give eval_dataset or val_size with eval_steps",
     "predict_with_generate": "generate with `llmtune generate`, or evaluate by generation with eval_generation",
-    "image_max_pixels": "llmtune trains text models; multimodal inputs are not read",
-    "image_min_pixels": "llmtune trains text models; multimodal inputs are not read",
-    "video_max_pixels": "llmtune trains text models; multimodal inputs are not read",
-    "video_fps": "llmtune trains text models; multimodal inputs are not read",
     "freeze_vision_tower": "llmtune trains text models; multimodal inputs are not read",
     "freeze_multi_modal_projector": "llmtune trains text models; multimodal inputs are not read",
     "quantization_method": "llmtune quantizes the base to 4-bit NF4 alone (model.quantize: nf4): give quantize: nf4",

@@ -234,9 +234,10 @@ def save_tiny_model(path: Path, model_cls, tokenizer, seed: int = 0, **config) -
     return path
 
 
-def byte_level_tokenizer(folder: Path, chat_template: str):
-    """A byte-level BPE trained on a few lines, with ChatML's special tokens and `chat_template`, saved in `folder`
-    and loaded: every character encodes and offsets exist, as for the tokenizers users fine-tune."""
+def byte_level_tokenizer(folder: Path, chat_template: str, extra_specials: tuple[str, ...] = ()):
+    """A byte-level BPE trained on a few lines, with ChatML's special tokens (and `extra_specials`) and
+    `chat_template`, saved in `folder` and loaded: every character encodes and offsets exist, as for the tokenizers
+    users fine-tune."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -245,7 +246,7 @@ def byte_level_tokenizer(folder: Path, chat_template: str):
     bpe.decoder = decoders.ByteLevel()
     corpus = ["What is 2 plus 3? It is 5.", "Add the numbers with the tool.", "The sum is five.",
               '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "<think>\nI add them.\n</think>"]
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials]
     bpe.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",

@@ -20,6 +20,7 @@ from llmtune.config import parse_size
 from llmtune.features.adapters import Adapters, merge_adapters
 from llmtune.features.base import Features
 from llmtune.model.build import decoder_layers, generation_defaults, reshard
+from llmtune.model.multimodal import save_processor
 from llmtune.model.state import saved_tensors, whole
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -87,6 +88,7 @@ def write_hf_folder(chunks: Iterable[dict[str, torch.Tensor]], model, generation
         if generation_config is not None:
             generation_config.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
+        save_processor(tokenizer, partial)
         features.export(partial, [name for names in shards for name in names])
 
     write_folder(out_dir, fill)

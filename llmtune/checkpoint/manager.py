@@ -34,6 +34,7 @@ from llmtune.checkpoint.validate import check_base, check_complete, check_model_
 from llmtune.config import GENERATION_METRICS, RESUME_BEST, RESUME_NEWEST
 from llmtune.errors import TrainingStopped, UserError
 from llmtune.model.build import generation_defaults
+from llmtune.model.multimodal import save_processor
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ class CheckpointManager:
             if (defaults := generation_defaults(self.hf_model)) is not None:
                 defaults.save_pretrained(partial / "hf_config")
             self.tokenizer.save_pretrained(partial / "hf_config")
+            save_processor(self.tokenizer, partial / "hf_config")
 
     def _written(self, partial: Path, write) -> None:
         """write() on every rank, then every rank learns whether it failed anywhere (a full disk, a folder that

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from llmtune.cpus import usable_cpus
-from llmtune.data import packing, preference, pretrain, prompts, sft, unpaired
+from llmtune.data import images, packing, preference, pretrain, prompts, sft, unpaired
 from llmtune.data.files import is_saved_dataset, resolve_data_files
 from llmtune.data.formats import (KTO_LABEL, PROMPT_ROW, ROWS_FORMS, canonical_columns, check_columns, detect_format,
                                   other_rows_error, to_canonical)
@@ -171,8 +171,10 @@ def canonical_rows(source: Source, task: str, data_cfg, streaming: bool):
     else:
         row_format = detect_format(columns, task, data_cfg.format, source.pattern)
 
+    media_dir = media_folder(source)
+
     def convert(row, index):
-        return to_canonical(row, row_format, f"{source.pattern}: row {index + 1}")
+        return to_canonical(row, row_format, f"{source.pattern}: row {index + 1}", media_dir)
 
     canonical = canonical_columns(row_format.form)
     features = datasets.Features({column: CANONICAL_FEATURES[column] for column in canonical}) \
@@ -183,6 +185,15 @@ def canonical_rows(source: Source, task: str, data_cfg, streaming: bool):
     except UnicodeDecodeError as err:
         raise undecodable_error(source.pattern, source.key, err) from None
     return converted.select_columns(list(canonical)), row_format.form
+
+
+def media_folder(source: Source) -> Path | None:
+    """Where a source's relative image paths are found first: LLaMA-Factory's dataset_dir for its entries, else the
+    data file's folder (the folder itself for a folder of files); None for a Hub dataset, whose images are in it."""
+    if source.media_dir:
+        return Path(source.media_dir)
+    path = Path(source.pattern)
+    return path.parent if path.is_file() else path if path.is_dir() else None
 
 
 def tokenize_source(rows, form: str, tokenizer, data_cfg, source: Source, pair_limits: PairLimits | None):
@@ -389,6 +400,10 @@ def cache_key(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairLimits
     # saved under.
     if pair_limits is not None:
         parts.append(asdict(pair_limits))
+    # A vision-language model's image processing decides its rows' image tokens and tensors; a text model's key is
+    # what it was before images existed.
+    if image_inputs := images.of(tokenizer):
+        parts.append(image_inputs.key())
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

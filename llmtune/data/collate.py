@@ -4,9 +4,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmtune.data import images
 from llmtune.data.packing import TOKEN_COLUMNS, pack_units
 from llmtune.model.attention import segment_starts
 from llmtune.model.loss import IGNORE_INDEX, TOKEN_VALUES, shift_labels
+from llmtune.model.multimodal import BLANK_IMAGES
 
 
 # Inputs the model's forward reads on the host (the attention's document spans, model/attention.py): they stay in
@@ -24,7 +26,8 @@ class MicroBatch:
 
     def pin_memory(self) -> "MicroBatch":
         """In page-locked memory: DataLoader's pin_memory calls this on the batches it hands out."""
-        return MicroBatch({k: v.pin_memory() for k, v in self.inputs.items()}, self.num_tokens,
+        return MicroBatch({k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in self.inputs.items()},
+                          self.num_tokens,
                           {k: v.pin_memory() for k, v in self.sequences.items()})
 
     def emptied(self) -> "MicroBatch":
@@ -57,7 +60,8 @@ def pad_token_id(tokenizer) -> int:
 
 
 def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_sequences: bool = False,
-            scored: bool = False, pack: bool = False, share_prefixes: bool = False) -> MicroBatch:
+            scored: bool = False, pack: bool = False, share_prefixes: bool = False,
+            blank_image: bytes | None = None) -> MicroBatch:
     """Right-pad to the longest row; pads carry label -100.
 
     Rows with position_ids are packed (several documents or samples per row): the model gets
@@ -71,7 +75,9 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_seque
     and its KL sequence), packed here into one row (packing.pack_units): the micro-batch holds as many units as it
     was given, with no padding (rows of data.max_seq_len would pad all but the longest). share_prefixes: each unit's
     second sequence leaves out the beginning it shares with its first (share_prefix), for a model whose attention
-    attends such rows as it attends each sequence alone (Objective.shares_prefixes).
+    attends such rows as it attends each sequence alone (Objective.shares_prefixes). Rows of a vision-language
+    model hold their images (images.IMAGES): the micro-batch holds their tensors (image_inputs), or `blank_image`'s
+    where it has none.
     """
     if share_prefixes:
         rows = [share_prefix(row) for row in rows]
@@ -103,6 +109,8 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_seque
             inputs["attention_mask"] = torch.ones_like(input_ids)
     else:
         inputs["attention_mask"] = real
+    if images.IMAGES in rows[0]:
+        inputs.update(image_inputs([blob for row in rows for blob in row[images.IMAGES]], blank_image))
     batch = MicroBatch(inputs, int(real.sum()))
     if not two_sequences:
         return batch
@@ -110,6 +118,18 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_seque
     if scored:
         inputs["scored"] = score_marks(input_ids, inputs["sequence_ids"], pad_id)
     return batch
+
+
+def image_inputs(blobs: list[bytes], blank_image: bytes) -> dict:
+    """The vision tower's inputs of a micro-batch's images, in the order of their tokens in its rows laid end to end
+    (where the model puts their embeddings): each of the processor's tensors concatenated over the images (Qwen's
+    patches and grids, LLaVA's pixels). Without images, the blank image's, and BLANK_IMAGES true: the model encodes
+    it and adds nothing of it (model/multimodal.py), so that every rank runs the vision tower on every
+    micro-batch."""
+    if not blobs:
+        return {**images.unblob(blank_image), BLANK_IMAGES: True}
+    tensors = [images.unblob(blob) for blob in blobs]
+    return {name: torch.cat([found[name] for found in tensors]) for name in tensors[0]}
 
 
 def share_prefix(unit: dict) -> dict:
@@ -165,6 +185,6 @@ def number_sequences(batch: MicroBatch, rows: list[dict]) -> MicroBatch:
         first += int(starts.sum())
     batch.inputs["sequence_ids"] = ids
     batch.sequences["length"] = torch.bincount(ids[ids >= 0], minlength=first)
-    for column in (column for column in rows[0] if column not in TOKEN_COLUMNS + TOKEN_VALUES):
+    for column in (column for column in rows[0] if column not in TOKEN_COLUMNS + TOKEN_VALUES + (images.IMAGES,)):
         batch.sequences[column] = torch.tensor([value for row in rows for value in row[column]], dtype=torch.float64)
     return batch

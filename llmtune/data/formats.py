@@ -19,7 +19,9 @@ reported with the source, the row number, the field and the form that was assume
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from llmtune.data import images
 from llmtune.errors import UserError
 from llmtune.tasks.registry import CONVERSATIONS, DOCUMENTS, PAIRS, PROMPTS, TASKS, UNPAIRED
 
@@ -54,8 +56,9 @@ def prompt_problem(prompt) -> str | None:
 # the required ones identify the form.
 FORMS = {
     "text": ({"text": "text"}, ("text",)),
-    "messages": ({"messages": "messages", "system": "system", "tools": "tools"}, ("messages",)),
-    "sharegpt": ({"messages": "conversations", "system": "system", "tools": "tools"}, ("messages",)),
+    "messages": ({"messages": "messages", "system": "system", "tools": "tools", "images": "images"}, ("messages",)),
+    "sharegpt": ({"messages": "conversations", "system": "system", "tools": "tools", "images": "images"},
+                 ("messages",)),
     "alpaca": ({"prompt": "instruction", "query": "input", "response": "output", "system": "system",
                 "history": "history", "tools": "tools"}, ("prompt", "response")),
     "prompt_completion": ({"prompt": "prompt", "completion": "completion", "tools": "tools"},
@@ -192,9 +195,10 @@ def canonical_columns(form: str) -> tuple[str, ...]:
     return ("pair",) if form in ROWS_FORMS[PAIRS] else ("sample",)
 
 
-def to_canonical(row: dict, row_format: RowFormat, where: str) -> dict:
-    """One row -> its canonical form; `where` names the source and row for error messages."""
-    reader = _Row(row, row_format, where)
+def to_canonical(row: dict, row_format: RowFormat, where: str, media_dir: Path | None = None) -> dict:
+    """One row -> its canonical form; `where` names the source and row for error messages; `media_dir`: where its
+    relative image paths are found first (images.reference)."""
+    reader = _Row(row, row_format, where, media_dir)
     if row_format.form == "text":
         return {"text": reader.text("text")}
     if row_format.form == "tokenized":
@@ -216,9 +220,10 @@ def to_canonical(row: dict, row_format: RowFormat, where: str) -> dict:
 class _Row:
     """One row read through its RowFormat's column names."""
 
-    def __init__(self, row: dict, row_format: RowFormat, where: str):
-        self.row, self.format, self.where = row, row_format, where
+    def __init__(self, row: dict, row_format: RowFormat, where: str, media_dir: Path | None = None):
+        self.row, self.format, self.where, self.media_dir = row, row_format, where, media_dir
         self.named = f"data.format {row_format.form}"
+        self.inline = []  # images given in the turns themselves (TRL's {"type": "image", "image": ...} parts)
 
     def column(self, role: str) -> str:
         return self.format.columns.get(role, FORMS[self.format.form][0].get(role, role))
@@ -268,7 +273,23 @@ class _Row:
         tools = self.tools()
         if tools:
             sample["tools"] = tools
+        if found := self.images(messages):
+            sample["images"] = found
         return sample
+
+    def images(self, messages: list[dict]) -> list[str]:
+        """The sample's images (images.reference): the images column's, or those given in the turns, as many as the
+        turns' markers."""
+        column = self.get("images")
+        if column is not None and not isinstance(column, list):
+            column = [column]
+        if column and self.inline:
+            raise UserError(f"{self.where}: images given both in the '{self.column('images')}' column and in the "
+                            "turns; give them in one place")
+        given = column or self.inline
+        if given or images.count_markers(messages):
+            images.check_count(messages, given, self.where)
+        return [images.reference(image, self.media_dir, self.where) for image in given]
 
     def prompt_row(self) -> dict:
         """grpo's prompt: the row with its prompt under `prompt`, every other column as given."""
@@ -476,7 +497,7 @@ class _Row:
                 raise UserError(f"{where} has {role_key} {turn.get(role_key)!r}; expected one of "
                                 f"{', '.join(roles)} ({self.named})")
             messages.append(_function_call(turn.get(content_key), where) if role == FUNCTION_CALL
-                            else _read_message(turn, role, content_key, where))
+                            else _read_message(turn, role, content_key, where, self.inline))
         return messages
 
 
@@ -484,8 +505,10 @@ def _message(role: str, content: str) -> dict:
     return {"role": role, "content": content}
 
 
-def _read_message(turn: dict, role: str, content_key: str, where: str) -> dict:
+def _read_message(turn: dict, role: str, content_key: str, where: str, inline: list) -> dict:
     content = turn.get(content_key)
+    if isinstance(content, list):
+        content = _parts_text(content, where, inline)
     message = _message(role, "" if content is None else content)
     calls = turn.get("tool_calls")
     if role == "assistant" and calls:
@@ -499,6 +522,28 @@ def _read_message(turn: dict, role: str, content_key: str, where: str) -> dict:
         message["reasoning_content"] = reasoning
     message.update({key: turn[key] for key in MESSAGE_KEYS if turn.get(key) is not None})
     return message
+
+
+def _parts_text(parts: list, where: str, inline: list) -> str:
+    """TRL's content of typed parts ({"type": "text", "text": ...}, {"type": "image"}) -> the turn's text, each image
+    part an image marker where it stands; an image the part holds itself ("image", "url" or "path") is added to
+    `inline`, the sample's images in order."""
+    text = ""
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            text += part["text"]
+        elif kind == "image":
+            text += images.IMAGE
+            held = next((part[key] for key in ("image", "url", "path") if part.get(key) is not None), None)
+            if held is not None:
+                inline.append(held)
+        elif kind in ("video", "audio"):
+            raise UserError(f"{where}: a {kind} part; llmtune reads images and text, not {kind}s")
+        else:
+            raise UserError(f"{where}: a content part must be {{\"type\": \"text\", \"text\": ...}} or "
+                            f"{{\"type\": \"image\"}}, not {part!r}")
+    return text
 
 
 def _function_call(value, where: str) -> dict:

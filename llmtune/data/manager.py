@@ -28,6 +28,7 @@ from datasets.distributed import split_dataset_by_node
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from llmtune.data import images
 from llmtune.data.build import build_stream, load_or_build, load_or_build_stream_held_out
 from llmtune.data.collate import collate, pad_token_id
 from llmtune.data.preference import PairLimits, two_sequence_rows
@@ -309,7 +310,8 @@ def build_data(config, tokenizer, state, annotate=None,
     pairs = two_sequence_rows(config.task)
     rows_collate = partial(collate, pad_id=pad_id, document_mask=data_cfg.document_mask, two_sequences=pairs,
                            scored=TASKS[config.task].head == SCORE_HEAD,
-                           pack=pairs and data_cfg.packing, share_prefixes=share_prefixes)
+                           pack=pairs and data_cfg.packing, share_prefixes=share_prefixes,
+                           blank_image=image_inputs.blank() if (image_inputs := images.of(tokenizer)) else None)
     if data_cfg.streaming:
         stream = build_stream(config.task, data_cfg, tokenizer, train_cfg.seed)
         data = StreamingDataManager(stream, data_cfg, train_cfg, pad_id, state)

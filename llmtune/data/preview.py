@@ -39,7 +39,7 @@ def check_previewable(config) -> None:
 def preview(task: str, local, count: int) -> None:
     """Print `count` training samples (pairs, examples) with their trained tokens marked, then the data statistics.
     `local`: the recipe with its Hub ids fetched and its inputs checked (run/inputs.py)."""
-    tokenizer = recipe_tokenizer(task, local.model, local.data.chat_template)
+    tokenizer = recipe_tokenizer(task, local.model, local.data)
     # The arguments of build_data (manager.py): the same cache key, so the run and this command share one entry.
     train, _, _, stats = load_or_build(task, local.data, tokenizer, local.train.seed,
                                        local.train.per_device_train_batch_size, OneProcess(), PairLimits.of(local))

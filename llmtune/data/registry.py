@@ -5,7 +5,7 @@ mappings. Standard library only: the CLI checks every source with it before torc
 
 Where LLaMA-Factory is silent or lenient this is strict, so that nothing is trained other than what was meant:
 an entry that is not the task's kind of rows (a ranking: true entry is preference pairs, for dpo alone; a kto_tag
-entry KTO's examples, for kto alone) or that llmtune cannot read (multimodal, Hub-hosted) is refused with the reason,
+entry KTO's examples, for kto alone) or that llmtune cannot read (videos, audio, Hub-hosted) is refused with the reason,
 not skipped. Tags an entry leaves out keep LLaMA-Factory's default names (a "system" role stays a system turn);
 columns it leaves out are not read, as in LLaMA-Factory, except the ones the form needs.
 """
@@ -22,7 +22,7 @@ from llmtune.tasks.registry import DOCUMENTS, PAIRS, TASKS, UNPAIRED
 REGISTRY_FILE = "dataset_info.json"
 FORMATTINGS = ("alpaca", "sharegpt")
 ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "file_sha1")
-MULTIMODAL = ("images", "videos", "audios")
+MULTIMODAL = ("videos", "audios")  # what llmtune does not read; images it does (data/images.py)
 ELSEWHERE = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 
 
@@ -32,6 +32,8 @@ class Source:
     pattern: str
     key: str
     row_format: RowFormat | None = None
+    # Where the rows' relative image paths are (LLaMA-Factory's dataset_dir); None: beside the data file.
+    media_dir: str | None = None
 
 
 def split_sources(data_cfg, task: str, split: str) -> list[Source]:
@@ -85,7 +87,7 @@ def registry_source(entries: dict, name: str, path: Path, key: str, task: str) -
     if error := other_rows_error(where, marks, False, task, key):
         raise error
     if modal := [name for name in MULTIMODAL if name in marks]:
-        raise UserError(f"{where}: multimodal data ({modal[0]}) is not supported; leave it out of {key}")
+        raise UserError(f"{where}: {modal[0]} are not read (llmtune trains on images and text); leave it out of {key}")
     hosted = [k for k in ELSEWHERE if k in entry]
     if hosted and "file_name" not in entry:
         raise UserError(f"{where}: {hosted[0]} is not read from dataset_info.json; download the files and set "
@@ -99,7 +101,7 @@ def registry_source(entries: dict, name: str, path: Path, key: str, task: str) -
     if not file.exists():
         raise UserError(f"{where}: file_name {entry['file_name']!r} does not exist ({file}); fix file_name or add "
                         "the file")
-    return Source(str(file), key, _row_format(entry, columns, tags, task, where))
+    return Source(str(file), key, _row_format(entry, columns, tags, task, where), str(path.parent))
 
 
 def _row_format(entry: dict, columns: dict, tags: dict, task: str, where: str) -> RowFormat:

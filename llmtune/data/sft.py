@@ -2,7 +2,9 @@
 
 import datasets
 
+from llmtune.data import images
 from llmtune.data.templates import LabelRules, encode_sample
+from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
 
 KEPT, TRUNCATED, TOO_LONG, NO_LABELS = 0, 1, 2, 3
@@ -35,15 +37,42 @@ def _last_response_start(labels: list[int]) -> int:
 
 def tokenize_examples(rows: datasets.Dataset, tokenizer, data_cfg, map_kw: dict, source: str) -> datasets.Dataset:
     """Canonical rows ({"sample"} or pre-tokenized {"input_ids", "labels"}) of `source` -> input_ids, labels,
-    status."""
+    status, and for a vision-language model the images of each sample (images.IMAGES: a blob each, in order)."""
     rules = LabelRules.of(data_cfg, tokenizer)
+    image_inputs = images.of(tokenizer)
+    columns = ["input_ids", "labels", "status"] + ([images.IMAGES] if image_inputs else [])
 
     def encode(row, index):
+        where = f"{source}: row {index + 1}"
+        blobs = []
         if "sample" in row:
-            input_ids, labels = encode_sample(tokenizer, row["sample"], rules, f"{source}: row {index + 1}")
+            input_ids, labels, blobs = encode_with_images(tokenizer, row["sample"], rules, where)
         else:
             input_ids, labels = row["input_ids"], row["labels"]
-        status, input_ids, labels = fit_length(input_ids, labels, data_cfg.max_seq_len, data_cfg.truncation)
-        return {"input_ids": input_ids, "labels": labels, "status": status}
+        # A sample cut from the left would lose image tokens its images' tensors still hold: it is dropped instead.
+        status, input_ids, labels = fit_length(input_ids, labels, data_cfg.max_seq_len,
+                                               "drop" if blobs else data_cfg.truncation)
+        return {"input_ids": input_ids, "labels": labels, "status": status,
+                **({images.IMAGES: blobs if status != TOO_LONG else []} if image_inputs else {})}
 
-    return rows.map(encode, with_indices=True, **map_kw).select_columns(["input_ids", "labels", "status"])
+    features = None
+    if image_inputs:
+        features = datasets.Features({**rows.features, "input_ids": datasets.List(datasets.Value("int64")),
+                                      "labels": datasets.List(datasets.Value("int64")),
+                                      "status": datasets.Value("int64"), **images.column_features()})
+    return rows.map(encode, with_indices=True, features=features, **map_kw).select_columns(columns)
+
+
+def encode_with_images(tokenizer, sample: dict, rules: LabelRules, where: str) -> tuple[list, list, list]:
+    """(input_ids, labels, the images' blobs) of a canonical sft sample: encode_sample's, each image's tokens put in
+    by the model's image processing (data/images.py)."""
+    found = images.sample_images(sample)
+    image_inputs = images.of(tokenizer)
+    if not found:
+        return *encode_sample(tokenizer, sample, rules, where), []
+    if image_inputs is None:
+        raise UserError(f"{where}: the sample holds images, and the model is a text model with no vision tower; "
+                        "train a vision-language model on it, or leave the images out of the data")
+    sample = {**sample, "messages": image_inputs.placed(sample["messages"])}
+    input_ids, labels = encode_sample(tokenizer, sample, rules, where)
+    return image_inputs.expand(input_ids, labels, found, where)

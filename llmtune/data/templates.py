@@ -14,7 +14,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
-from llmtune.data import lf_templates
+from llmtune.data import images, lf_templates
 from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
 from llmtune.tasks.registry import DOCUMENTS, TASKS
@@ -81,11 +81,18 @@ def apply_recipe_template(tokenizer, template: str | None) -> str | None:
     return None
 
 
-def recipe_tokenizer(task: str, model_cfg, chat_template: str | None):
+def recipe_tokenizer(task: str, model_cfg, data_cfg):
     """The run's tokenizer: every task but one of documents (pt) renders conversations and needs a chat template; a
-    pt recipe may name one too, for the exported model to carry."""
+    pt recipe may name one too, for the exported model to carry. A vision-language model's carries its image
+    processing (data/images.py), found before the recipe's template replaces the model's own."""
+    from transformers import AutoConfig
+
+    chat_template = data_cfg.chat_template
     tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_cfg.name_or_path,
                                               trust_remote_code=model_cfg.trust_remote_code)
+    model_config = AutoConfig.from_pretrained(model_cfg.name_or_path or model_cfg.config,
+                                              trust_remote_code=model_cfg.trust_remote_code)
+    images.attach(tokenizer, (model_cfg.name_or_path, model_cfg.tokenizer), model_config, data_cfg)
     if TASKS[task].rows != DOCUMENTS or chat_template:
         source = apply_recipe_template(tokenizer, chat_template)
         if source:

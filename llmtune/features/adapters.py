@@ -24,6 +24,7 @@ import torch
 from llmtune.errors import UserError
 from llmtune.features.base import Feature
 from llmtune.model.build import SCORE, meta_model
+from llmtune.model.multimodal import frozen_pattern, save_processor
 from llmtune.model.quantize import is_quantized
 from llmtune.model.state import copy_rows, laid_out_like, whole
 from llmtune.tasks.registry import SCORE_HEAD
@@ -158,7 +159,9 @@ class Adapters(Feature):
         linear = sorted({name.rpartition(".")[2] for name, module in hf_model.named_modules()
                          if isinstance(module, torch.nn.Linear) and name != "lm_head"})
         try:
-            inject_adapter_in_model(lora_config(config.peft, config.head() == SCORE_HEAD), hf_model)
+            lora = lora_config(config.peft, config.head() == SCORE_HEAD)
+            lora.exclude_modules = frozen_pattern(hf_model, config.train)
+            inject_adapter_in_model(lora, hf_model)
         except ValueError as err:
             reason = str(err).split(". ")[0].strip().rstrip(".")
             reason = "matches no layer of the model" if "not found in the base model" in reason else reason
@@ -181,6 +184,8 @@ class Adapters(Feature):
     def build(self, hf_model, state) -> None:
         from peft import inject_adapter_in_model
 
+        # A vision-language model's frozen parts (its vision tower, by default) are never adapted.
+        self.lora.exclude_modules = frozen_pattern(hf_model, self.config.train)
         # The adapters' initial values come from the run's seed alone, whatever came before.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.train.seed)
@@ -275,6 +280,7 @@ class Adapters(Feature):
                          metadata={"format": "pt"})
             config.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
+            save_processor(tokenizer, folder)
 
         write_folder(out_dir, fill)
 

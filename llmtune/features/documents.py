@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from llmtune.features.base import Feature
 from llmtune.model.attention import (DOCUMENTS, document_attention, document_positions, document_spans, is_varlen,
                                     varlen_kwargs)
+from llmtune.model.multimodal import set_text_attention, text_attention
 
 
 class PackedDocuments(Feature):
@@ -29,12 +30,12 @@ class PackedDocuments(Feature):
         return config.parallel.cp_size == 1
 
     def build(self, hf_model, state) -> None:
-        backend = hf_model.config._attn_implementation
+        backend = text_attention(hf_model)
         self.varlen = is_varlen(backend)
         self.spans = self.keeps_shared_prefixes = backend in ("sdpa", "eager")
         if self.spans:
             AttentionInterface.register(DOCUMENTS, partial(document_attention, backend=backend))
-            hf_model.set_attn_implementation(DOCUMENTS)
+            set_text_attention(hf_model, DOCUMENTS)
 
     def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.spans:

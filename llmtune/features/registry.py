@@ -8,13 +8,17 @@ from llmtune.features.expert_parallel import ExpertParallel
 from llmtune.features.float8 import Float8Training
 from llmtune.features.freezing import Freezing
 from llmtune.features.fused_kernels import FusedKernels
+from llmtune.features.multimodal_freezing import MultimodalFreezing
+from llmtune.features.multimodal_positions import MultimodalPositions
 from llmtune.features.quantization import QuantizedBase
 from llmtune.features.router_loss import RouterLoss
 from llmtune.features.ulysses import ContextParallel
 
-# QuantizedBase after Adapters: it quantizes what the adapters leave frozen.
-FEATURES = (ContextParallel, PackedDocuments, FusedKernels, Float8Training, Adapters, QuantizedBase, Freezing,
-            RouterLoss, ExpertParallel)
+# QuantizedBase after Adapters: it quantizes what the adapters leave frozen. MultimodalPositions after
+# PackedDocuments: it replaces the text positions the documents' transform reads. MultimodalFreezing after Adapters
+# and Freezing, whose choice it narrows.
+FEATURES = (ContextParallel, PackedDocuments, MultimodalPositions, FusedKernels, Float8Training, Adapters,
+            QuantizedBase, Freezing, MultimodalFreezing, RouterLoss, ExpertParallel)
 
 
 def check_features(config, model_config, world_size: int) -> None:

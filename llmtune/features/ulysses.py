@@ -30,6 +30,7 @@ from llmtune.features.base import Feature
 from llmtune.model import attention
 from llmtune.model.attention import attend, backend_function, document_positions, is_varlen, varlen_kwargs
 from llmtune.model.loss import IGNORE_INDEX, TOKEN_VALUES
+from llmtune.model.multimodal import is_multimodal
 
 ATTENTION = "llmtune_ulysses"
 
@@ -49,6 +50,11 @@ def layout_problems(model_config, cp: int) -> list[str]:
                         f"divisor of cp_size {cp}, so they cannot be spread over the cp ranks")
     if getattr(text, "attention_sinks", None) or text.model_type == "gpt_oss":
         problems.append("parallel.cp_size: attention sinks are not supported with context parallelism")
+    if is_multimodal(model_config):
+        # Slicing a row before its images' embeddings are in place would cut an image's tokens from the patches
+        # the vision tower encodes for them.
+        problems.append(f"parallel.cp_size: {model_config.model_type} is a vision-language model, and context "
+                        "parallelism does not yet slice rows that hold images; set parallel.cp_size 1")
     return problems
 
 

@@ -31,6 +31,7 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from llmtune.model.build import CausalLMForTraining, gathered
 from llmtune.model.expert_parallel import split_experts
+from llmtune.model.multimodal import set_text_attention, text_attention
 
 # The defaults of the sampling keys where neither the caller nor the model's generation config sets one:
 # transformers' (GenerationConfig._get_default_generation_params; tests/unit/test_generation.py holds them to it),
@@ -170,15 +171,16 @@ def _ready(model):
         if not isinstance(model, CausalLMForTraining):
             yield
             return
-        hf_model, wrapped = model.hf_model, model.hf_model.config._attn_implementation
+        hf_model = model.hf_model
+        wrapped = text_attention(hf_model)
         if model.attention and wrapped != model.attention:
-            hf_model.set_attn_implementation(model.attention)
+            set_text_attention(hf_model, model.attention)
         try:
             with torch.compiler.set_stance("force_eager"), gathered(model):
                 yield
         finally:
-            if hf_model.config._attn_implementation != wrapped:
-                hf_model.set_attn_implementation(wrapped)
+            if text_attention(hf_model) != wrapped:
+                set_text_attention(hf_model, wrapped)
     finally:
         model.train(training)
 

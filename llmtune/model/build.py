@@ -22,13 +22,15 @@ from accelerate import init_empty_weights
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig,
-                          PreTrainedModel)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoModelForSequenceClassification, GenerationConfig, PreTrainedModel)
 
 from llmtune.errors import UserError
 from llmtune.model.attention import backend_problems, resolve_backend
 from llmtune.model.expert_parallel import split_experts
 from llmtune.model.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum, token_logps
+from llmtune.model import multimodal
+from llmtune.model.multimodal import text_attention
 from llmtune.tasks.registry import LM_HEAD, SCORE_HEAD
 from llmtune.model.pretrained import checkpoint_index, load_weights, weight_sources
 from llmtune.model.quantize import is_quantized
@@ -156,7 +158,10 @@ class CausalLMForTraining(nn.Module):
         return self.hf_model.generate(**kwargs)
 
     def _decode(self, input_ids, attention_mask, position_ids, model_kwargs: dict):
-        """The decoder's outputs, the one call of it for forward and sequence_logps."""
+        """The decoder's outputs, the one call of it for forward and sequence_logps (a vision-language model's: its
+        images encoded first, model/multimodal.py)."""
+        if multimodal.is_multimodal(self.hf_model.config):
+            return multimodal.decode(self.hf_model, input_ids, attention_mask, position_ids, model_kwargs)
         return self.hf_model.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
             **model_kwargs
@@ -195,8 +200,11 @@ def is_classifier(model_config) -> bool:
 
 
 def auto_class(model_config):
-    """transformers' auto class of the config's model: its sequence classifier, or its causal LM."""
-    return AutoModelForSequenceClassification if is_classifier(model_config) else AutoModelForCausalLM
+    """transformers' auto class of the config's model: its sequence classifier, a vision-language model's
+    image-text-to-text class (the whole model: its export is the model the user brought), or its causal LM."""
+    if is_classifier(model_config):
+        return AutoModelForSequenceClassification
+    return AutoModelForImageTextToText if multimodal.is_multimodal(model_config) else AutoModelForCausalLM
 
 
 def generation_defaults(hf_model: PreTrainedModel) -> GenerationConfig | None:
@@ -261,8 +269,9 @@ def check_model(model_cfg, train_cfg, model_config) -> None:
 
 
 def check_vocab(config, tokenizer) -> None:
-    if len(tokenizer) > config.vocab_size:
-        raise UserError(f"model.tokenizer: the model's vocabulary ({config.vocab_size}) is smaller than the "
+    vocab_size = config.get_text_config().vocab_size
+    if len(tokenizer) > vocab_size:
+        raise UserError(f"model.tokenizer: the model's vocabulary ({vocab_size}) is smaller than the "
                         f"tokenizer's ({len(tokenizer)}); use a matching model config or tokenizer")
 
 
@@ -298,7 +307,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
         torch.manual_seed(train_cfg.seed)
         hf_model = auto_class(config).from_config(config, **kwargs)
     # transformers' pick where the recipe says auto, before a feature wraps it in its own (the start banner's).
-    attention = hf_model.config._attn_implementation
+    attention = text_attention(hf_model)
     features.build(hf_model, state)
     if half:
         # Frozen weights (an adapter run's base) are never updated, so they need no fp32 master copy: stored in the

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from llmtune.data.manager import StreamingDataManager
 from llmtune.model.build import decoder_layers
+from llmtune.model.multimodal import text_attention
 from llmtune.model.quantize import GROUP, frozen_linears, is_quantized
 from llmtune.run.plan import gib, plan_memory
 from llmtune.training.optim import group_sizes
@@ -99,7 +100,7 @@ def start_banner(trainer, config, world_size: int, peak: str, threads: str = "")
     params = list(model.parameters())
     groups = group_sizes(trainer.optimizer)
     attention = model.attention
-    wrapper = model.hf_model.config._attn_implementation
+    wrapper = text_attention(model.hf_model)
     if wrapper != model.attention:
         attention += f" (through {wrapper})"
     return Banner(

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from llmtune.checkpoint.hf_export import EXPORT_DTYPES, gather_weights, write_hf_folder
 from llmtune.checkpoint.validate import check_base, check_complete, saved_model_shapes
 from llmtune.config import load_config, parse_size
+from llmtune.data import images
 from llmtune.errors import UserError
 from llmtune.features.adapters import Adapters, merge_adapters
 from llmtune.features.base import Features
@@ -76,6 +77,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype_name: str | None, o
                              Features([f for f in features.features if isinstance(f, (Adapters, QuantizedBase))]))
     source = checkpoint / "hf_config"
     tokenizer = AutoTokenizer.from_pretrained(source)
+    # A vision-language model's exports hold its image processor's settings too, which the checkpoint keeps.
+    images.attach(tokenizer, (str(source),), AutoConfig.from_pretrained(source), run.data)
     if adapters and not merge:
         adapters.export_adapter(model, tokenizer, out_dir, dtype, is_main=True)
         return exported_line(checkpoint, out_dir, "the adapter folder", dtype_name)

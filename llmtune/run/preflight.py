@@ -54,7 +54,7 @@ def check_run(local, world_size: int):
     if (local.data.chat_template or "").startswith(LF_TEMPLATE):  # the template that renders as it names, or refused
         from llmtune.data.templates import recipe_tokenizer
 
-        recipe_tokenizer(local.task, local.model, local.data.chat_template)
+        recipe_tokenizer(local.task, local.model, local.data)
     model_config = load_model_config(local.model, local.head())
     check_features(local, model_config, world_size)
     check_model(local.model, local.train, model_config)

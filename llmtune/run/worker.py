@@ -113,7 +113,7 @@ def wire(config, local, state: ParallelState, callbacks, threads) -> tuple[Train
         enable_full_determinism(config.train.seed)
     # The same seed on every rank: identical initial weights and data order.
     set_seed(config.train.seed)
-    tokenizer = recipe_tokenizer(config.task, local.model, config.data.chat_template)
+    tokenizer = recipe_tokenizer(config.task, local.model, config.data)
     model_config = load_model_config(local.model, local.head(), pad_token_id(tokenizer))
     check_vocab(model_config, tokenizer)
     # The banner's plan traces a model of the family on meta tensors: before the features build the run's model,

@@ -69,7 +69,7 @@ def validation_rows(sections: dict, output_dir) -> int:
     from llmtune.data.templates import recipe_tokenizer
 
     config = load_config(sections, overrides(output_dir), "rm", 1)
-    tokenizer = recipe_tokenizer("rm", config.model, config.data.chat_template)
+    tokenizer = recipe_tokenizer("rm", config.model, config.data)
     return len(build_datasets("rm", config.data, tokenizer, config.train.seed, PairLimits.of(config))[1])
 
 

@@ -57,7 +57,7 @@ def run_inputs(recipe: str):
 
     config = load_config(recipe, [], "sft", world_size=1)
     local = local_inputs(config, fetch_hub_inputs(config))
-    return local, recipe_tokenizer("sft", local.model, config.data.chat_template)
+    return local, recipe_tokenizer("sft", local.model, config.data)
 
 
 def trainer_split(recipe: str):

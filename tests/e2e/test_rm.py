@@ -116,7 +116,7 @@ def test_the_export_is_a_classifier_that_scores_held_out_pairs_as_the_run_did(ti
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert model.config.architectures == ["LlamaForSequenceClassification"] and model.config.num_labels == 1
     config = load_config(sections, [], "rm", 1)
-    tokenizer = recipe_tokenizer("rm", config.model, config.data.chat_template)
+    tokenizer = recipe_tokenizer("rm", config.model, config.data)
     _, val, _ = build_datasets("rm", config.data, tokenizer, config.train.seed, PairLimits.of(config))
     with torch.no_grad():
         scores = [model(torch.tensor([ids])).logits[0, 0].item() for row in val for ids in sequences_of(row)]

@@ -1,0 +1,169 @@
+"""Vision-language models (a tiny Qwen2-VL of the real class): LLaMA-Factory's multimodal sharegpt rows become image
+tokens the processor counts, never labelled; a packed row gives each sample the loss transformers' own forward gives
+it alone (fp32, 1e-5); a run trains, packed and unpacked alike, and its export is the whole model."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmtune.config import DataConfig, ModelConfig
+from llmtune.data import images
+from llmtune.data.build import build_datasets
+from llmtune.data.collate import collate
+from llmtune.data.templates import recipe_tokenizer
+from llmtune.features.base import Features
+from llmtune.features.documents import PackedDocuments
+from llmtune.features.multimodal_positions import MultimodalPositions
+from llmtune.model.build import CausalLMForTraining
+from llmtune.model.loss import IGNORE_INDEX, LossOptions
+from tests.vision_models import VISION_FAMILIES, image_conversations, tiny_vlm
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    return tiny_vlm(tmp_path_factory.mktemp("qwen2_vl"))
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    return image_conversations(tmp_path_factory.mktemp("mllm"))
+
+
+def data_config(conversations, tmp_path, **kwargs) -> DataConfig:
+    return DataConfig(dataset_info=str(conversations), datasets=["mllm"], max_seq_len=256,
+                      cache_dir=str(tmp_path / "cache"), **kwargs)
+
+
+def test_image_tokens_are_the_processors_and_never_labelled(vlm, conversations, tmp_path):
+    data_cfg = data_config(conversations, tmp_path, packing=False)
+    tokenizer = recipe_tokenizer("sft", ModelConfig(name_or_path=str(vlm)), data_cfg)
+    image_inputs = images.of(tokenizer)
+    train, _, _ = build_datasets("sft", data_cfg, tokenizer, 0)
+    token = image_inputs.image_token_id
+    seen = 0
+    for row in train:
+        grids = [images.unblob(blob)["image_grid_thw"] for blob in row[images.IMAGES]]
+        ids, labels = row["input_ids"], row["labels"]
+        # One run of image tokens per image, as long as its grid's merged patches (2 x 2 merge).
+        runs = [len(run) for run in "".join("i" if t == token else " " for t in ids).split()]
+        assert runs == [int(grid.prod()) // 4 for grid in torch.cat(grids)] if grids else runs == []
+        assert all(label == IGNORE_INDEX for t, label in zip(ids, labels) if t == token)
+        # What is trained is the assistant's turns alone.
+        trained = tokenizer.decode([label for label in labels if label != IGNORE_INDEX])
+        assert "user" not in trained and "<|vision" not in trained and trained.count("<|im_end|>") >= 1
+        seen += len(grids)
+    assert seen == 8  # the data's 4 images, twice
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES, ids=[family.name for family in VISION_FAMILIES])
+def test_packed_rows_give_each_sample_transformers_loss_alone(family, conversations, tmp_path):
+    """The support matrix of vision-language families: each one's tiny model of the real class, its samples with
+    images packed into rows, each sample's loss in its row that of transformers' own forward of it alone."""
+    from transformers import AutoModelForImageTextToText
+
+    vlm = tiny_vlm(tmp_path / "model", family)
+    hf_model = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32).eval()
+    model = CausalLMForTraining(hf_model, LossOptions(), None).eval()
+    features = Features([PackedDocuments(None), MultimodalPositions(None)])
+    features.build(hf_model, None)
+    model.features = features
+    data_cfg = data_config(conversations, tmp_path)
+    tokenizer = recipe_tokenizer("sft", ModelConfig(name_or_path=str(vlm)), data_cfg)
+    packed, _, _ = build_datasets("sft", data_cfg, tokenizer, 0)
+    blank = images.of(tokenizer).blank()
+    assert max(row["position_ids"].count(0) for row in packed) > 1, "several samples share a row"
+    for row in packed:
+        inputs = features.transform(collate([row], pad_id=0, blank_image=blank).inputs)
+        with torch.no_grad():
+            losses = F.cross_entropy(model(**{k: v for k, v in inputs.items() if k != "shift_labels"})[0],
+                                     inputs["shift_labels"][0], ignore_index=IGNORE_INDEX, reduction="none")
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+        blobs = iter(row[images.IMAGES])
+        for a, b in zip(starts, starts[1:]):
+            ids = torch.tensor([row["input_ids"][a:b]])
+            labels = torch.tensor(row["labels"][a + 1:b] + [IGNORE_INDEX])
+            kwargs = {}
+            count = sum(1 for i in range(1, ids.shape[1]) if ids[0, i] == images.of(tokenizer).image_token_id
+                        and ids[0, i - 1] != ids[0, i])
+            if count:
+                tensors = [images.unblob(next(blobs)) for _ in range(count)]
+                kwargs = {name: torch.cat([t[name] for t in tensors]) for name in tensors[0]}
+                kwargs["mm_token_type_ids"] = (ids == hf_model.config.image_token_id).int()
+            with torch.no_grad():
+                alone = F.cross_entropy(hf_model(input_ids=ids, **kwargs).logits[0], labels,
+                                        ignore_index=IGNORE_INDEX, reduction="sum")
+            assert losses[a:b].sum().item() == pytest.approx(alone.item(), rel=1e-5)
+
+
+def recipe(vlm, conversations, output_dir, **train) -> dict:
+    return {"model": {"name_or_path": str(vlm)},
+            "data": {"dataset_info": str(conversations), "datasets": ["mllm"], "max_seq_len": 256,
+                     "cache_dir": str(output_dir.parent / "cache")},
+            "train": {"output_dir": str(output_dir), "max_steps": 3, "learning_rate": 2e-3, "warmup_ratio": 0,
+                      "logging_steps": 1, "freeze_vision_tower": False, "freeze_multi_modal_projector": False,
+                      **train},
+            "checkpoint": {"export_dtype": "fp32"}}
+
+
+def test_every_sample_each_step_gives_the_same_losses_packed_or_padded(vlm, conversations, tmp_path):
+    """Each step trains the whole data set (8 samples, whatever the rows): packed into 3 rows of up to 256 tokens
+    (3 micro-batches of one row), padded 2 to a micro-batch (accumulation 4) and 1 (accumulation 8): equal losses and
+    gradient norms, the vision tower trained too."""
+    import llmtune
+
+    data_cfg = data_config(conversations, tmp_path)
+    rows = len(build_datasets("sft", data_cfg, recipe_tokenizer("sft", ModelConfig(name_or_path=str(vlm)),
+                                                                data_cfg), 0)[0])
+    layouts = {"packed": dict(data={"packing": True}, per_device_train_batch_size=1, gradient_accumulation_steps=rows),
+               "padded_micro2": dict(data={"packing": False}, per_device_train_batch_size=2,
+                                     gradient_accumulation_steps=4),
+               "padded_micro1": dict(data={"packing": False}, per_device_train_batch_size=1,
+                                     gradient_accumulation_steps=8)}
+    records = {}
+    for name, layout in layouts.items():
+        config = recipe(vlm, conversations, tmp_path / name, **{k: v for k, v in layout.items() if k != "data"})
+        config["data"].update(layout["data"])
+        llmtune.train("sft", config)
+        records[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                         if "loss" in json.loads(line)]
+    reference = records["packed"]
+    assert len(reference) == 3 and reference[0]["loss"] > reference[-1]["loss"]
+    for name, steps in records.items():
+        assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in reference], rel=1e-5), name
+        assert [s["grad_norm"] for s in steps] == pytest.approx([s["grad_norm"] for s in reference], rel=1e-5), name
+
+
+def test_export_is_the_whole_model_with_the_trained_logits_on_an_image(vlm, conversations, tmp_path):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from llmtune.config import load_config
+    from tests.helpers import train_and_export
+
+    unpacked = recipe(vlm, conversations, tmp_path / "out", per_device_train_batch_size=1,
+                      gradient_accumulation_steps=2)
+    unpacked["data"]["packing"] = False  # a row is one sample, which transformers' forward takes alone
+    config = load_config(unpacked, [], "sft", world_size=1)
+
+    def logits_on_a_sample(trainer, tokenizer, state):
+        row = next(row for row in trainer.data.loader.dataset if row[images.IMAGES])
+        inputs = trainer.features.transform(collate([row], pad_id=0, blank_image=b"").inputs)
+        trainer.model.eval()
+        with torch.no_grad():
+            logits = trainer.model(**{k: v for k, v in inputs.items() if k != "shift_labels"})
+        return logits, row
+
+    logits, row = train_and_export(config, logits_on_a_sample)
+    exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "hf", dtype=torch.float32).eval()
+    assert type(exported).__name__ == "Qwen2VLForConditionalGeneration"
+    original = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32)
+    assert exported.state_dict().keys() == original.state_dict().keys(), "the vision tower is exported too"
+    assert type(AutoImageProcessor.from_pretrained(tmp_path / "out" / "hf")).__name__.startswith("Qwen2VLImageProc")
+    ids = torch.tensor([row["input_ids"]])
+    tensors = [images.unblob(blob) for blob in row[images.IMAGES]]
+    kwargs = {name: torch.cat([t[name] for t in tensors]) for name in tensors[0]}
+    with torch.no_grad():
+        found = exported(input_ids=ids, mm_token_type_ids=(ids == exported.config.image_token_id).int(),
+                         **kwargs).logits
+    torch.testing.assert_close(found, logits, rtol=0, atol=1e-5)
