@@ -115,3 +115,23 @@ def image_conversations(folder: Path, copies: int = 2) -> Path:
         "file_name": "mllm.json", "formatting": "sharegpt", "columns": {"messages": "messages", "images": "images"},
         "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
     return folder
+
+
+def image_pairs(folder: Path, copies: int = 2) -> Path:
+    """A LLaMA-Factory dataset_info.json in `folder` naming mllm_pairs (ranking sharegpt with images, as its rlhf_v
+    entry reads RLHF-V: conversations, chosen, rejected, images), one pair without an image, images in images/."""
+    names = [f"images/{name}" for name in write_images(folder / "images")]
+
+    def pair(question, chosen, rejected, images):
+        return {"conversations": [{"from": "human", "value": question}], "chosen": {"from": "gpt", "value": chosen},
+                "rejected": {"from": "gpt", "value": rejected}, "images": images}
+
+    rows = [pair("<image>What is it?", "A tool.", "The sum is five.", [names[0]]),
+            pair("What is 2 plus 3?", "It is 5.", "It is 6.", []),
+            pair("<image>And this one?<image>", "The numbers 2 and 3.", "A tool.", [names[1], names[2]]),
+            pair("Add the numbers.<image>", "The sum is five.", "It is 2.", [names[2]])] * copies
+    (folder / "mllm_pairs.json").write_text(json.dumps(rows))
+    (folder / "dataset_info.json").write_text(json.dumps({"mllm_pairs": {
+        "file_name": "mllm_pairs.json", "ranking": True, "formatting": "sharegpt",
+        "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "images": "images"}}}))
+    return folder

@@ -128,8 +128,7 @@ def image_inputs(blobs: list[bytes], blank_image: bytes) -> dict:
     micro-batch."""
     if not blobs:
         return {**images.unblob(blank_image), BLANK_IMAGES: True}
-    tensors = [images.unblob(blob) for blob in blobs]
-    return {name: torch.cat([found[name] for found in tensors]) for name in tensors[0]}
+    return images.merged(blobs)
 
 
 def share_prefix(unit: dict) -> dict:

@@ -48,6 +48,9 @@ def prompt_problem(prompt) -> str | None:
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                    and isinstance(m.get("content"), str) for m in prompt):
         return None
+    if isinstance(prompt, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in prompt):
+        return ("the prompt's turns hold content parts (images); llmtune grpo samples from text prompts alone so far "
+                "(sft and dpo train on images): give each turn's content as a string")
     return ("'prompt' must be a string or a list of messages ({'role': ..., 'content': ...}), as TRL's "
             "prompt-only datasets hold it")
 
@@ -67,13 +70,13 @@ FORMS = {
     "tokenized": ({"input_ids": "input_ids", "labels": "labels"}, ("input_ids",)),
     # TRL's preference forms: explicit prompt (with llmtune's optional system) and implicit prompt.
     "prompt_chosen_rejected": ({"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "system": "system",
-                                "tools": "tools"}, ("prompt", "chosen", "rejected")),
+                                "tools": "tools", "images": "images"}, ("prompt", "chosen", "rejected")),
     "chosen_rejected": ({"chosen": "chosen", "rejected": "rejected", "tools": "tools"}, ("chosen", "rejected")),
     # LLaMA-Factory's ranking: true entries of its two formattings.
     "alpaca_ranking": ({"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected",
                         "system": "system", "history": "history", "tools": "tools"}, ("prompt", "chosen", "rejected")),
     "sharegpt_ranking": ({"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "system": "system",
-                          "tools": "tools"}, ("messages", "chosen", "rejected")),
+                          "tools": "tools", "images": "images"}, ("messages", "chosen", "rejected")),
     # TRL's unpaired (KTO) form, with llmtune's optional system; LLaMA-Factory's KTO entries of its two formattings
     # (kto_tag names the label column), and its kto_en_demo file (role/content messages) given by path.
     "prompt_completion_label": ({"prompt": "prompt", "completion": "completion", "kto_tag": KTO_LABEL,
@@ -442,6 +445,9 @@ class _Row:
         tools = self.tools()
         if tools:
             conversation["tools"] = tools
+        # A pair's images are its prompt's: both sequences hold them (TRL's DPO on vision-language models).
+        if found := self.images(prompt):
+            conversation["images"] = found
         return conversation
 
     def system(self) -> list[dict]:

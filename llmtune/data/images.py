@@ -26,6 +26,7 @@ argument it already takes.
 
 import base64
 import io
+import re
 from pathlib import Path
 
 from llmtune.errors import UserError
@@ -164,6 +165,15 @@ class ImageInputs:
         names = [name for name in self.processor.image_processor.model_input_names if name in out]
         return out["input_ids"][0].tolist(), {name: out[name] for name in names}
 
+    def collapsed(self, text: str) -> str:
+        """`text` with each run of the token an image's tokens repeat (Qwen's <|image_pad|>) written once, with the
+        run's length: `<|image_pad|>x16`."""
+        from PIL import Image
+
+        ids = self.encoded(Image.new("RGB", (BLANK_SIDE, BLANK_SIDE)))[0]
+        token = self.processor.tokenizer.convert_ids_to_tokens(max(set(ids), key=ids.count))
+        return re.sub(f"(?:{re.escape(token)}){{2,}}", lambda run: f"{token}x{len(run[0]) // len(token)}", text)
+
     def blank(self) -> bytes:
         """The blob of a blank image: what the vision tower encodes, multiplied by 0, for a micro-batch without
         images, so that every rank runs it on every micro-batch (its sharded blocks gather their weights
@@ -179,6 +189,14 @@ def column_features() -> dict:
     import datasets
 
     return {IMAGES: datasets.List(datasets.Value("binary"))}
+
+
+def merged(blobs: list[bytes]) -> dict:
+    """One sample's images as the model takes them: each tensor concatenated over its images, in order."""
+    import torch
+
+    tensors = [unblob(data) for data in blobs]
+    return {name: torch.cat([found[name] for found in tensors]) for name in tensors[0]} if tensors else {}
 
 
 def blob(tensors: dict) -> bytes:

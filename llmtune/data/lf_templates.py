@@ -77,11 +77,21 @@ TEMPLATES = {
     "qwen3": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM,
                         thought="<think>\n\n</think>\n\n"),
     "qwen3_nothink": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM),
+    # The vision-language ones: their text as above, their images the model's own placeholder (data/images.py), as
+    # LLaMA-Factory's qwen2_vl and qwen3_vl plugins write it.
+    "qwen2_vl": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM,
+                           default_system="You are a helpful assistant."),
+    "qwen3_vl": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM,
+                           thought="<think>\n\n</think>\n\n"),
+    "qwen3_vl_nothink": LFTemplate(user=CHATML_USER, assistant=CHATML_ASSISTANT, system=CHATML_SYSTEM),
     "vicuna": LFTemplate(user=("USER: {{content}} ASSISTANT:",),
                          default_system="A chat between a curious user and an artificial intelligence assistant. "
                                         "The assistant gives helpful, detailed, and polite answers to the user's "
                                         "questions."),
 }
+# The names of vision-language models' templates: read where a recipe names them, never offered for a text model (their
+# text is a text template's).
+VISION_TEMPLATES = frozenset({"qwen2_vl", "qwen3_vl", "qwen3_vl_nothink"})
 # LLaMA-Factory's demo conversations, in the forms a template renders differently: one turn, a system text, two turns,
 # and texts that begin and end in white space (its kto_en_demo has them), which LLaMA-Factory keeps and some models'
 # own templates trim (Gemma's, Llama 3's).
@@ -165,7 +175,8 @@ def _missing_markers(template: LFTemplate, tokenizer) -> list[str]:
 def _fitting(tokenizer, candidates: list[tuple[str, str]]) -> list[str]:
     """LLaMA-Factory's template names that one of `candidates` ((where from, Jinja)) renders as it does with
     `tokenizer`, its markers the tokenizer's own tokens."""
-    return [name for name, template in TEMPLATES.items() if not _missing_markers(template, tokenizer)
+    return [name for name, template in TEMPLATES.items() if name not in VISION_TEMPLATES
+            and not _missing_markers(template, tokenizer)
             and any(difference(name, tokenizer, jinja) is None for _, jinja in candidates)]
 
 

@@ -15,9 +15,10 @@ import datasets
 from jinja2 import TemplateError
 
 from llmtune.config import pair_length
+from llmtune.data import images
 from llmtune.data.formats import MARGIN
 from llmtune.data.packing import concatenate
-from llmtune.data.sft import KEPT, NO_LABELS, TRUNCATED
+from llmtune.data.sft import KEPT, NO_LABELS, TOO_LONG, TRUNCATED
 from llmtune.data.templates import (LabelRules, check_rendered, for_template, render, text_completion_ids, text_ids,
                                     text_prompt_ids)
 from llmtune.errors import UserError
@@ -151,12 +152,26 @@ def pair_row(prompt: list[int], chosen: list[int], rejected: list[int]) -> dict[
 
 def fitted_pair_row(tokenizer, pair: dict, rules: LabelRules, limits: PairLimits, where: str) -> dict:
     """A canonical pair -> its row (pair_row) within the limits and its status: KEPT, TRUNCATED, or NO_LABELS when a
-    sequence would train no token (a one-token response after an empty prompt)."""
-    status, prompt, chosen, rejected = fit_pair(*encode_pair(tokenizer, pair, rules, where, limits.names), limits,
-                                                where)
-    if not all(len(prompt) + len(response) > 1 for response in (chosen, rejected)):
+    sequence would train no token (a one-token response after an empty prompt); for a vision-language model, the
+    blobs of its prompt's images, once for each sequence (images.IMAGES). A prompt with images is never cut (its
+    image tokens would go, their pixels not): such a pair over the limits is TOO_LONG, dropped."""
+    found, image_inputs = images.sample_images(pair), images.of(tokenizer)
+    if found and image_inputs is None:
+        raise UserError(f"{where}: the pair holds images, and the model is a text model with no vision tower; train "
+                        "a vision-language model on it, or leave the images out of the data")
+    if found:
+        pair = {**pair, "prompt": image_inputs.placed(pair["prompt"])}
+    prompt, chosen, rejected = encode_pair(tokenizer, pair, rules, where, limits.names)
+    blobs = []
+    if found:
+        prompt, _, blobs = image_inputs.expand(prompt, [IGNORE_INDEX] * len(prompt), found, where)
+    status, kept, chosen, rejected = fit_pair(prompt, chosen, rejected, limits, where)
+    if blobs and len(kept) < len(prompt):
+        status, blobs = TOO_LONG, []
+    if not all(len(kept) + len(response) > 1 for response in (chosen, rejected)):
         status = NO_LABELS
-    return {**pair_row(prompt, chosen, rejected), "status": status}
+    return {**pair_row(kept, chosen, rejected), "status": status,
+            **({images.IMAGES: blobs * 2} if image_inputs else {})}
 
 
 def tokenize_pairs(rows: datasets.Dataset, tokenizer, data_cfg, limits: PairLimits, map_kw: dict,
@@ -170,4 +185,11 @@ def tokenize_pairs(rows: datasets.Dataset, tokenizer, data_cfg, limits: PairLimi
         return {**fitted_pair_row(tokenizer, pair, rules, limits, f"{source}: row {index + 1}"),
                 MARGIN: [pair.get(MARGIN, 0.0)] * 2}
 
-    return rows.map(encode, with_indices=True, **map_kw).select_columns([*PAIR_COLUMNS, "status", MARGIN])
+    columns = [*PAIR_COLUMNS, "status", MARGIN] + ([images.IMAGES] if images.of(tokenizer) else [])
+    features = None
+    if images.of(tokenizer):
+        features = datasets.Features({**rows.features, **{name: datasets.List(datasets.Value("int64"))
+                                                          for name in PAIR_COLUMNS},
+                                      "status": datasets.Value("int64"), MARGIN: datasets.List(datasets.Value("float64")),
+                                      **images.column_features()})
+    return rows.map(encode, with_indices=True, features=features, **map_kw).select_columns(columns)

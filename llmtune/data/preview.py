@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pyarrow.compute as pc
 
+from llmtune.data import images
 from llmtune.data.build import OneProcess, load_or_build, unit_name
 from llmtune.data.formats import PROMPT_ROW
 from llmtune.data.packing import TOKEN_COLUMNS
@@ -165,15 +166,17 @@ def render(tokenizer, ids: list[int], trained: list[bool], color: bool, start: i
     agreeing with it; a run is not decoded on its own: a sentencepiece tokenizer drops a leading space when
     decoding from a word-initial piece, and a byte-level one turns a character whose bytes a run boundary splits
     into U+FFFD (here that character goes whole to the later run). So the unmarked text is exactly the sample's;
-    special tokens stay in and tokenization spaces are not cleaned up: what is shown is what the model reads.
+    special tokens stay in and tokenization spaces are not cleaned up: what is shown is what the model reads. A
+    vision-language model's image tokens (never trained) are shown collapsed, each run as its token and count.
     """
     bounds = [start] + [i for i in range(start + 1, len(ids)) if trained[i] != trained[i - 1]] + [len(ids)]
     prefixes = [tokenizer.decode(ids[:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
                 for end in bounds]
     whole = prefixes[-1]
     cuts = [len(os.path.commonprefix([prefix, whole])) for prefix in prefixes]
-    return "".join(mark(whole[cut:next_cut], color) if trained[start] else whole[cut:next_cut]
+    text = "".join(mark(whole[cut:next_cut], color) if trained[start] else whole[cut:next_cut]
                    for start, cut, next_cut in zip(bounds, cuts, cuts[1:]))
+    return image_inputs.collapsed(text) if (image_inputs := images.of(tokenizer)) else text
 
 
 def mark(text: str, color: bool) -> str:

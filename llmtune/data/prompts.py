@@ -6,6 +6,7 @@ them the data's columns). The same reading serves the evaluation by generation a
 
 import datasets
 
+from llmtune.data import images
 from llmtune.data.formats import PROMPT_ROW
 from llmtune.data.sft import KEPT, TOO_LONG
 from llmtune.data.templates import render, text_ids, text_prompt_ids
@@ -17,6 +18,22 @@ def prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
     if isinstance(prompt, str):
         return text_prompt_ids(tokenizer, prompt)
     return text_ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True))
+
+
+def prompt_with_images(tokenizer, prompt: str | list[dict], found: list[str], where: str) -> tuple[list[int], dict]:
+    """(the token ids a completion follows, the images' tensors) of a prompt with images (images.reference's): a
+    string is a user turn of the chat template, its images before its text where it marks none with <image>;
+    messages mark theirs."""
+    image_inputs = images.of(tokenizer)
+    if image_inputs is None:
+        raise UserError(f"{where}: images given to a text model with no vision tower; leave them out, or generate "
+                        "from a vision-language model")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt if images.IMAGE in prompt else images.IMAGE * len(found) + prompt}]
+    images.check_count(prompt, found, where)
+    ids = prompt_ids(tokenizer, image_inputs.placed(prompt))
+    ids, _, blobs = image_inputs.expand(ids, [0] * len(ids), found, where)
+    return ids, images.merged(blobs)
 
 
 def tokenize_prompts(rows: datasets.Dataset, tokenizer, max_length: int, map_kw: dict, source: str) -> datasets.Dataset:

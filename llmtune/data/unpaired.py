@@ -64,6 +64,9 @@ def tokenize_examples(examples: datasets.Dataset, tokenizer, data_cfg, limits: P
     rules = LabelRules.of(data_cfg, tokenizer)
 
     def encode(row):
+        if row["pair"].get("images"):
+            raise UserError(f"{row['where']}: the example holds images; llmtune kto trains on text alone so far (dpo "
+                            "and sft train on images): leave the images out of the data")
         return {**fitted_pair_row(tokenizer, row["pair"], rules, limits, row["where"]),
                 DESIRABLE: [row[DESIRABLE]] * 2}
 

@@ -31,7 +31,7 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from llmtune.model.build import CausalLMForTraining, gathered
 from llmtune.model.expert_parallel import split_experts
-from llmtune.model.multimodal import set_text_attention, text_attention
+from llmtune.model.multimodal import generation_inputs, set_text_attention, text_attention
 
 # The defaults of the sampling keys where neither the caller nor the model's generation config sets one:
 # transformers' (GenerationConfig._get_default_generation_params; tests/unit/test_generation.py holds them to it),
@@ -136,12 +136,13 @@ class _Chooser(LogitsProcessor):
 
 def generate(model, prompts: list[list[int]], sampling: Sampling, *, eos_ids: list[int], pad_id: int,
              device: torch.device, seed: int = 0, step: int = 0, batch_size: int = BATCH_SIZE,
-             state=None) -> list[Completion]:
+             state=None, images: list[dict] | None = None) -> list[Completion]:
     """Every prompt's num_return_sequences completions, in prompt order then sample order, on every rank.
 
     `model`: a CausalLMForTraining (the run's, every rank calling) or a transformers causal LM (on each process of
     its own). `state`: the processes' ParallelState, over which they share the prompts (None: one process). `seed`
-    and `step` seed the completions with the prompts' indices in `prompts`."""
+    and `step` seed the completions with the prompts' indices in `prompts`. `images`: a vision-language model's,
+    each prompt's image tensors (data/images.py's; empty for a prompt without), whose tokens its ids hold."""
     world, rank = (state.world_size, state.rank) if state else (1, 0)
     rows = [(p, s) for p in range(rank, len(prompts), world) for s in range(sampling.num_return_sequences)]
     rows.sort(key=lambda row: len(prompts[row[0]]))
@@ -154,7 +155,8 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, eos_ids: li
     with _ready(model):
         for batch in batches:
             made = _generate_batch(model, [prompts[p] for p, _ in batch] or idle, batch or [(0, 0)], sampling,
-                                   eos_ids, pad_id, device, seed, step, synced=collective and world > 1)
+                                   eos_ids, pad_id, device, seed, step, synced=collective and world > 1,
+                                   images=[images[p] for p, _ in batch] if images and batch else [])
             mine += made if batch else []
     if world > 1:
         mine = [c for share in state.all_gather_object(mine) for c in share]
@@ -187,8 +189,8 @@ def _ready(model):
 
 def _generate_batch(model, prompts: list[list[int]], rows: list[tuple[int, int]], sampling: Sampling,
                     eos_ids: list[int], pad_id: int, device: torch.device, seed: int, step: int,
-                    synced: bool) -> list[Completion]:
-    """One left-padded batch through transformers' generate."""
+                    synced: bool, images: list[dict]) -> list[Completion]:
+    """One left-padded batch through transformers' generate (with each row's images, where it has any)."""
     length = max(len(ids) for ids in prompts)
     input_ids = torch.tensor([[pad_id] * (length - len(ids)) + ids for ids in prompts], device=device)
     attention_mask = torch.tensor([[0] * (length - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
@@ -198,7 +200,9 @@ def _generate_batch(model, prompts: list[list[int]], rows: list[tuple[int, int]]
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, num_beams=1,
                          max_new_tokens=sampling.max_new_tokens, num_return_sequences=1, repetition_penalty=1.0,
                          eos_token_id=list(eos_ids), pad_token_id=pad_id, logits_processor=LogitsProcessorList([chooser]),
-                         synced_gpus=synced)
+                         synced_gpus=synced,
+                         **generation_inputs(model.hf_model if isinstance(model, CausalLMForTraining) else model,
+                                             input_ids, images))
     new = out[:, length:].tolist()
     logprobs = torch.stack(chooser.logprobs, dim=1).tolist() if chooser.logprobs else [[] for _ in rows]
     eos = set(eos_ids)

@@ -130,3 +130,16 @@ def save_processor(tokenizer, folder) -> None:
     model's folder holds both, as AutoProcessor reads them."""
     if (found := getattr(tokenizer, IMAGE_INPUTS, None)) is not None:
         found.processor.image_processor.save_pretrained(folder)
+
+
+def generation_inputs(hf_model, input_ids: torch.Tensor, images: list[dict]) -> dict:
+    """What transformers' generate of a vision-language model takes besides the token ids of a batch whose rows hold
+    images (`images`: each row's tensors, data/images.py's, in row order): the image tensors concatenated, and the
+    token types of those families whose rope reads them (Qwen's mm_token_type_ids: 1 on image tokens)."""
+    found = [tensors for tensors in images if tensors]
+    if not found:
+        return {}
+    inputs = {name: torch.cat([tensors[name] for tensors in found]).to(input_ids.device) for name in found[0]}
+    if "mm_token_type_ids" in inspect.signature(hf_model.forward).parameters:
+        inputs["mm_token_type_ids"] = (input_ids == hf_model.config.image_token_id).int()
+    return inputs

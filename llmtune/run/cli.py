@@ -208,6 +208,10 @@ def generate_parser() -> argparse.ArgumentParser:
     source.add_argument("--chat", action="store_true",
                         help="a conversation on the terminal: each line read is a user turn, the reply printed; an "
                              "empty line, exit or the end of input ends it")
+    parser.add_argument("--image", metavar="PATH", action="append",
+                        help="with --prompt, a vision-language model's image (repeat for several): the prompt is then "
+                             "a user turn of the chat template, the images before its text unless it marks their "
+                             "places with <image>; --file's rows give theirs in an 'images' column")
     parser.add_argument("--out", metavar="JSONL",
                         help="--file's rows, each with a 'completion' column (a string, or the assistant's message "
                              "for a messages prompt; a 'completion' the file has is replaced); with "
@@ -287,6 +291,11 @@ def check_generate_flags(parsed: argparse.Namespace) -> None:
     if parsed.temperature == 0 and parsed.do_sample:
         raise UserError("--temperature 0 is greedy decoding (as --do_sample false); leave out --do_sample true, or "
                         "sample at a temperature above 0")
+    if parsed.image and not parsed.prompt:
+        raise UserError("--image: the images of --prompt; --file's rows give theirs in an 'images' column")
+    for image in parsed.image or ():
+        if not Path(image).is_file():
+            raise UserError(f"--image: {image} is not a file")
     if parsed.chat and (parsed.num_return_sequences or 1) > 1:
         raise UserError("--num_return_sequences: --chat goes on with one reply per turn; leave it out")
 
@@ -327,6 +336,10 @@ def score_parser() -> argparse.ArgumentParser:
                         help="a JSONL file, TRL's forms: 'prompt' and 'completion' (both strings, or both lists of "
                              "messages), or 'messages', a conversation whose last turn, the assistant's, is scored; "
                              "'tools' beside messages")
+    parser.add_argument("--image", metavar="PATH", action="append",
+                        help="with --prompt, a vision-language model's image (repeat for several): the prompt is then "
+                             "a user turn of the chat template, the images before its text unless it marks their "
+                             "places with <image>; --file's rows give theirs in an 'images' column")
     parser.add_argument("--out", metavar="JSONL",
                         help="write FILE's rows, each with a 'score' column (one the row has is replaced), whole or "
                              "not at all; without it the scores are printed, one a line, in FILE's order")

@@ -3,10 +3,12 @@ tokens the processor counts, never labelled; a packed row gives each sample the 
 it alone (fp32, 1e-5); a run trains, packed and unpacked alike, and its export is the whole model."""
 
 import json
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from llmtune.config import DataConfig, ModelConfig
 from llmtune.data import images
@@ -18,7 +20,7 @@ from llmtune.features.documents import PackedDocuments
 from llmtune.features.multimodal_positions import MultimodalPositions
 from llmtune.model.build import CausalLMForTraining
 from llmtune.model.loss import IGNORE_INDEX, LossOptions
-from tests.vision_models import VISION_FAMILIES, image_conversations, tiny_vlm
+from tests.vision_models import VISION_FAMILIES, image_conversations, image_pairs, tiny_vlm
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +169,87 @@ def test_export_is_the_whole_model_with_the_trained_logits_on_an_image(vlm, conv
         found = exported(input_ids=ids, mm_token_type_ids=(ids == exported.config.image_token_id).int(),
                          **kwargs).logits
     torch.testing.assert_close(found, logits, rtol=0, atol=1e-5)
+
+
+def test_a_stopped_run_resumes_bitwise(vlm, conversations, tmp_path):
+    import llmtune
+    from tests.helpers import StopAt
+
+    def run(name, callbacks=(), resume=None):
+        config = recipe(vlm, conversations, tmp_path / name, max_steps=4, per_device_train_batch_size=1,
+                        gradient_accumulation_steps=2)
+        config["checkpoint"].update(save_steps=2, resume_from_checkpoint=resume)
+        llmtune.train("sft", config, callbacks=list(callbacks))
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    whole = run("whole")
+    run("part", [StopAt(2)])
+    resumed = run("part", resume="auto")
+    assert [r["loss"] for r in resumed if "loss" in r] == [r["loss"] for r in whole if "loss" in r]
+    assert all(torch.equal(a, b) for a, b in zip(load_file(tmp_path / "whole/hf/model.safetensors").values(),
+                                                 load_file(tmp_path / "part/hf/model.safetensors").values()))
+
+
+def test_dpo_on_image_pairs_gives_the_same_losses_on_any_layout(vlm, tmp_path):
+    """dpo on LLaMA-Factory's ranking rows with images (a pair's two sequences share its prompt's images): pairs
+    packed into one row per micro-batch or padded, 2 or 1 to a micro-batch, give equal per-step losses; the first
+    step's is ln 2 (the reference is the policy at step 0)."""
+    import llmtune
+
+    pairs = image_pairs(tmp_path / "pairs")
+    layouts = {"packed": (True, 2, 2), "padded": (False, 2, 2), "padded_micro1": (False, 1, 4)}
+    records = {}
+    for name, (packing, micro, accumulation) in layouts.items():
+        llmtune.train("dpo", {"model": {"name_or_path": str(vlm)},
+                              "data": {"dataset_info": str(pairs), "datasets": ["mllm_pairs"], "max_seq_len": 512,
+                                       "packing": packing, "cache_dir": str(tmp_path / "cache")},
+                              "train": {"output_dir": str(tmp_path / name), "max_steps": 3, "learning_rate": 2e-3,
+                                        "warmup_ratio": 0, "logging_steps": 1, "per_device_train_batch_size": micro,
+                                        "gradient_accumulation_steps": accumulation},
+                              "checkpoint": {"export_hf": False}})
+        records[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    reference = records["packed"]
+    assert reference[0]["loss"] == pytest.approx(0.6931472, rel=1e-5)
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    for name, steps in records.items():
+        for key in ("loss", "rewards/margins", "grad_norm"):
+            assert [s[key] for s in steps] == pytest.approx([s[key] for s in reference], rel=1e-5, abs=1e-6), \
+                (name, key)
+
+
+def test_generate_with_images_gives_transformers_greedy_completion(vlm, conversations, tmp_path, capsys):
+    """`llmtune generate --prompt --image` and a --file row with an images column complete as transformers' own
+    generate does from the ids and pixels transformers' image processor gives (the template's vision markers, one
+    <|image_pad|> per merged patch)."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from PIL import Image
+
+    from llmtune.run.cli import main as cli_main
+
+    image = conversations / "images" / "3.png"
+    model = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(vlm)
+    pixels = Qwen2VLImageProcessorPil.from_pretrained(vlm)(images=[Image.open(image).convert("RGB")],
+                                                         return_tensors="pt")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                       {"type": "text", "text": "What is it?"}]}],
+                                         tokenize=False, add_generation_prompt=True)
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * (int(pixels["image_grid_thw"].prod()) // 4))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+                             pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                             do_sample=False, max_new_tokens=6, eos_token_id=[], pad_token_id=0)
+    expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert expected.strip(), "the random model says something"
+    assert cli_main(["generate", str(vlm), "--prompt", "What is it?", "--image", str(image), "--do_sample", "false",
+                     "--max_new_tokens", "6"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == expected
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "<image>What is it?"}],
+                                   "images": [str(image.relative_to(conversations))]}) + "\n")
+    shutil.copytree(conversations / "images", tmp_path / "images")
+    assert cli_main(["generate", str(vlm), "--file", str(prompts), "--out", str(tmp_path / "out.jsonl"),
+                     "--do_sample", "false", "--max_new_tokens", "6"]) == 0
+    assert json.loads((tmp_path / "out.jsonl").read_text())["completion"][0]["content"] == expected

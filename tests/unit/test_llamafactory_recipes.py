@@ -61,6 +61,20 @@ QWEN3_LORA_KTO = QWEN3_LORA_SFT.replace("stage: sft", "stage: kto\npref_beta: 0.
     "lora/sft", "lora/kto").replace("save_only_model: false\n", "")
 
 
+# examples/train_lora/qwen3vl_lora_{sft,dpo}.yaml as LLaMA-Factory publishes them (their commented-out eval lines left
+# out): a vision-language model's, with its image and video settings.
+QWEN3VL_LORA_SFT = QWEN3_LORA_SFT.replace(
+    "model_name_or_path: Qwen/Qwen3-4B-Instruct-2507\n",
+    "model_name_or_path: Qwen/Qwen3-VL-4B-Instruct\nimage_max_pixels: 262144\nvideo_max_pixels: 16384\n").replace(
+    "dataset: identity", "dataset: mllm_demo,identity,alpaca_en_demo  # video: mllm_video_demo").replace(
+    "template: qwen3_nothink", "template: qwen3_vl_nothink").replace("qwen3-4b/", "qwen3-vl-4b/")
+QWEN3VL_LORA_DPO = QWEN3VL_LORA_SFT.replace(
+    "lora_target: all\n", "lora_target: all\npref_beta: 0.1\npref_loss: sigmoid  # choices: [sigmoid (dpo), orpo, simpo]\n"
+).replace("stage: sft", "stage: dpo").replace("dataset: mllm_demo,identity,alpaca_en_demo  # video: mllm_video_demo",
+                                              "dataset: rlhf_v").replace(
+    "learning_rate: 1.0e-4", "learning_rate: 5.0e-6").replace("lora/sft", "lora/dpo")
+
+
 EXAMPLE_DATASETS = {"sft": "identity", "dpo": "dpo_en_demo", "kto": "kto_en_demo"}
 
 
@@ -287,3 +301,18 @@ def test_freeze_settings_without_freeze_are_refused(tmp_path):
     lora = load_config(flat(tmp_path, MINIMAL + "freeze_trainable_layers: 2\n"), [], "sft", 1)
     assert Adapters.check(lora, None, 1)[0].startswith("train.trainable_modules / frozen_modules / trainable_layers "
                                                        "(finetuning_type freeze): not used with peft")
+
+
+@pytest.mark.parametrize("text, task", [(QWEN3VL_LORA_SFT, "sft"), (QWEN3VL_LORA_DPO, "dpo")])
+def test_llamafactorys_vision_language_examples_read_key_by_key(tmp_path, text, task):
+    """Its image bounds are data.image_max_pixels (image_min_pixels keeps LLaMA-Factory's default); its video
+    settings are read and change nothing (llmtune reads no videos); the parts of the model that train are
+    LLaMA-Factory's defaults: the vision tower and the projector frozen, the language model trained."""
+    config = load_config(flat(tmp_path, text), [], task, 1)
+    assert config.model.name_or_path == "Qwen/Qwen3-VL-4B-Instruct"
+    assert (config.data.image_max_pixels, config.data.image_min_pixels) == (262144, 32 * 32)
+    assert config.data.datasets == (["mllm_demo", "identity", "alpaca_en_demo"] if task == "sft" else ["rlhf_v"])
+    assert config.data.chat_template == "llamafactory:qwen3_vl_nothink"
+    assert (config.train.freeze_vision_tower, config.train.freeze_multi_modal_projector,
+            config.train.freeze_language_model) == (True, True, False)
+    assert (config.peft.method, config.peft.target_modules) == ("lora", ["all-linear"])

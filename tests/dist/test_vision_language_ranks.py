@@ -1,0 +1,37 @@
+"""A vision-language model (a tiny Qwen2-VL, its vision tower trained too) on 2 processes: the step of 4 samples split
+as 2 ranks x accumulation 2 gives the losses and gradient norms of one process x accumulation 4 (fp32, 1e-5), packed
+rows and padded ones alike; each rank's micro-batches without images still run the sharded vision tower (a rank
+that skipped it would leave the other waiting in its all-gathers)."""
+
+import pytest
+import yaml
+
+import llmtune
+from tests.helpers import read_metrics, run_cli
+from tests.vision_models import image_conversations, tiny_vlm
+
+
+def recipe(vlm, conversations, output_dir, packing: bool, accumulation: int) -> dict:
+    return {"model": {"name_or_path": str(vlm)},
+            "data": {"dataset_info": str(conversations), "datasets": ["mllm"], "max_seq_len": 256, "packing": packing,
+                     "cache_dir": str(output_dir.parent / "cache")},
+            "train": {"output_dir": str(output_dir), "max_steps": 4, "learning_rate": 2e-3, "warmup_ratio": 0,
+                      "logging_steps": 1, "per_device_train_batch_size": 1,
+                      "gradient_accumulation_steps": accumulation, "freeze_vision_tower": False,
+                      "freeze_multi_modal_projector": False},
+            "checkpoint": {"export_hf": False}}
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_two_ranks_train_as_one(packing, tmp_path):
+    vlm = tiny_vlm(tmp_path / "model")
+    conversations = image_conversations(tmp_path / "mllm", copies=4)
+    llmtune.train("sft", recipe(vlm, conversations, tmp_path / "one", packing, 4))
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(recipe(vlm, conversations, tmp_path / "two", packing, 2)))
+    result = run_cli("sft", str(path), "--nproc", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert len(one) == len(two) == 4
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5), key
