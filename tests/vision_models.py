@@ -8,20 +8,31 @@ from pathlib import Path
 
 from tests.helpers import byte_level_tokenizer
 
-# Qwen2-VL's chat template (its default system text, an image part as its vision markers), and its special tokens.
-QWEN_VL_TEMPLATE = (
-    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
-    "assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|>"
-    "<|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+def chatml_template(image: str) -> str:
+    """ChatML with Qwen2-VL's default system text, an image part rendered as `image` (what the family's own template
+    writes for one)."""
+    return ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
+            "assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+            "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}" + image +
+            "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 QWEN_VL_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-# Qwen's image settings (merge 2, CLIP's mean and std).
-QWEN_IMAGE_PROCESSOR = {"temporal_patch_size": 2,
-                        "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                        "image_std": [0.26862954, 0.26130258, 0.27577711],
-                        "image_processor_type": "Qwen2VLImageProcessor"}
+QWEN_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+               "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
+
+def qwen_image_processor(patch_size: int) -> dict:
+    """Qwen's image settings (merge 2, CLIP's mean and std) at the family's patch size, at most 16 merged patches an
+    image."""
+    merged = (patch_size * 2) ** 2
+    return {"temporal_patch_size": 2, "merge_size": 2, "patch_size": patch_size, "image_mean": CLIP_MEAN,
+            "image_std": CLIP_STD, "min_pixels": merged, "max_pixels": merged * 16,
+            "image_processor_type": "Qwen2VLImageProcessor"}
+
+
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=512)
 MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # head_dim 16: 8 frequencies
@@ -34,7 +45,12 @@ class VisionFamily:
     features: str  # what the tiny config keeps of the real family
     text: dict = field(default_factory=dict)  # on top of TEXT
     vision: dict = field(default_factory=dict)
-    patch_size: int = 14
+    image_processor: dict = field(default_factory=lambda: qwen_image_processor(14))  # preprocessor_config.json
+    processor: dict = field(default_factory=dict)  # processor_config.json
+    specials: tuple = QWEN_VL_SPECIALS
+    image_part: str = "<|vision_start|><|image_pad|><|vision_end|>"  # what the family's template writes for an image
+    tokens: dict = field(default_factory=lambda: dict(QWEN_TOKENS))  # config keys of special token ids
+    config: dict = field(default_factory=dict)  # the config's other keys
 
 
 VISION_FAMILIES = (
@@ -52,32 +68,69 @@ VISION_FAMILIES = (
                  dict(head_dim=16, rope_parameters={**MROPE, "mrope_interleaved": True}),
                  dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
                       spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-                      deepstack_visual_indexes=[0]), patch_size=16),
+                      deepstack_visual_indexes=[0]), qwen_image_processor(16)),
+    VisionFamily("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3-VL's vision tower and rope, routed experts (4, 2 per "
+                                                 "token) in every decoder layer",
+                 dict(head_dim=16, rope_parameters={**MROPE, "mrope_interleaved": True}, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+                 dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0]), qwen_image_processor(16)),
+    VisionFamily("LLaVA", "llava", "CLIP vision tower (its CLS token dropped), features of its second-to-last layer, "
+                                   "MLP projector, Llama language model",
+                 dict(model_type="llama"),
+                 dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=28, patch_size=14),
+                 {"size": {"shortest_edge": 28}, "crop_size": {"height": 28, "width": 28}, "do_center_crop": True,
+                  "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "image_processor_type": "CLIPImageProcessor"},
+                 {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1},
+                 ("<image>",), "<image>", {"image_token_index": "<image>"}),
+    VisionFamily("LLaVA-NeXT", "llava_next", "any-resolution tiles of each image beside its overview, their "
+                                             "features unpadded by the image's size, an image_newline per row",
+                 dict(model_type="llama"),
+                 dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=28, patch_size=14),
+                 {"size": {"shortest_edge": 28}, "crop_size": {"height": 28, "width": 28}, "do_center_crop": True,
+                  "image_grid_pinpoints": [[28, 56], [56, 28], [56, 56]], "do_pad": True, "image_mean": CLIP_MEAN,
+                  "image_std": CLIP_STD, "image_processor_type": "LlavaNextImageProcessor"},
+                 {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1},
+                 ("<image>",), "<image>", {"image_token_index": "<image>"},
+                 {"image_grid_pinpoints": [[28, 56], [56, 28], [56, 56]]}),
+    VisionFamily("Idefics3", "idefics3", "SigLIP-style vision tower on each crop of an image split into tiles and "
+                                         "on the whole, pixel shuffle connector, crops' row and column tokens, "
+                                         "Llama language model",
+                 dict(model_type="llama"),
+                 dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=56, patch_size=14),
+                 {"do_image_splitting": True, "max_image_size": {"longest_edge": 56},
+                  "size": {"longest_edge": 112}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                  "image_processor_type": "Idefics3ImageProcessor"},
+                 {"image_seq_len": 4},  # (56 / 14)^2 patches / scale_factor 2^2
+                 ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                  *(f"<row_{i}_col_{j}>" for i in (1, 2) for j in (1, 2))),
+                 "<image>", {"image_token_id": "<image>"}, {"scale_factor": 2}),
 )
 FAMILY = {family.name: family for family in VISION_FAMILIES}
 IMAGE_SIZES = ((60, 40), (28, 28), (90, 56))
 
 
 def tiny_vlm(folder: Path, family: VisionFamily = VISION_FAMILIES[0], seed: int = 0) -> Path:
-    """A random model of the family's real class with its tokenizer, chat template and image processor settings
-    (Qwen's, at the family's patch size, at most 16 merged patches an image)."""
+    """A random model of the family's real class with its tokenizer, chat template and processor's settings."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    tokenizer = byte_level_tokenizer(folder, QWEN_VL_TEMPLATE, QWEN_VL_SPECIALS)
-    ids = dict(zip(QWEN_VL_SPECIALS, tokenizer.convert_tokens_to_ids(list(QWEN_VL_SPECIALS))))
+    tokenizer = byte_level_tokenizer(folder, chatml_template(family.image_part), family.specials)
+    tokens = {key: tokenizer.convert_tokens_to_ids(token) for key, token in family.tokens.items()}
     config = AutoConfig.for_model(
         family.model_type, text_config=dict(vocab_size=len(tokenizer), bos_token_id=None,
                                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                             **{**TEXT, **family.text}),
-        vision_config=family.vision, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False)
+        vision_config=family.vision, tie_word_embeddings=False, **tokens, **family.config)
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
-    merged = (family.patch_size * 2) ** 2
-    (folder / "preprocessor_config.json").write_text(json.dumps(
-        {**QWEN_IMAGE_PROCESSOR, "patch_size": family.patch_size, "min_pixels": merged, "max_pixels": merged * 16}))
+    (folder / "preprocessor_config.json").write_text(json.dumps(family.image_processor))
+    if family.processor:
+        (folder / "processor_config.json").write_text(json.dumps(family.processor))
     return folder
 
 

@@ -26,6 +26,7 @@ argument it already takes.
 
 import base64
 import io
+import json
 import re
 from pathlib import Path
 
@@ -38,6 +39,7 @@ IMAGES = "images"  # a built row's column of its images' blobs, in the order of 
 MAX_PIXELS, MIN_PIXELS = 768 * 768, 32 * 32
 DATA_URI = "data:image/"  # an image held in the row itself (a PIL image or bytes in the data), base64
 PROCESSOR_FILE = "preprocessor_config.json"  # the image processor's settings, in a model's or processor's folder
+PROCESSOR_SETTINGS = "processor_config.json"  # the processor's own, beside them
 BLANK_SIDE = 64  # the blank image a micro-batch without images gives the vision tower (collate.image_inputs)
 
 
@@ -64,7 +66,7 @@ def attach(tokenizer, folders: tuple, model_config, data_cfg) -> None:
 
     processor = family_processor(model_config.model_type, folders[0], tokenizer)
     setattr(tokenizer, IMAGE_INPUTS, ImageInputs(processor, image_placeholder(tokenizer, processor.image_token),
-                                               data_cfg.image_max_pixels, data_cfg.image_min_pixels))
+                                               data_cfg.image_max_pixels, data_cfg.image_min_pixels, folders[0]))
 
 
 def family_processor(model_type: str, folder: str, tokenizer):
@@ -74,16 +76,24 @@ def family_processor(model_type: str, folder: str, tokenizer):
     from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
-    if model_type not in PROCESSOR_MAPPING_NAMES or "pil" not in names:
-        raise UserError(f"model: transformers has no processor with a PIL image processor for {model_type}, so "
-                        "llmtune cannot read its images; train it on text, or use a family docs/models.md lists")
     # By the family, not by the image_processor_type the file names: released folders name classes transformers 5
-    # renamed (Qwen2.5-VL's Qwen2_5_VLImageProcessor), which AutoImageProcessor then refuses.
-    image_processor = getattr(transformers, names["pil"]).from_pretrained(folder)
+    # renamed (Qwen2.5-VL's Qwen2_5_VLImageProcessor), which AutoImageProcessor then refuses. A family whose entry
+    # names no PIL backend (Qwen3-VL-MoE) takes the PIL class of the one its file names.
+    named = json.loads((Path(folder) / PROCESSOR_FILE).read_text()).get("image_processor_type", "")
+    pil = (IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}).get("pil") or f"{named.removesuffix('Fast')}Pil"
+    if not hasattr(transformers, pil):
+        pil = None
+    if model_type not in PROCESSOR_MAPPING_NAMES or not pil:
+        raise UserError(f"model: transformers has no processor with a PIL image processor for {model_type}, so "
+                        "llmtune cannot read its images; train it on text, or use a family docs/vision.md lists")
+    image_processor = getattr(transformers, pil).from_pretrained(folder)
     processor_class = getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])
     wanted = processor_class.get_attributes()
-    parts = {"image_processor": image_processor, "tokenizer": tokenizer}
+    # The processor's own settings (LLaVA's patch size, Gemma 3's image tokens per image), where the folder has them.
+    settings = Path(folder) / PROCESSOR_SETTINGS
+    saved = json.loads(settings.read_text()) if settings.is_file() else {}
+    parts = {"image_processor": image_processor, "tokenizer": tokenizer,
+             **{key: value for key, value in saved.items() if key not in ("processor_class", "auto_map")}}
     if "video_processor" not in wanted:
         return processor_class(**parts)
     return _without_video(processor_class)(**parts, video_processor=None)
@@ -122,10 +132,11 @@ def image_placeholder(tokenizer, image_token: str) -> str:
 
 
 class ImageInputs:
-    """A multimodal model's image processing: `processor` (family_processor) and LLaMA-Factory's pixel bounds."""
+    """A multimodal model's image processing: `processor` (family_processor) and LLaMA-Factory's pixel bounds;
+    `folder`: where its settings were read (model/multimodal.save_processor writes them into every export)."""
 
-    def __init__(self, processor, placeholder: str, max_pixels: int, min_pixels: int):
-        self.processor, self.placeholder = processor, placeholder
+    def __init__(self, processor, placeholder: str, max_pixels: int, min_pixels: int, folder: str):
+        self.processor, self.placeholder, self.folder = processor, placeholder, Path(folder)
         self.max_pixels, self.min_pixels = max_pixels, min_pixels
         self.image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
         self._blank = None
@@ -192,11 +203,20 @@ def column_features() -> dict:
 
 
 def merged(blobs: list[bytes]) -> dict:
-    """One sample's images as the model takes them: each tensor concatenated over its images, in order."""
+    """Images as the model takes them: each tensor concatenated over the images, in order, its other sizes padded with
+    zeros to the largest (LLaVA-NeXT's patches of one image, Idefics3's crops: where the processor pads a batch of
+    images itself, and the model drops what the image's size or an all-zero crop says is padding)."""
     import torch
+    import torch.nn.functional as F
 
     tensors = [unblob(data) for data in blobs]
-    return {name: torch.cat([found[name] for found in tensors]) for name in tensors[0]} if tensors else {}
+    out = {}
+    for name in tensors[0] if tensors else ():
+        parts = [found[name] for found in tensors]
+        largest = [max(sizes) for sizes in zip(*(part.shape for part in parts))]
+        out[name] = torch.cat([F.pad(part, [side for size, most in zip(reversed(part.shape[1:]), reversed(largest[1:]))
+                                            for side in (0, most - size)]) for part in parts])
+    return out
 
 
 def blob(tensors: dict) -> bytes:

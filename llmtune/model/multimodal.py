@@ -12,6 +12,7 @@ to the hidden states (the same values; every trainable vision weight gets its gr
 
 import inspect
 import re
+from pathlib import Path
 
 import torch
 from torch.utils import _pytree as pytree
@@ -126,10 +127,15 @@ IMAGE_INPUTS = "llmtune_images"
 
 
 def save_processor(tokenizer, folder) -> None:
-    """Beside a saved tokenizer, a vision-language model's image processor settings (preprocessor_config.json): the
-    model's folder holds both, as AutoProcessor reads them."""
-    if (found := getattr(tokenizer, IMAGE_INPUTS, None)) is not None:
-        found.processor.image_processor.save_pretrained(folder)
+    """Beside a saved tokenizer, a vision-language model's image processor settings (preprocessor_config.json) and
+    its processor's (processor_config.json, where the model's folder has one): the model's folder holds them all, as
+    AutoProcessor reads them."""
+    if (found := getattr(tokenizer, IMAGE_INPUTS, None)) is None:
+        return
+    found.processor.image_processor.save_pretrained(folder)
+    settings = found.folder / "processor_config.json"
+    if settings.is_file():
+        (Path(folder) / settings.name).write_bytes(settings.read_bytes())
 
 
 def generation_inputs(hf_model, input_ids: torch.Tensor, images: list[dict]) -> dict:

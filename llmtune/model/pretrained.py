@@ -89,8 +89,8 @@ def keeps_rows_apart(converter: WeightConverter) -> bool:
     for operation in operations:
         if isinstance(operation, (Concatenate, Interleave)) and operation.dim >= 1:
             continue
-        # check_dims transposes or not by comparing with the whole weight's shape, which a rank's rows do not have.
-        if isinstance(operation, Transpose) and min(operation.dim0, operation.dim1) >= 1 and not operation.check_dims:
+        # A transpose that checks the dims is decided once from the whole stored shape (`decided`).
+        if isinstance(operation, Transpose) and min(operation.dim0, operation.dim1) >= 1:
             continue
         return False
     return True
@@ -238,12 +238,23 @@ def converted_rows(source: Converted, start: int, count: int, name: str, hf_mode
                   for pattern, parts in source.parts.items()}
     else:
         inputs = {pattern: [read_rows(part, start, count) for part in parts] for pattern, parts in source.parts.items()}
-    for operation in converter.operations:
+    for operation in filter(None, (decided(operation, source, name, hf_model) for operation in converter.operations)):
         inputs = operation.convert(inputs, source_patterns=converter.source_patterns,
                                    target_patterns=converter.target_patterns, full_layer_name=name, model=hf_model,
                                    config=hf_model.config)
     (value,) = inputs.values()
-    return value
+    # Where no operation acted (a stored layout that is already the model's), the one tensor as it was read.
+    return value[0] if isinstance(value, list) else value
+
+
+def decided(operation, source: Converted, name: str, hf_model: PreTrainedModel):
+    """The operation as it acts on the whole weight: a transpose that checks the dims (Qwen3-VL-MoE's experts:
+    transposed where the stored shape is not the model's) compares the whole stored tensor's shape with the whole
+    parameter's, which a rank's rows do not have; it becomes a plain transpose, or None where nothing is done."""
+    if not (isinstance(operation, Transpose) and operation.check_dims):
+        return operation
+    stored = next(iter(source.parts.values()))[0].shape
+    return Transpose(operation.dim0, operation.dim1) if stored != list(hf_model.get_parameter(name).shape) else None
 
 
 def read_rows(source: Stored, start: int, count: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import yaml
 
 import llmtune
 from tests.helpers import read_metrics, run_cli
-from tests.vision_models import image_conversations, tiny_vlm
+from tests.vision_models import FAMILY, image_conversations, tiny_vlm
 
 
 def recipe(vlm, conversations, output_dir, packing: bool, accumulation: int) -> dict:
@@ -33,5 +33,22 @@ def test_two_ranks_train_as_one(packing, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert len(one) == len(two) == 4
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5), key
+
+
+def test_qwen3_vl_moe_with_expert_parallelism_trains_as_one_rank(tmp_path):
+    """Qwen3-VL-MoE's experts split over 2 ranks (parallel.expert_parallel 2), its experts read from the layout
+    save_pretrained writes (transposed against the model's, which transformers converts): the losses of one rank."""
+    vlm = tiny_vlm(tmp_path / "model", FAMILY["Qwen3-VL-MoE"])
+    conversations = image_conversations(tmp_path / "mllm", copies=4)
+    llmtune.train("sft", recipe(vlm, conversations, tmp_path / "one", True, 4))
+    config = recipe(vlm, conversations, tmp_path / "two", True, 2)
+    config["parallel"] = {"expert_parallel": 2}
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = run_cli("sft", str(path), "--nproc", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5), key

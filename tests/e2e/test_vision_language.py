@@ -2,6 +2,8 @@
 tokens the processor counts, never labelled; a packed row gives each sample the loss transformers' own forward gives
 it alone (fp32, 1e-5); a run trains, packed and unpacked alike, and its export is the whole model."""
 
+import dataclasses
+import inspect
 import json
 import shutil
 
@@ -74,6 +76,16 @@ def test_packed_rows_give_each_sample_transformers_loss_alone(family, conversati
     data_cfg = data_config(conversations, tmp_path)
     tokenizer = recipe_tokenizer("sft", ModelConfig(name_or_path=str(vlm)), data_cfg)
     packed, _, _ = build_datasets("sft", data_cfg, tokenizer, 0)
+    alone = {}  # each sample's ids -> transformers' summed loss of it alone, with its images
+    for sample in build_datasets("sft", dataclasses.replace(data_cfg, packing=False), tokenizer, 0)[0]:
+        ids = torch.tensor([sample["input_ids"]])
+        kwargs = images.merged(sample[images.IMAGES])
+        if kwargs and "mm_token_type_ids" in inspect.signature(hf_model.forward).parameters:  # Qwen's rope reads them
+            kwargs["mm_token_type_ids"] = (ids == hf_model.config.image_token_id).int()
+        with torch.no_grad():
+            alone[tuple(sample["input_ids"])] = F.cross_entropy(
+                hf_model(input_ids=ids, **kwargs).logits[0], torch.tensor(sample["labels"][1:] + [IGNORE_INDEX]),
+                ignore_index=IGNORE_INDEX, reduction="sum").item()
     blank = images.of(tokenizer).blank()
     assert max(row["position_ids"].count(0) for row in packed) > 1, "several samples share a row"
     for row in packed:
@@ -82,21 +94,8 @@ def test_packed_rows_give_each_sample_transformers_loss_alone(family, conversati
             losses = F.cross_entropy(model(**{k: v for k, v in inputs.items() if k != "shift_labels"})[0],
                                      inputs["shift_labels"][0], ignore_index=IGNORE_INDEX, reduction="none")
         starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
-        blobs = iter(row[images.IMAGES])
         for a, b in zip(starts, starts[1:]):
-            ids = torch.tensor([row["input_ids"][a:b]])
-            labels = torch.tensor(row["labels"][a + 1:b] + [IGNORE_INDEX])
-            kwargs = {}
-            count = sum(1 for i in range(1, ids.shape[1]) if ids[0, i] == images.of(tokenizer).image_token_id
-                        and ids[0, i - 1] != ids[0, i])
-            if count:
-                tensors = [images.unblob(next(blobs)) for _ in range(count)]
-                kwargs = {name: torch.cat([t[name] for t in tensors]) for name in tensors[0]}
-                kwargs["mm_token_type_ids"] = (ids == hf_model.config.image_token_id).int()
-            with torch.no_grad():
-                alone = F.cross_entropy(hf_model(input_ids=ids, **kwargs).logits[0], labels,
-                                        ignore_index=IGNORE_INDEX, reduction="sum")
-            assert losses[a:b].sum().item() == pytest.approx(alone.item(), rel=1e-5)
+            assert losses[a:b].sum().item() == pytest.approx(alone[tuple(row["input_ids"][a:b])], rel=1e-5)
 
 
 def recipe(vlm, conversations, output_dir, **train) -> dict:
