@@ -252,3 +252,31 @@ def test_generate_with_images_gives_transformers_greedy_completion(vlm, conversa
     assert cli_main(["generate", str(vlm), "--file", str(prompts), "--out", str(tmp_path / "out.jsonl"),
                      "--do_sample", "false", "--max_new_tokens", "6"]) == 0
     assert json.loads((tmp_path / "out.jsonl").read_text())["completion"][0]["content"] == expected
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", r"mllm.json: row 1: the image images/none.png does not exist"),
+    ("undecodable", r"mllm.json: row 1: .*broken.png cannot be decoded as an image"),
+    ("count", r"mllm.json: row 1: the turns hold 2 <image> markers for 1 images"),
+    ("url", r"mllm.json: row 1: the image https://example.com/a.png is a URL; llmtune reads no network"),
+    ("text_model", r"mllm.json: row 1: the sample holds images, and the model is a text model"),
+])
+def test_bad_image_rows_are_refused_naming_the_row(case, expected, vlm, tiny_model, tmp_path):
+    import llmtune
+    from llmtune.errors import UserError
+
+    data = image_conversations(tmp_path / "mllm")
+    (data / "images" / "broken.png").write_bytes(b"not an image")
+    rows = json.loads((data / "mllm.json").read_text())
+    first = rows[0]
+    if case == "count":
+        first["messages"][0]["content"] = "<image><image>Who is this?"
+    elif case != "text_model":
+        first["images"] = [{"missing": "images/none.png", "undecodable": "images/broken.png",
+                            "url": "https://example.com/a.png"}[case]]
+    (data / "mllm.json").write_text(json.dumps(rows))
+    config = recipe(tiny_model if case == "text_model" else vlm, data, tmp_path / "out")
+    if case == "text_model":
+        config["data"]["chat_template"] = "chatml"
+    with pytest.raises(UserError, match=expected):
+        llmtune.train("sft", config)
