@@ -5,8 +5,9 @@ mappings. Standard library only: the CLI checks every source with it before torc
 
 Where LLaMA-Factory is silent or lenient this is strict, so that nothing is trained other than what was meant:
 an entry that is not the task's kind of rows (a ranking: true entry is preference pairs, for dpo alone; a kto_tag
-entry KTO's examples, for kto alone) or that llmtune cannot read (videos, audio, Hub-hosted) is refused with the reason,
-not skipped. Tags an entry leaves out keep LLaMA-Factory's default names (a "system" role stays a system turn);
+entry KTO's examples, for kto alone) or that llmtune cannot read (videos, audio, ModelScope, scripts, cloud files) is
+refused with the reason, not skipped. An hf_hub_url entry (its subset and split) is the Hub dataset data.train_files
+names as org/name:subset:split, read from the huggingface_hub cache offline. Tags an entry leaves out keep LLaMA-Factory's default names (a "system" role stays a system turn);
 columns it leaves out are not read, as in LLaMA-Factory, except the ones the form needs.
 """
 
@@ -23,7 +24,8 @@ REGISTRY_FILE = "dataset_info.json"
 FORMATTINGS = ("alpaca", "sharegpt")
 ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "file_sha1")
 MULTIMODAL = ("videos", "audios")  # what llmtune does not read; images it does (data/images.py)
-ELSEWHERE = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+HUB_KEYS = ("hf_hub_url", "subset", "split")  # LLaMA-Factory's keys of a Hub dataset's entry
+ELSEWHERE = ("ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 
 
 @dataclass(frozen=True)
@@ -89,19 +91,32 @@ def registry_source(entries: dict, name: str, path: Path, key: str, task: str) -
     if modal := [name for name in MULTIMODAL if name in marks]:
         raise UserError(f"{where}: {modal[0]} are not read (llmtune trains on images and text); leave it out of {key}")
     hosted = [k for k in ELSEWHERE if k in entry]
-    if hosted and "file_name" not in entry:
+    if hosted and "file_name" not in entry and "hf_hub_url" not in entry:
         raise UserError(f"{where}: {hosted[0]} is not read from dataset_info.json; download the files and set "
-                        f"file_name, or name a Hub dataset in data.train_files (org/name:config:split)")
-    unknown = [k for k in entry if k not in ENTRY_KEYS and k not in ELSEWHERE]
+                        f"file_name, or give the entry an hf_hub_url")
+    unknown = [k for k in entry if k not in ENTRY_KEYS + HUB_KEYS + ELSEWHERE]
     if unknown:
-        raise UserError(f"{where}: {', '.join(unknown)} not supported; an entry may have {', '.join(ENTRY_KEYS)}")
+        raise UserError(f"{where}: {', '.join(unknown)} not supported; an entry may have "
+                        f"{', '.join(ENTRY_KEYS + HUB_KEYS)}")
+    row_format = _row_format(entry, columns, tags, task, where)
+    if "hf_hub_url" in entry:  # before file_name, as LLaMA-Factory reads an entry that has both
+        return Source(hub_pattern(entry, where), key, row_format)
     if not isinstance(entry.get("file_name"), str):
         raise UserError(f"{where}: file_name is missing; name the data file or folder beside {path.name}")
     file = path.parent / entry["file_name"]
     if not file.exists():
         raise UserError(f"{where}: file_name {entry['file_name']!r} does not exist ({file}); fix file_name or add "
                         "the file")
-    return Source(str(file), key, _row_format(entry, columns, tags, task, where), str(path.parent))
+    return Source(str(file), key, row_format, str(path.parent))
+
+
+def hub_pattern(entry: dict, where: str) -> str:
+    """An hf_hub_url entry as data.train_files names a Hub dataset: org/name:subset:split (LLaMA-Factory's split
+    default, train; no subset: the dataset's default config)."""
+    values = {k: entry.get(k) for k in HUB_KEYS}
+    if wrong := [k for k, v in values.items() if v is not None and not (isinstance(v, str) and v and ":" not in v)]:
+        raise UserError(f"{where}: {wrong[0]} must be a name without ':' (hf_hub_url org/name, subset, split)")
+    return f"{values['hf_hub_url']}:{values['subset'] or ''}:{values['split'] or 'train'}"
 
 
 def _row_format(entry: dict, columns: dict, tags: dict, task: str, where: str) -> RowFormat:

@@ -28,11 +28,10 @@ def hub_inputs(config) -> dict[HubRepo, str]:
     if model.revision and not found:
         raise UserError(f"model.revision: {model.revision} names a revision of a Hub id, but model.name_or_path and "
                         "model.tokenizer are local folders; remove model.revision, or name a Hub id (org/name)")
-    for key, patterns in (("data.train_files", config.data.train_files), ("data.val_files", config.data.val_files),
-                          ("data.test_files", config.data.test_files)):
-        for pattern in patterns:
-            if source := dataset_source(pattern, key):
-                found.setdefault(source.repo, key)
+    for split in ("train", "val", "test"):  # data files, and the hf_hub_url entries of a dataset_info.json
+        for source in split_sources(config.data, config.task, split):
+            if hub := dataset_source(source.pattern, source.key):
+                found.setdefault(hub.repo, source.key)
     return found
 
 
