@@ -14,7 +14,8 @@ RLHF_V_ENTRY = {"hf_hub_url": RLHF_V, "ranking": True, "formatting": "sharegpt",
 
 def rlhf_v_cache(hf_home: Path, images: list[Path], commit: str = "e" * 40) -> list[dict]:
     """RLHF-V's columns with `images` (one a pair, in turn; a pair without an image among them), as one parquet
-    file of a dataset snapshot at `commit` (main) under hf_home; returns the rows as written, images as paths."""
+    file of a dataset snapshot at `commit` (main) under hf_home; returns the rows, their images as the paths whose
+    bytes the file holds."""
     import datasets
 
     answers = ["A tool.", "The sum is five.", "The numbers 2 and 3.", "It is 6."]
@@ -29,6 +30,10 @@ def rlhf_v_cache(hf_home: Path, images: list[Path], commit: str = "e" * 40) -> l
                                   "images": datasets.Sequence(datasets.Image())})
     files = hf_home / "rlhf_v_files"
     (files / "data").mkdir(parents=True)
-    datasets.Dataset.from_list(rows, features=features).to_parquet(files / "data" / "train-00000-of-00001.parquet")
+    # The images' bytes in the file, as push_to_hub embeds them: the cache holds no path to another file.
+    embedded = [{**row, "images": [{"bytes": Path(image).read_bytes(), "path": None} for image in row["images"]]}
+                for row in rows]
+    datasets.Dataset.from_list(embedded, features=features).to_parquet(
+        files / "data" / "train-00000-of-00001.parquet")
     add_to_hub_cache(hf_home, RLHF_V, "dataset", files, commit, refs=("main",))
     return rows

@@ -75,18 +75,19 @@ QWEN3VL_LORA_DPO = QWEN3VL_LORA_SFT.replace(
     "learning_rate: 1.0e-4", "learning_rate: 5.0e-6").replace("lora/sft", "lora/dpo")
 
 
-EXAMPLE_DATASETS = {"sft": "identity", "dpo": "dpo_en_demo", "kto": "kto_en_demo"}
-
-
 def published(text: str, model, dataset_dir, output_dir, max_steps: int) -> str:
-    """An example recipe's published text with what a run elsewhere must change: model_name_or_path, dataset_dir,
-    output_dir, and a step count (max_steps, beside its num_train_epochs); every other line as published."""
-    stage = next(line.split(": ")[1] for line in text.splitlines() if line.startswith("stage: "))
-    dataset = EXAMPLE_DATASETS[stage]
-    return (text.replace("Qwen/Qwen3-4B-Instruct-2507", str(model))
-            .replace(f"dataset: {dataset}", f"dataset: {dataset}\ndataset_dir: {dataset_dir}")
-            .replace(f"saves/qwen3-4b/lora/{stage}", str(output_dir))
-            .replace("num_train_epochs: 3.0", f"num_train_epochs: 3.0\nmax_steps: {max_steps}"))
+    """An example recipe's published text with what a run elsewhere must change: model_name_or_path, dataset_dir
+    (after its dataset line), output_dir, and a step count (max_steps, after its num_train_epochs); every other line
+    as published."""
+    replaced = {"model_name_or_path": model, "output_dir": output_dir}
+    added = {"dataset": f"dataset_dir: {dataset_dir}", "num_train_epochs": f"max_steps: {max_steps}"}
+    lines = []
+    for line in text.splitlines():
+        key = line.split(":")[0]
+        lines.append(f"{key}: {replaced[key]}" if key in replaced else line)
+        if key in added:
+            lines.append(added[key])
+    return "\n".join(lines) + "\n"
 
 
 # A flat recipe of the keys every run needs.
