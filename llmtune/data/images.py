@@ -261,20 +261,36 @@ def reference(value, base: Path | None, where: str) -> str:
 def load_image(image: str, where: str, max_pixels: int, min_pixels: int):
     """A canonical reference's image in RGB, scaled (its aspect kept) into [min_pixels, max_pixels] pixels as
     LLaMA-Factory's plugins scale it before the processor."""
-    from PIL import Image, UnidentifiedImageError
-
-    source = io.BytesIO(base64.b64decode(image.split(",", 1)[1])) if image.startswith(DATA_URI) else image
-    try:
-        with Image.open(source) as opened:
-            picture = opened.convert("RGB")
-    except (UnidentifiedImageError, OSError) as err:
-        name = "the image in the row" if image.startswith(DATA_URI) else image
-        raise UserError(f"{where}: {name} cannot be decoded as an image ({err}); replace or remove it") from None
+    picture = _decoded(image, where, lambda opened: opened.convert("RGB"))
     pixels = picture.width * picture.height
     if pixels > max_pixels or pixels < min_pixels:
         factor = ((max_pixels if pixels > max_pixels else min_pixels) / pixels) ** 0.5
         picture = picture.resize((max(1, int(picture.width * factor)), max(1, int(picture.height * factor))))
     return picture
+
+
+def check_decodable(image: str, where: str) -> None:
+    """A canonical reference's image is one PIL can read, checked without decoding its pixels (PIL's verify)."""
+    _decoded(image, where, lambda opened: opened.verify())
+
+
+def _decoded(image: str, where: str, read):
+    """read(the opened image), or the row's one-line refusal where it cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
+    source = io.BytesIO(base64.b64decode(image.split(",", 1)[1])) if image.startswith(DATA_URI) else image
+    try:
+        with Image.open(source) as opened:
+            return read(opened)
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:  # verify raises SyntaxError on a broken PNG
+        name = "the image in the row" if image.startswith(DATA_URI) else image
+        raise UserError(f"{where}: {name} cannot be decoded as an image ({err}); replace or remove it") from None
+
+
+def no_vision_tower(where: str, unit: str) -> UserError:
+    """The refusal of a sample (`unit`: sample, pair) with images for a text model."""
+    return UserError(f"{where}: the {unit} holds images, and the model is a text model with no vision tower; train "
+                     "a vision-language model on it, or leave the images out of the data")
 
 
 def sample_images(sample: dict) -> list[str]:

@@ -157,8 +157,7 @@ def fitted_pair_row(tokenizer, pair: dict, rules: LabelRules, limits: PairLimits
     image tokens would go, their pixels not): such a pair over the limits is TOO_LONG, dropped."""
     found, image_inputs = images.sample_images(pair), images.of(tokenizer)
     if found and image_inputs is None:
-        raise UserError(f"{where}: the pair holds images, and the model is a text model with no vision tower; train "
-                        "a vision-language model on it, or leave the images out of the data")
+        raise images.no_vision_tower(where, "pair")
     if found:
         pair = {**pair, "prompt": image_inputs.placed(pair["prompt"])}
     prompt, chosen, rejected = encode_pair(tokenizer, pair, rules, where, limits.names)

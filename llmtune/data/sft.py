@@ -4,7 +4,6 @@ import datasets
 
 from llmtune.data import images
 from llmtune.data.templates import LabelRules, encode_sample
-from llmtune.errors import UserError
 from llmtune.model.loss import IGNORE_INDEX
 
 KEPT, TRUNCATED, TOO_LONG, NO_LABELS = 0, 1, 2, 3
@@ -71,8 +70,7 @@ def encode_with_images(tokenizer, sample: dict, rules: LabelRules, where: str) -
     if not found:
         return *encode_sample(tokenizer, sample, rules, where), []
     if image_inputs is None:
-        raise UserError(f"{where}: the sample holds images, and the model is a text model with no vision tower; "
-                        "train a vision-language model on it, or leave the images out of the data")
+        raise images.no_vision_tower(where, "sample")
     sample = {**sample, "messages": image_inputs.placed(sample["messages"])}
     input_ids, labels = encode_sample(tokenizer, sample, rules, where)
     return image_inputs.expand(input_ids, labels, found, where)

@@ -2,8 +2,8 @@
 starts, and under torchrun with Hub ids each worker once the ids are fetched (worker.fetch_in_turn). First the
 output folder (writable, no other run's checkpoints or export) and the inputs (paths, data rows, chat template),
 torch-free so that a wrong path is reported before torch is imported; then, against the model's transformers
-config, the enabled features' checks, the model's own (built on the meta device) and model.init_from's checkpoint;
-last, train.per_device_train_batch_size: auto decided from the plan of a step (run/micro_batch.py)."""
+config, the rows' images (data/image_rows.py), the enabled features' checks, the model's own (built on the meta
+device) and model.init_from's checkpoint; last, train.per_device_train_batch_size: auto decided from the plan of a step (run/micro_batch.py)."""
 
 from pathlib import Path
 
@@ -40,8 +40,10 @@ def check_run(local, world_size: int):
     model's transformers config."""
     check_output_dir(local.train, local.checkpoint.resume_from_checkpoint)
     check_inputs(local)
+    from llmtune.data.image_rows import check_image_rows
     from llmtune.features.registry import check_features
     from llmtune.model.build import check_model, load_model_config
+    from llmtune.model.multimodal import is_multimodal
     from llmtune.generation.evaluation import check_eval_generation
     from llmtune.tasks.objective import objective_class
     from llmtune.training.callbacks import import_callback
@@ -56,6 +58,7 @@ def check_run(local, world_size: int):
 
         recipe_tokenizer(local.task, local.model, local.data)
     model_config = load_model_config(local.model, local.head())
+    check_image_rows(local, is_multimodal(model_config))
     check_features(local, model_config, world_size)
     check_model(local.model, local.train, model_config)
     if local.model.init_from:

@@ -5,6 +5,7 @@ it alone (fp32, 1e-5); a run trains, packed and unpacked alike, and its export i
 import dataclasses
 import inspect
 import json
+import re
 import shutil
 
 import pytest
@@ -261,9 +262,13 @@ def test_generate_with_images_gives_transformers_greedy_completion(vlm, conversa
     ("url", r"mllm.json: row 1: the image https://example.com/a.png is a URL; llmtune reads no network"),
     ("text_model", r"mllm.json: row 1: the sample holds images, and the model is a text model"),
 ])
-def test_bad_image_rows_are_refused_naming_the_row(case, expected, vlm, tiny_model, tmp_path):
-    import llmtune
-    from llmtune.errors import UserError
+def test_bad_image_rows_are_refused_naming_the_row_before_any_process_starts(case, expected, vlm, tiny_model,
+                                                                             tmp_path, capsys):
+    """Under --nproc 2 the refusal is the CLI's own, one line and exit 2, before it launches a process (the data
+    build, which would find it too, runs in the launched processes) and before anything is written."""
+    import yaml
+
+    from tests.e2e.test_cli_errors import in_process
 
     data = image_conversations(tmp_path / "mllm")
     (data / "images" / "broken.png").write_bytes(b"not an image")
@@ -278,5 +283,9 @@ def test_bad_image_rows_are_refused_naming_the_row(case, expected, vlm, tiny_mod
     config = recipe(tiny_model if case == "text_model" else vlm, data, tmp_path / "out")
     if case == "text_model":
         config["data"]["chat_template"] = "chatml"
-    with pytest.raises(UserError, match=expected):
-        llmtune.train("sft", config)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(config))
+    result = in_process(capsys, "sft", str(tmp_path / "recipe.yaml"), "--nproc", "2")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert re.match(f"llmtune: error: .*{expected}", lines[0]), lines[0]
+    assert not (tmp_path / "out").exists()
