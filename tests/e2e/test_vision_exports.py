@@ -1,7 +1,10 @@
-"""LoRA on a vision-language model (a tiny Qwen2-VL), LLaMA-Factory's defaults: the vision tower and projector
-frozen, adapters on the language model's linear layers alone; its export is the adapter (peft loads it on the base
-loaded by AutoModelForImageTextToText) and the merged whole model, each giving the trained logits on an image
-sample (fp32, 1e-5), the frozen tower and projector bitwise the base's."""
+"""What a vision-language model's (a tiny Qwen2-VL's) export holds. LoRA, LLaMA-Factory's defaults (the vision tower
+and projector frozen, adapters on the language model's linear layers alone): the adapter (peft loads it on the base
+loaded by AutoModelForImageTextToText) and the merged whole model, each giving the trained logits on an image sample
+(fp32, 1e-5), the frozen tower and projector bitwise the base's. Trained on text alone: the whole model still, its
+tower as it came."""
+
+import json
 
 import torch
 from safetensors.torch import load_file
@@ -59,3 +62,26 @@ def test_lora_exports_the_adapter_and_the_merged_model_with_the_frozen_tower_unc
         from_adapter = PeftModel.from_pretrained(base, out / "adapter").eval()(input_ids=ids, **kwargs).logits
     torch.testing.assert_close(from_merged, logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(from_adapter, logits, rtol=0, atol=1e-5)
+
+
+def test_a_vision_language_model_trained_on_text_alone_exports_whole(tmp_path):
+    import llmtune
+    from transformers import AutoModelForImageTextToText
+
+    vlm, out = tiny_vlm(tmp_path / "model"), tmp_path / "out"
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                          {"role": "assistant", "content": f"It is {a + b}."}]} for a in range(4) for b in range(2)]
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    llmtune.train("sft", {"model": {"name_or_path": str(vlm)},
+                          "data": {"train_files": [str(tmp_path / "text.jsonl")], "max_seq_len": 128,
+                                   "cache_dir": str(tmp_path / "cache")},
+                          "train": {"output_dir": str(out), "max_steps": 2, "learning_rate": 1e-2, "warmup_ratio": 0,
+                                    "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1},
+                          "checkpoint": {"export_dtype": "fp32"}})
+    base = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32)
+    exported = AutoModelForImageTextToText.from_pretrained(out / "hf", dtype=torch.float32)
+    assert type(exported) is type(base)
+    trained, original, parts = exported.state_dict(), base.state_dict(), model_parts(base)
+    assert trained.keys() == original.keys()
+    changed = {part_of(name, parts) for name in original if not torch.equal(trained[name], original[name])}
+    assert changed == {"language_model"}
