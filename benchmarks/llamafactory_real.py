@@ -21,9 +21,16 @@ a tiny Qwen3 shaped by Qwen3-4B's config.json there (its vocabulary, tied embedd
 64, seeded) with Qwen3-4B's real tokenizer, so that qwen3_nothink is resolved against its real chat template. Each on
 1 process and on 2 (accumulation 4: the same 8 examples a step); the losses of each and their largest relative
 difference (bf16 as published: the summation order moves the last bits), the start banner's template and batch lines.
+Then its vision-language examples, qwen3vl_lora_{sft,dpo}.yaml, changed in the same lines alone: the model a tiny
+Qwen3-VL of the real class (decoder as above; a vision tower of 2 blocks of width 32 at Qwen2.5-VL's patch size 14)
+with Qwen3-4B's real tokenizer, a Qwen-VL chat template (ChatML, an image as <|vision_start|><|image_pad|>
+<|vision_end|>) and Qwen2.5-VL-7B's real preprocessor_config.json; sft on mllm_demo (its three images) mixed with
+identity and alpaca_en_demo as published, dpo on rlhf_v, LLaMA-Factory's Hub entry (llamafactory/RLHF-V), read from
+a huggingface_hub cache laid out offline with pairs of mllm_demo's questions and images (no network here).
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,6 +41,14 @@ sys.path.insert(0, str(ROOT))  # tests.unit.test_llamafactory_recipes: the publi
 
 DEMO = {"identity": "sft", "alpaca_en_demo": "sft", "dpo_en_demo": "dpo", "kto_en_demo": "kto"}
 EXAMPLES = ("QWEN3_LORA_SFT", "QWEN3_LORA_DPO", "QWEN3_LORA_KTO")
+VISION_EXAMPLES = ("QWEN3VL_LORA_SFT", "QWEN3VL_LORA_DPO")
+# A Qwen-VL chat template in short (Qwen3-VL's own adds tools and reasoning): ChatML, no default system text, an image
+# part written as the model's placeholder, which the processor expands into the image's tokens.
+QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def demo_rows(data: Path, rows: int) -> dict[str, list[dict]]:
@@ -125,17 +140,47 @@ def check_templates(real: Path, rows: int) -> list[dict]:
     return records
 
 
-def tiny_qwen3(real: Path, folder: Path) -> Path:
-    """A tiny Qwen3 of Qwen3-4B's config.json (2 layers of width 64, seeded) with Qwen3-4B's tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
+def tiny_qwen3_shape(real: Path) -> dict:
+    """Qwen3-4B's config.json, its decoder made 2 layers of width 64."""
     shape = json.loads((real / "configs" / "qwen3-4b" / "config.json").read_text())
     shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_window_layers=2)
+    return {k: v for k, v in shape.items() if k != "architectures"}
+
+
+def tiny_qwen3(real: Path, folder: Path) -> Path:
+    """A tiny Qwen3 of Qwen3-4B's config.json (seeded) with Qwen3-4B's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in shape.items() if k != "architectures"})).save_pretrained(folder)
+    Qwen3ForCausalLM(Qwen3Config(**tiny_qwen3_shape(real))).save_pretrained(folder)
     AutoTokenizer.from_pretrained(real / "tokenizers" / "qwen3-4b").save_pretrained(folder)
+    return folder
+
+
+def tiny_qwen3_vl(real: Path, folder: Path) -> Path:
+    """A tiny Qwen3-VL (seeded): tiny_qwen3's decoder with Qwen3-VL's interleaved multimodal rope, a vision tower at
+    Qwen2.5-VL-7B's real image settings (patch 14, merge 2), Qwen3-4B's tokenizer (its vision tokens are the ids
+    Qwen3-VL's config names) with QWEN_VL_TEMPLATE."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    text = tiny_qwen3_shape(real)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
+                               "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    image_settings = json.loads((real / "configs" / "qwen2.5-vl-7b-instruct" / "preprocessor_config.json").read_text())
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=image_settings["patch_size"], spatial_merge_size=image_settings["merge_size"],
+                  temporal_patch_size=image_settings["temporal_patch_size"], num_position_embeddings=16,
+                  deepstack_visual_indexes=[0])
+    torch.manual_seed(0)
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"])
+    Qwen3VLForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(real / "tokenizers" / "qwen3-4b")
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(image_settings))
     return folder
 
 
@@ -151,26 +196,34 @@ def banner(output_dir: Path, *starts: str) -> list[str]:
 
 
 def run_examples(real: Path, steps: int, root: Path) -> list[dict]:
-    """LLaMA-Factory's qwen3 LoRA examples on 1 and 2 processes: their losses and banner lines."""
+    """LLaMA-Factory's qwen3 LoRA examples and its qwen3vl ones on 1 and 2 processes: their losses and banner
+    lines."""
     from tests.unit import test_llamafactory_recipes as examples
+    from tests.helpers import offline_hub
+    from tests.vision_hub import rlhf_v_cache
 
-    model = tiny_qwen3(real, root / "tiny-qwen3")
+    text_model, vision_model = tiny_qwen3(real, root / "tiny-qwen3"), tiny_qwen3_vl(real, root / "tiny-qwen3-vl")
+    data = real / "llamafactory" / "data"
+    demo = json.loads((data / "mllm_demo.json").read_text())
+    # Enough pairs for the steps: 8 a step, as published.
+    rlhf_v_cache(root / "hf_home", sorted({data / image for row in demo for image in row["images"]}), 8 * steps)
+    env = {**os.environ, **offline_hub(root / "hf_home")}
     records = []
-    for example in EXAMPLES:
+    for example in (*EXAMPLES, *VISION_EXAMPLES):
         record = {"example": example.lower() + ".yaml"}
+        model = vision_model if example in VISION_EXAMPLES else text_model
         for nproc in (1, 2):
             out = root / f"{example}-{nproc}"
             recipe = root / f"{example}-{nproc}.yaml"
-            recipe.write_text(examples.published(getattr(examples, example), model, real / "llamafactory" / "data",
-                                                 out, steps))
+            recipe.write_text(examples.published(getattr(examples, example), model, data, out, steps))
             layout = ["--nproc", "2", "--gradient_accumulation_steps", "4"] if nproc == 2 else []
             done = subprocess.run([str(ROOT / "bin" / "llmtune"), "train", str(recipe), "--logging_steps", "1",
-                                   *layout], capture_output=True, text=True)
+                                   *layout], capture_output=True, text=True, env=env)
             if done.returncode:
                 record[f"{nproc} process(es)"] = {"exit": done.returncode, "error": done.stderr[-2000:]}
                 continue
             record[f"{nproc} process(es)"] = {"losses": losses(out), "banner": banner(
-                out, "renders conversations as", "start: global batch", "start: LLaMA-Factory recipe")}
+                out, "renders conversations as", "start: global batch", "start: LLaMA-Factory recipe", "image")}
         runs = [record.get(f"{n} process(es)", {}).get("losses") for n in (1, 2)]
         if all(runs) and len(runs[0]) == len(runs[1]):
             record["largest relative difference"] = max(abs(a - b) / abs(a) for a, b in zip(*runs))

@@ -2,6 +2,7 @@
 names (llamafactory/RLHF-V: conversations, chosen, rejected and an images column of datasets' Image feature), for
 tests and benchmarks that run its dpo recipe with no network."""
 
+import hashlib
 from pathlib import Path
 
 from tests.helpers import add_to_hub_cache
@@ -12,15 +13,17 @@ RLHF_V_ENTRY = {"hf_hub_url": RLHF_V, "ranking": True, "formatting": "sharegpt",
                             "images": "images"}}  # as LLaMA-Factory's dataset_info.json has it
 
 
-def rlhf_v_cache(hf_home: Path, images: list[Path], commit: str = "e" * 40) -> list[dict]:
-    """RLHF-V's columns with `images` (one a pair, in turn; a pair without an image among them), as one parquet
-    file of a dataset snapshot at `commit` (main) under hf_home; returns the rows, their images as the paths whose
+def rlhf_v_cache(hf_home: Path, images: list[Path], pairs: int = 0) -> list[dict]:
+    """`pairs` pairs (0: twice the images) in RLHF-V's columns with `images` (one a pair, in turn; the second pair
+    without an image), as one parquet
+    file of a dataset snapshot (main; its commit the file's hash, as a push of other rows makes another) under
+    hf_home; returns the rows, their images as the paths whose
     bytes the file holds."""
     import datasets
 
     answers = ["A tool.", "The sum is five.", "The numbers 2 and 3.", "It is 6."]
     rows = []
-    for number in range(2 * len(images)):
+    for number in range(pairs or 2 * len(images)):
         image = [str(images[number % len(images)])] if number != 1 else []
         rows.append({"conversations": [{"from": "human", "value": ("<image>" if image else "") + "What is it?"}],
                      "chosen": {"from": "gpt", "value": answers[number % 4]},
@@ -33,7 +36,7 @@ def rlhf_v_cache(hf_home: Path, images: list[Path], commit: str = "e" * 40) -> l
     # The images' bytes in the file, as push_to_hub embeds them: the cache holds no path to another file.
     embedded = [{**row, "images": [{"bytes": Path(image).read_bytes(), "path": None} for image in row["images"]]}
                 for row in rows]
-    datasets.Dataset.from_list(embedded, features=features).to_parquet(
-        files / "data" / "train-00000-of-00001.parquet")
-    add_to_hub_cache(hf_home, RLHF_V, "dataset", files, commit, refs=("main",))
+    parquet = files / "data" / "train-00000-of-00001.parquet"
+    datasets.Dataset.from_list(embedded, features=features).to_parquet(parquet)
+    add_to_hub_cache(hf_home, RLHF_V, "dataset", files, hashlib.sha1(parquet.read_bytes()).hexdigest(), refs=("main",))
     return rows
