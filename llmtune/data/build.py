@@ -79,6 +79,8 @@ class DataStats:
     packed_per_batch: bool = False  # pairs (examples) packed into rows as each micro-batch is made
     # pt: the tokens of the last, shorter block of each packing window, dropped (data.pt_remainder: drop)
     dropped_tail_tokens: int = 0
+    images: int = 0  # a vision-language model's: the images of the samples (pairs) kept
+    image_tokens: int = 0  # the tokens the processor gave them (every sequence of a pair holds its prompt's)
 
     def summary(self) -> str:
         rows, unit = TASKS[self.task].rows, unit_name(self.task)
@@ -107,6 +109,8 @@ class DataStats:
                       f"{self.dropped_no_labels} dropped with no label ({self._share(self.dropped_no_labels)}), "
                       f"{self.fully_labelled} with every token labelled ({self._share(self.fully_labelled)})")
         test = f", {self.test_samples} test {unit}" if self.test_samples else ""
+        if self.images:
+            kept += f", {self.images} images ({self.image_tokens} image tokens)"
         return (f"{kept}, {self.tokens} tokens, label tokens {self.label_tokens / max(self.tokens, 1):.1%}, {counts}, "
                 f"efficiency {self.efficiency:.1%} (non-pad tokens), {self.val_samples} validation {unit}{test}")
 
@@ -371,7 +375,7 @@ def build_datasets(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairL
 
 
 def describe(task: str, train: datasets.Dataset, val, test, counts: dict, data_cfg, batch_size: int,
-             seed: int) -> DataStats:
+             seed: int, image_token_id: int | None) -> DataStats:
     lengths, label_tokens = length_stats(train)
     per_batch = two_sequence_rows(task) and data_cfg.packing
     if per_batch:  # one row a micro-batch: no padding
@@ -384,7 +388,19 @@ def describe(task: str, train: datasets.Dataset, val, test, counts: dict, data_c
                      tokens=int(lengths.sum()), label_tokens=label_tokens, efficiency=efficiency,
                      val_samples=sample_count(val, task) if val is not None else 0,
                      test_samples=sample_count(test, task) if test is not None else 0,
-                     desirable=desirable_count(train), packed_per_batch=per_batch, **counts)
+                     desirable=desirable_count(train), packed_per_batch=per_batch,
+                     **image_stats(train, task, image_token_id), **counts)
+
+
+def image_stats(samples: datasets.Dataset, task: str, image_token_id: int | None) -> dict:
+    """DataStats' images and image_tokens of a vision-language model's rows (none for a text model's): each row's
+    blobs, one per image, a pair's once for each of its two sequences."""
+    if image_token_id is None:
+        return {}
+    table = samples.data
+    blobs = pc.sum(pc.list_value_length(table.column(images.IMAGES))).as_py() or 0
+    tokens = pc.sum(pc.equal(pc.list_flatten(table.column("input_ids")), image_token_id)).as_py() or 0
+    return {"images": blobs // 2 if two_sequence_rows(task) else blobs, "image_tokens": tokens}
 
 
 def cache_key(task: str, data_cfg, tokenizer, seed: int, pair_limits: PairLimits | None = None) -> str:
@@ -436,7 +452,9 @@ def load_or_build(task: str, data_cfg, tokenizer, seed: int, batch_size: int, st
     folder = cached_entry(task, data_cfg, tokenizer, seed, state, build, pair_limits)
     train, val, test = (cached_split(folder, name) for name in SPLITS)
     counts = json.loads((folder / "counts.json").read_text())
-    stats = describe(task, train, val, test, counts, data_cfg, batch_size, seed)
+    image_inputs = images.of(tokenizer)
+    stats = describe(task, train, val, test, counts, data_cfg, batch_size, seed,
+                     image_inputs.image_token_id if image_inputs else None)
     if not stats.label_tokens and TASKS[task].rows != PROMPTS:
         raise UserError(f"data.train_files: the {stats.rows} training rows hold no label token, so there is nothing "
                         f"to train on; check that the tokenizer in {tokenizer.name_or_path} fits the data and that "

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from llmtune.config import DataConfig, ModelConfig
 from llmtune.data import images
-from llmtune.data.build import build_datasets
+from llmtune.data.build import build_datasets, describe
 from llmtune.data.collate import collate
 from llmtune.data.templates import recipe_tokenizer
 from llmtune.features.base import Features
@@ -45,9 +45,9 @@ def test_image_tokens_are_the_processors_and_never_labelled(vlm, conversations, 
     data_cfg = data_config(conversations, tmp_path, packing=False)
     tokenizer = recipe_tokenizer("sft", ModelConfig(name_or_path=str(vlm)), data_cfg)
     image_inputs = images.of(tokenizer)
-    train, _, _ = build_datasets("sft", data_cfg, tokenizer, 0)
+    train, _, counts = build_datasets("sft", data_cfg, tokenizer, 0)
     token = image_inputs.image_token_id
-    seen = 0
+    seen, image_tokens = 0, 0
     for row in train:
         grids = [images.unblob(blob)["image_grid_thw"] for blob in row[images.IMAGES]]
         ids, labels = row["input_ids"], row["labels"]
@@ -59,7 +59,11 @@ def test_image_tokens_are_the_processors_and_never_labelled(vlm, conversations, 
         trained = tokenizer.decode([label for label in labels if label != IGNORE_INDEX])
         assert "user" not in trained and "<|vision" not in trained and trained.count("<|im_end|>") >= 1
         seen += len(grids)
+        image_tokens += sum(runs)
     assert seen == 8  # the data's 4 images, twice
+    stats = describe("sft", train, None, None, counts, data_cfg, 1, 0, token)
+    assert (stats.images, stats.image_tokens) == (seen, image_tokens)
+    assert f"{seen} images ({image_tokens} image tokens)" in stats.summary()
 
 
 @pytest.mark.parametrize("family", VISION_FAMILIES, ids=[family.name for family in VISION_FAMILIES])

@@ -273,7 +273,7 @@ def test_sft_and_dpo_refuse_kto_rows_given_by_path(tmp_path, tokenizer, task):
 def test_the_statistics_count_examples_desirable_and_undesirable(tmp_path, tokenizer):
     data = DataConfig(train_files=[write_jsonl(tmp_path / "kto.jsonl", varied_examples(24))], max_seq_len=96)
     train, val, counts = build_datasets("kto", data, tokenizer, 0, LIMITS)
-    stats = describe("kto", train, val, None, counts, data, 4, 0)
+    stats = describe("kto", train, val, None, counts, data, 4, 0, None)
     assert stats.samples == 24 and stats.desirable == 6 and stats.rows == len(train) == 24
     assert stats.summary().startswith("24 examples (6 desirable, 18 undesirable), each micro-batch's packed into one "
                                       "row, ")

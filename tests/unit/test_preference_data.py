@@ -394,7 +394,7 @@ def test_pairs_are_counted_as_pairs_and_packed_per_micro_batch(tmp_path, tokeniz
     path = write_jsonl(tmp_path / "pairs.jsonl", varied_pairs(24))
     data = DataConfig(train_files=[path], max_seq_len=96, cache_dir=str(tmp_path / "c"))
     train, val, counts = build_datasets("dpo", data, tokenizer, 0, LIMITS)
-    stats = describe("dpo", train, val, None, counts, data, 4, 0)
+    stats = describe("dpo", train, val, None, counts, data, 4, 0, None)
     assert stats.samples == stats.rows == len(train) == 24
     assert stats.summary().startswith("24 pairs, each micro-batch's packed into one row, ")
     assert stats.efficiency == 1.0  # one row a micro-batch: nothing to pad
