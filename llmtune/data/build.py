@@ -317,7 +317,7 @@ def build_stream(task: str, data_cfg, tokenizer, seed: int) -> datasets.Iterable
         else datasets.concatenate_datasets(parts)
     if samples:
         stream = stream.filter(lambda status: status in (sft.KEPT, sft.TRUNCATED), input_columns="status")
-        stream = stream.select_columns(["input_ids", "labels"])
+        stream = stream.remove_columns("status")  # as count_statuses leaves a map-style split: images kept
         if data_cfg.packing:
             stream = packing.pack_samples(stream, data_cfg.max_seq_len, {})
     return stream

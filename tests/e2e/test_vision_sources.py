@@ -1,5 +1,6 @@
-"""LLaMA-Factory's rlhf_v entry (hf_hub_url llamafactory/RLHF-V, its images a datasets Image column) read from the
-huggingface_hub cache offline: dpo on it trains as on the same pairs from a local file of image paths."""
+"""Where image rows come from besides a local file. LLaMA-Factory's rlhf_v entry (hf_hub_url llamafactory/RLHF-V, its
+images a datasets Image column) read from the huggingface_hub cache offline: dpo on it trains as on the same pairs
+from a local file of image paths. A stream (data.streaming): its packed rows carry their samples' images."""
 
 import json
 
@@ -70,3 +71,26 @@ def test_an_hf_hub_url_entry_is_the_hub_dataset_it_names(entry, expected, tmp_pa
     else:
         with pytest.raises(UserError, match=expected):
             split_sources(data_cfg, "sft", "train")
+
+
+def test_a_streams_packed_rows_carry_their_samples_images(tmp_path):
+    import torch
+
+    from llmtune.config import ModelConfig
+    from llmtune.data import images
+    from llmtune.data.build import build_stream
+    from llmtune.data.templates import recipe_tokenizer
+    from tests.vision_models import image_conversations
+
+    vlm, data = tiny_vlm(tmp_path / "model"), image_conversations(tmp_path / "mllm")
+    data_cfg = DataConfig(dataset_info=str(data), datasets=["mllm"], max_seq_len=256, streaming=True,
+                          cache_dir=str(tmp_path / "cache"))
+    tokenizer = recipe_tokenizer("sft", ModelConfig(name_or_path=str(vlm)), data_cfg)
+    token = images.of(tokenizer).image_token_id
+    rows = list(build_stream("sft", data_cfg, tokenizer, 0))
+    assert max(row["position_ids"].count(0) for row in rows) > 1, "several samples share a row"
+    for row in rows:
+        runs = [len(run) for run in "".join("i" if t == token else " " for t in row["input_ids"]).split()]
+        grids = [images.unblob(blob)["image_grid_thw"] for blob in row[images.IMAGES]]
+        assert runs == [int(grid.prod()) // 4 for grid in torch.cat(grids)] if grids else runs == []
+    assert sum(len(row[images.IMAGES]) for row in rows) == 8  # the data's 4 images, twice
