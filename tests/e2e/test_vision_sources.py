@@ -94,3 +94,23 @@ def test_a_streams_packed_rows_carry_their_samples_images(tmp_path):
         grids = [images.unblob(blob)["image_grid_thw"] for blob in row[images.IMAGES]]
         assert runs == [int(grid.prod()) // 4 for grid in torch.cat(grids)] if grids else runs == []
     assert sum(len(row[images.IMAGES]) for row in rows) == 8  # the data's 4 images, twice
+
+
+def test_a_vision_language_model_named_by_its_hub_id_brings_its_processor(hf_home, tmp_path):
+    import llmtune
+    from tests.helpers import add_to_hub_cache
+    from tests.vision_models import image_conversations
+
+    add_to_hub_cache(hf_home, "org/tiny-vlm", "model", tiny_vlm(tmp_path / "model"), "f" * 40, refs=("main",))
+    data, out = image_conversations(tmp_path / "mllm"), tmp_path / "out"
+    llmtune.train("sft", {"model": {"name_or_path": "org/tiny-vlm"},
+                          "data": {"dataset_info": str(data), "datasets": ["mllm"], "max_seq_len": 256,
+                                   "cache_dir": str(tmp_path / "cache")},
+                          "train": {"output_dir": str(out), "max_steps": 1, "per_device_train_batch_size": 1,
+                                    "gradient_accumulation_steps": 1}})
+    # The image processor's settings came from the snapshot and went to the export.
+    exported = json.loads((out / "hf" / "preprocessor_config.json").read_text())
+    given = json.loads((tmp_path / "model" / "preprocessor_config.json").read_text())
+    assert exported["size"] == {"longest_edge": given["max_pixels"], "shortest_edge": given["min_pixels"]}
+    log = (out / "train.log").read_text()
+    assert "images (" in log and "image tokens)" in log
