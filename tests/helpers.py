@@ -234,10 +234,12 @@ def save_tiny_model(path: Path, model_cls, tokenizer, seed: int = 0, **config) -
     return path
 
 
-def byte_level_tokenizer(folder: Path, chat_template: str, extra_specials: tuple[str, ...] = ()):
+def byte_level_tokenizer(folder: Path, chat_template: str, extra_specials: tuple[str, ...] = (),
+                         named: dict | None = None):
     """A byte-level BPE trained on a few lines, with ChatML's special tokens (and `extra_specials`) and
     `chat_template`, saved in `folder` and loaded: every character encodes and offsets exist, as for the tokenizers
-    users fine-tune."""
+    users fine-tune. `named`: attributes naming special tokens (Gemma 3's boi_token), as a family's tokenizer has
+    them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -249,8 +251,9 @@ def byte_level_tokenizer(folder: Path, chat_template: str, extra_specials: tuple
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials]
     bpe.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    extra = {"extra_special_tokens": named} if named else {}  # without them, the folder as it was
     PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                            chat_template=chat_template).save_pretrained(folder)
+                            chat_template=chat_template, **extra).save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
 
 

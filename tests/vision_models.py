@@ -2,6 +2,7 @@
 byte-level tokenizer with the family's special tokens, its chat template, the image processor's settings), small
 images, and LLaMA-Factory-style data that mixes image rows with text rows: what the vision-language tests train."""
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ def chatml_template(image: str) -> str:
 QWEN_VL_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 QWEN_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
                "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+GEMMA3_SPECIALS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
 
@@ -51,6 +53,25 @@ class VisionFamily:
     image_part: str = "<|vision_start|><|image_pad|><|vision_end|>"  # what the family's template writes for an image
     tokens: dict = field(default_factory=lambda: dict(QWEN_TOKENS))  # config keys of special token ids
     config: dict = field(default_factory=dict)  # the config's other keys
+    named_tokens: dict = field(default_factory=dict)  # the tokenizer's attributes naming special tokens
+    # Parameters the class initialises to zeros, a released model's are not (Gemma 3's projection: with it, every
+    # image's embeddings would be 0, and how its tokens attend would change no loss).
+    randomized: tuple = ()
+    requires: str | None = None  # a package the family's processor needs (an optional extra's)
+
+
+IDEFICS3 = VisionFamily(
+    "Idefics3", "idefics3", "SigLIP-style vision tower on each crop of an image split into tiles and on the whole, "
+                            "pixel shuffle connector, crops' row and column tokens, Llama language model",
+    dict(model_type="llama"),
+    dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+         patch_size=14),
+    {"do_image_splitting": True, "max_image_size": {"longest_edge": 56}, "size": {"longest_edge": 112},
+     "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "image_processor_type": "Idefics3ImageProcessor"},
+    {"image_seq_len": 4},  # (56 / 14)^2 patches / scale_factor 2^2
+    ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+     *(f"<row_{i}_col_{j}>" for i in (1, 2) for j in (1, 2))),
+    "<image>", {"image_token_id": "<image>"}, {"scale_factor": 2})
 
 
 VISION_FAMILIES = (
@@ -96,19 +117,35 @@ VISION_FAMILIES = (
                  {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1},
                  ("<image>",), "<image>", {"image_token_index": "<image>"},
                  {"image_grid_pinpoints": [[28, 56], [56, 28], [56, 56]]}),
-    VisionFamily("Idefics3", "idefics3", "SigLIP-style vision tower on each crop of an image split into tiles and "
-                                         "on the whole, pixel shuffle connector, crops' row and column tokens, "
-                                         "Llama language model",
-                 dict(model_type="llama"),
-                 dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      image_size=56, patch_size=14),
-                 {"do_image_splitting": True, "max_image_size": {"longest_edge": 56},
-                  "size": {"longest_edge": 112}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
-                  "image_processor_type": "Idefics3ImageProcessor"},
-                 {"image_seq_len": 4},  # (56 / 14)^2 patches / scale_factor 2^2
-                 ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
-                  *(f"<row_{i}_col_{j}>" for i in (1, 2) for j in (1, 2))),
-                 "<image>", {"image_token_id": "<image>"}, {"scale_factor": 2}),
+    VisionFamily("Qwen3.5", "qwen3_5", "Qwen3-VL's vision tower and interleaved multimodal rope, linear-attention "
+                                       "(gated delta net) layers beside gated full-attention ones",
+                 dict(head_dim=16, rope_parameters={**MROPE, "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+                                                    "partial_rotary_factor": 0.5},  # rope on 8 of 16 dims
+                      layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4),
+                 dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16),
+                 qwen_image_processor(16)),
+    IDEFICS3,
+    dataclasses.replace(IDEFICS3, name="SmolVLM", model_type="smolvlm",
+                        features="Idefics3's vision tower, split images and connector; SmolVLM's processor",
+                        image_processor={**IDEFICS3.image_processor, "image_processor_type": "SmolVLMImageProcessor"},
+                        requires="num2words"),
+    VisionFamily("Gemma 3", "gemma3", "SigLIP tower, its patches average-pooled to the image's tokens, which attend "
+                                      "to each other both ways, sliding-window layers (window 8, shorter than an "
+                                      "image) beside full ones",
+                 dict(model_type="gemma3_text", head_dim=16, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"]),
+                 dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=56, patch_size=7, vision_use_head=False),
+                 {"size": {"height": 56, "width": 56}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                  "image_processor_type": "Gemma3ImageProcessor"},
+                 {"image_seq_length": 16},  # (56 / 7)^2 patches pooled 2 x 2
+                 GEMMA3_SPECIALS, "<start_of_image>",
+                 {"image_token_index": "<image_soft_token>", "boi_token_index": "<start_of_image>",
+                  "eoi_token_index": "<end_of_image>"}, {"mm_tokens_per_image": 16},
+                 dict(zip(("boi_token", "eoi_token", "image_token"), GEMMA3_SPECIALS)),
+                 ("multi_modal_projector.mm_input_projection_weight",)),
 )
 FAMILY = {family.name: family for family in VISION_FAMILIES}
 IMAGE_SIZES = ((60, 40), (28, 28), (90, 56))
@@ -119,7 +156,7 @@ def tiny_vlm(folder: Path, family: VisionFamily = VISION_FAMILIES[0], seed: int 
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    tokenizer = byte_level_tokenizer(folder, chatml_template(family.image_part), family.specials)
+    tokenizer = byte_level_tokenizer(folder, chatml_template(family.image_part), family.specials, family.named_tokens)
     tokens = {key: tokenizer.convert_tokens_to_ids(token) for key, token in family.tokens.items()}
     config = AutoConfig.for_model(
         family.model_type, text_config=dict(vocab_size=len(tokenizer), bos_token_id=None,
@@ -127,7 +164,12 @@ def tiny_vlm(folder: Path, family: VisionFamily = VISION_FAMILIES[0], seed: int 
                                             **{**TEXT, **family.text}),
         vision_config=family.vision, tie_word_embeddings=False, **tokens, **family.config)
     torch.manual_seed(seed)
-    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    model = AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(family.randomized):
+                parameter.normal_(std=0.02)
+    model.save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(json.dumps(family.image_processor))
     if family.processor:
         (folder / "processor_config.json").write_text(json.dumps(family.processor))

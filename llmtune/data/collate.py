@@ -11,9 +11,9 @@ from llmtune.model.loss import IGNORE_INDEX, TOKEN_VALUES, shift_labels
 from llmtune.model.multimodal import BLANK_IMAGES
 
 
-# Inputs the model's forward reads on the host (the attention's document spans, model/attention.py): they stay in
-# host memory, where reading them waits for nothing.
-HOST_INPUTS = frozenset({"document_spans"})
+# Inputs the model's forward reads on the host (the attention's document spans, the linear attention's document
+# bounds, model/attention.py): they stay in host memory, where reading them waits for nothing.
+HOST_INPUTS = frozenset({"document_spans", "document_bounds"})
 
 
 @dataclass

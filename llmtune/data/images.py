@@ -40,6 +40,9 @@ MAX_PIXELS, MIN_PIXELS = 768 * 768, 32 * 32
 DATA_URI = "data:image/"  # an image held in the row itself (a PIL image or bytes in the data), base64
 PROCESSOR_FILE = "preprocessor_config.json"  # the image processor's settings, in a model's or processor's folder
 PROCESSOR_SETTINGS = "processor_config.json"  # the processor's own, beside them
+# How an image's tokens are made, in the data cache's key: 2, without the tokenizer's special tokens (a row cached
+# before held a BOS-adding tokenizer's BOS before each image).
+IMAGE_TOKENS = 2
 BLANK_SIDE = 64  # the blank image a micro-batch without images gives the vision tower (collate.image_inputs)
 
 
@@ -94,9 +97,13 @@ def family_processor(model_type: str, folder: str, tokenizer):
     saved = json.loads(settings.read_text()) if settings.is_file() else {}
     parts = {"image_processor": image_processor, "tokenizer": tokenizer,
              **{key: value for key, value in saved.items() if key not in ("processor_class", "auto_map")}}
-    if "video_processor" not in wanted:
-        return processor_class(**parts)
-    return _without_video(processor_class)(**parts, video_processor=None)
+    try:
+        if "video_processor" not in wanted:
+            return processor_class(**parts)
+        return _without_video(processor_class)(**parts, video_processor=None)
+    except ImportError as err:  # SmolVLM's processor needs num2words (for videos, which llmtune never reads)
+        raise UserError(f"model: {model_type}'s processor needs a package this environment lacks ({err}); "
+                        "pip install 'llmtune[vision]' installs those of every family docs/vision.md lists") from None
 
 
 def _without_video(processor_class):
@@ -143,8 +150,8 @@ class ImageInputs:
 
     def key(self) -> list:
         """What decides the built rows besides the tokenizer: the data cache's key (data/build.cache_key)."""
-        return [type(self.processor).__name__, self.processor.image_processor.to_json_string(), self.placeholder,
-                self.max_pixels, self.min_pixels]
+        return [IMAGE_TOKENS, type(self.processor).__name__, self.processor.image_processor.to_json_string(),
+                self.placeholder, self.max_pixels, self.min_pixels]
 
     def placed(self, messages: list[dict]) -> list[dict]:
         """The messages with each image marker made the template's placeholder."""
@@ -172,7 +179,10 @@ class ImageInputs:
 
     def encoded(self, image) -> tuple[list[int], dict]:
         """(the processor's tokens of one image, its tensors for the model: those its image processor names)."""
-        out = self.processor(text=[self.processor.image_token], images=[image], return_tensors="pt")
+        # Without the tokenizer's special tokens: one that begins every text with BOS (Gemma's, Llama's) would put
+        # one before each image's tokens.
+        out = self.processor(text=[self.processor.image_token], images=[image], add_special_tokens=False,
+                             return_tensors="pt")
         names = [name for name in self.processor.image_processor.model_input_names if name in out]
         return out["input_ids"][0].tolist(), {name: out[name] for name in names}
 

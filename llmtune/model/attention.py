@@ -24,6 +24,11 @@ per row (rows padded on the right need no mask: a real token never attends to th
 carry no label). Where the spans lie, and which hold one document, `attend` takes from a [b, S] tensor kept in host
 memory (`document_spans`, made by the features' transform from the host copy of those positions): found from the
 device tensor in every layer, each would make the host wait for the device.
+
+A family whose image tokens attend to each other both ways (Gemma 3) adds a second [b, S] tensor, `image_blocks`:
+each token's image block (transformers' block_sequence_ids: one number per run of an image's tokens, -1 on text),
+within which attention goes both ways on top of the causal one, inside the sliding window as transformers composes
+them (`_mask`). A span holding image tokens is then attended with its mask.
 """
 
 import sys
@@ -130,26 +135,31 @@ def varlen_kwargs(positions: torch.Tensor) -> dict:
     return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
 
 
-# What document_spans holds where a span starts (0 elsewhere): the span holds several documents, or one.
+# What document_spans holds where a span starts (0 elsewhere): the span needs a mask (it holds several documents,
+# a branch or an image attended both ways), or one document's causal attention is all it takes.
 SPAN_OF_SEVERAL, SPAN_OF_ONE = 1, 2
 
 
-def document_spans(positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def document_spans(positions: torch.Tensor, window: int | None = None,
+                   image_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """How `attend` cuts the rows of [b, S] document positions (the host copy: read here) for `window` (None:
     DOCUMENT_WINDOW): an int8 tensor of their shape, 0 but where a span starts, SPAN_OF_ONE or SPAN_OF_SEVERAL by
-    the documents it holds. A row no longer than the window is one span; a longer one is cut by document_windows.
+    the mask it needs. A row no longer than the window is one span; a longer one is cut by document_windows.
     A tensor, not Python values: torch.compile passes it to document_sdpa as it passes any tensor, where values
-    would be guarded on, and compiled again for at every new layout."""
+    would be guarded on, and compiled again for at every new layout. `image_blocks` (the host copy): a span holding
+    an image attended both ways needs a mask, as one of several documents does."""
     window = DOCUMENT_WINDOW if window is None else window
     # One document in one segment needs no mask; a branch needs one as several documents do.
     starts = segment_starts(positions)
+    images = torch.zeros_like(starts) if image_blocks is None else image_blocks >= 0
     spans = torch.zeros(positions.shape, dtype=torch.int8)
     if positions.shape[1] <= window:
-        spans[:, 0] = torch.where(starts[:, 1:].any(dim=1), SPAN_OF_SEVERAL, SPAN_OF_ONE)
+        spans[:, 0] = torch.where(starts[:, 1:].any(dim=1) | images.any(dim=1), SPAN_OF_SEVERAL, SPAN_OF_ONE)
         return spans
     for row, row_positions in enumerate(positions):
         for start, end in document_windows(row_positions, window):
-            spans[row, start] = SPAN_OF_SEVERAL if starts[row, start + 1:end].any() else SPAN_OF_ONE
+            masked = starts[row, start + 1:end].any() or images[row, start:end].any()
+            spans[row, start] = SPAN_OF_SEVERAL if masked else SPAN_OF_ONE
     return spans
 
 
@@ -162,15 +172,19 @@ def _cut(spans: torch.Tensor) -> list[list[tuple[int, int, bool]]]:
     return [[(start, end, one) for (start, one), end in zip(row, row_ends)] for row, row_ends in zip(rows, ends)]
 
 
-def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtype: torch.dtype, single: bool):
+def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtype: torch.dtype, single: bool,
+          image_blocks: torch.Tensor | None = None):
     """Causal, same-document and sliding-window mask over a stretch of a row (`single`: it holds one document of
-    one segment); None when the backend's own causal attention is all it takes (sdpa, one document, no window
-    reached). Eager attention has no causal mode of its own: it always gets one, additive.
+    one segment and no image attended both ways); None when the backend's own causal attention is all it takes
+    (sdpa, one document, no window reached). Eager attention has no causal mode of its own: it always gets one,
+    additive.
 
     A token sees the earlier tokens of its own segment, and a branch's also its document's first segment's tokens
     at positions below the branch's first (document_starts): the tokens it would see in a row of its own, the
-    document's shared beginning followed by the branch. The sliding window counts positions, which inside a
-    segment go on as the indices do."""
+    document's shared beginning followed by the branch. An image token also sees every token of its image block
+    (`image_blocks`, the stretch's), the later ones too: transformers' OR of the causal mask and the blocks, then
+    AND the sliding window. The sliding window counts positions, which inside a segment go on as the indices
+    do."""
     length = positions.shape[1]
     if single and not eager and not (sliding_window and length > sliding_window):
         return None
@@ -183,6 +197,8 @@ def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtyp
     seen = (segment[:, :, None] == segment[:, None, :]) | (trunk[:, None, :]
                                                            & (positions[:, None, :] < start[:, :, None]))
     allowed = (index[None, :, None] >= index[None, None, :]) & (document[:, :, None] == document[:, None, :]) & seen
+    if image_blocks is not None:
+        allowed |= (image_blocks[:, :, None] == image_blocks[:, None, :]) & (image_blocks[:, :, None] >= 0)
     if sliding_window:
         allowed &= (positions[:, :, None] - positions[:, None, :]) < sliding_window
     allowed = allowed[:, None]
@@ -206,11 +222,12 @@ def document_windows(positions: torch.Tensor, window: int) -> list[tuple[int, in
 
 
 def attend(attention, module, query, key, value, positions, sliding_window: int | None, eager: bool, window: int,
-           spans: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+           spans: torch.Tensor | None = None, image_blocks: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """`attention` (an sdpa or eager function) over whole rows (query [b, h, S, d], key/value [b, kv, S, d],
-    positions [b, S]), causal, within each document and the sliding window -> [b, S, h, d]. spans: the positions'
-    document_spans for `window`, in host memory; None: read here from the positions (a call from outside a training
-    step, where the host then waits for the device).
+    positions [b, S]), causal, within each document and the sliding window -> [b, S, h, d], each image block of
+    `image_blocks` [b, S] (if any) both ways. spans: the positions' document_spans for `window` (and image blocks),
+    in host memory; None: read here from the positions (a call from outside a training step, where the host then
+    waits for the device).
 
     Each row one span (rows up to `window` tokens, or of one document each): one call for all rows, with one mask
     where a row holds several documents. Otherwise the rows are cut between documents into spans of at most
@@ -224,30 +241,33 @@ def attend(attention, module, query, key, value, positions, sliding_window: int 
     """
     if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
         return attend(attention, module, query.float(), key.float(), value.float(), positions, sliding_window, eager,
-                      window, spans, **kwargs).to(query.dtype)
+                      window, spans, image_blocks, **kwargs).to(query.dtype)
     if torch.compiler.is_compiling():
         if spans is not None and not eager and not kwargs.get("dropout") and kwargs.get("position_bias") is None:
             groups = query.shape[1] // key.shape[1]
             return document_sdpa(query, repeat_kv(key, groups), repeat_kv(value, groups), positions, spans,
-                                 kwargs.get("scaling"), sliding_window)
+                                 kwargs.get("scaling"), sliding_window, image_blocks)
         # One masked call over the row (see the module's doc).
-        return attention(module, query, key, value, _mask(positions, sliding_window, eager, query.dtype, False),
-                         **kwargs)[0]
-    cut = _cut(document_spans(positions.cpu(), window) if spans is None else spans)
+        return attention(module, query, key, value,
+                         _mask(positions, sliding_window, eager, query.dtype, False, image_blocks), **kwargs)[0]
+    if spans is None:
+        spans = document_spans(positions.cpu(), window, None if image_blocks is None else image_blocks.cpu())
+    cut = _cut(spans)
     if all(len(row) == 1 for row in cut):
         # Longer than the window, a row that is one span holds one document: no mask is larger than the window's.
         single = all(one for ((_, _, one),) in cut)
-        return attention(module, query, key, value, _mask(positions, sliding_window, eager, query.dtype, single),
-                         **kwargs)[0]
+        return attention(module, query, key, value,
+                         _mask(positions, sliding_window, eager, query.dtype, single, image_blocks), **kwargs)[0]
     rows = []
     # Cut with unbind and split, whose backward puts the pieces' gradients together in one op: slicing each span
     # out would give every span's gradient the size of the whole batch, zero-filled and summed span after span.
-    for *tensors, row_positions, row_spans in zip(query, key, value, positions, cut):
+    for row, (*tensors, row_positions, row_spans) in enumerate(zip(query, key, value, positions, cut)):
         lengths = [end - start for start, end, _ in row_spans]
-        pieces = zip(*(t.split(lengths, dim=1) for t in tensors), row_positions.split(lengths), row_spans)
+        blocks = [None] * len(lengths) if image_blocks is None else image_blocks[row:row + 1].split(lengths, dim=1)
+        pieces = zip(*(t.split(lengths, dim=1) for t in tensors), row_positions.split(lengths), blocks, row_spans)
         rows.append(torch.cat([attention(module, q[None], k[None], v[None],
-                                         _mask(p[None], sliding_window, eager, query.dtype, one), **kwargs)[0]
-                               for q, k, v, p, (_, _, one) in pieces], dim=1))
+                                         _mask(p[None], sliding_window, eager, query.dtype, one, b), **kwargs)[0]
+                               for q, k, v, p, b, (_, _, one) in pieces], dim=1))
     return torch.cat(rows)
 
 
@@ -262,49 +282,56 @@ class AttentionHeads:
         self.num_key_value_groups, self.training, self.config = num_key_value_groups, training, config
 
 
-def _sdpa_spans(query, key, value, positions, spans, scaling, sliding_window) -> torch.Tensor:
+def _sdpa_spans(query, key, value, positions, spans, scaling, sliding_window, image_blocks) -> torch.Tensor:
     return attend(sdpa_attention_forward, AttentionHeads(1), query, key, value, positions, sliding_window, False,
-                  DOCUMENT_WINDOW, spans, scaling=scaling)
+                  DOCUMENT_WINDOW, spans, image_blocks, scaling=scaling)
 
 
 @torch.library.custom_op("llmtune::document_sdpa", mutates_args=())
 def document_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                  spans: torch.Tensor, scaling: float | None, sliding_window: int | None) -> torch.Tensor:
+                  spans: torch.Tensor, scaling: float | None, sliding_window: int | None,
+                  image_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """sdpa attention span by span (`attend`; key/value with as many heads as query) as one operator, which
     torch.compile calls as it is, without tracing the Python that cuts the rows on host values."""
-    return _sdpa_spans(query, key, value, positions, spans, scaling, sliding_window)
+    return _sdpa_spans(query, key, value, positions, spans, scaling, sliding_window, image_blocks)
 
 
 @document_sdpa.register_fake
-def _(query, key, value, positions, spans, scaling, sliding_window):
+def _(query, key, value, positions, spans, scaling, sliding_window, image_blocks=None):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
 
 
 @torch.library.custom_op("llmtune::document_sdpa_backward", mutates_args=())
 def _document_sdpa_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             positions: torch.Tensor, spans: torch.Tensor, scaling: float | None,
-                            sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            sliding_window: int | None, image_blocks: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """document_sdpa's gradients: its forward again, differentiated by torch.func.vjp (an operator runs below
     autograd, where torch.autograd would record nothing). Recomputing costs one more forward of the attention
     and keeps only query, key and value for backward, as activation checkpointing would."""
     _, gradients = torch.func.vjp(
-        lambda q, k, v: _sdpa_spans(q, k, v, positions, spans, scaling, sliding_window), query, key, value)
+        lambda q, k, v: _sdpa_spans(q, k, v, positions, spans, scaling, sliding_window, image_blocks), query, key,
+        value)
     # Contiguous, as the fake below says: compiled code relies on an operator's strides being the fake's.
     return tuple(gradient.contiguous() for gradient in gradients(grad))
 
 
 @_document_sdpa_backward.register_fake
-def _(grad, query, key, value, positions, spans, scaling, sliding_window):
+def _(grad, query, key, value, positions, spans, scaling, sliding_window, image_blocks=None):
     return tuple(t.new_empty(t.shape) for t in (query, key, value))
 
 
 def _keep_inputs(ctx, inputs, output) -> None:
-    *tensors, ctx.scaling, ctx.sliding_window = inputs
-    ctx.save_for_backward(*tensors)
+    query, key, value, positions, spans, ctx.scaling, ctx.sliding_window, image_blocks = inputs
+    ctx.images = image_blocks is not None  # save_for_backward takes tensors alone
+    ctx.save_for_backward(query, key, value, positions, spans, *([image_blocks] if ctx.images else []))
 
 
 def _backward(ctx, grad):
-    return *_document_sdpa_backward(grad, *ctx.saved_tensors, ctx.scaling, ctx.sliding_window), None, None, None, None
+    query, key, value, positions, spans, *blocks = ctx.saved_tensors
+    gradients = _document_sdpa_backward(grad, query, key, value, positions, spans, ctx.scaling, ctx.sliding_window,
+                                        *blocks)
+    return *gradients, None, None, None, None, None
 
 
 document_sdpa.register_autograd(_backward, setup_context=_keep_inputs)
@@ -322,13 +349,52 @@ def backend_function(module, backend: str):
 
 def document_attention(module, query, key, value, attention_mask, *, backend: str, dropout: float = 0.0,
                        scaling: float | None = None, sliding_window: int | None = None, document_positions=None,
-                       document_spans: torch.Tensor | None = None, **kwargs):
+                       document_spans: torch.Tensor | None = None, image_blocks: torch.Tensor | None = None,
+                       **kwargs):
     """The attention function installed for sdpa and eager on one rank per sequence (features/documents.py): the
     backend's attention, document span by span. Its name is not in transformers' mask registry, so the model
-    builds no mask and hands it none; the documents come from `document_positions`, which the feature adds to
-    every micro-batch (a call without them, e.g. a probe of the bare model, attends causally over the row)."""
+    builds no mask and hands it none; the documents come from `document_positions` (and the images attended both
+    ways from `image_blocks`), which the feature adds to every micro-batch (a call without them, e.g. a probe of
+    the bare model, attends causally over the row)."""
     if document_positions is None:
         document_positions = torch.arange(query.shape[2], device=query.device).expand(query.shape[0], -1)
     out = attend(backend_function(module, backend), module, query, key, value, document_positions, sliding_window,
-                 backend == "eager", DOCUMENT_WINDOW, document_spans, dropout=dropout, scaling=scaling, **kwargs)
+                 backend == "eager", DOCUMENT_WINDOW, document_spans, image_blocks, dropout=dropout, scaling=scaling,
+                 **kwargs)
     return out, None
+
+
+# What the features add to a micro-batch for the attention of packed documents: a linear-attention layer run on one
+# document at a time takes none of them (its kernels would read a row's cu_seq_lens as the document's).
+DOCUMENT_INPUTS = frozenset({"document_positions", "document_spans", "document_bounds", "image_blocks",
+                             "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
+
+
+def linear_attention_layers(hf_model) -> list:
+    """The linear-attention token mixers of the model's layers (`linear_attn`: Qwen3.5's and Qwen3-Next's gated
+    delta nets), whose causal convolution and recurrent state run along the whole row: transformers' torch code of
+    them takes no document boundaries."""
+    return [module for name, module in hf_model.named_modules() if name.rpartition(".")[2] == "linear_attn"]
+
+
+def document_bounds(positions: torch.Tensor) -> torch.Tensor:
+    """Where each document of [b, S] document positions (the host copy) starts: document_spans with every document
+    a span of its own, for `by_document`, kept in host memory."""
+    return document_spans(positions, 0)
+
+
+def by_document(forward):
+    """A linear-attention layer's forward run on each document of a packed row alone (`document_bounds`): its
+    convolution starts from zeros and its state from nothing at every document, as in a row of its own. A
+    micro-batch of one document a row (padded, or a call without the bounds) runs whole."""
+
+    def run(hidden_states, *args, document_bounds=None, **kwargs):
+        cut = None if document_bounds is None else _cut(document_bounds)
+        if cut is None or all(len(row) == 1 for row in cut):
+            return forward(hidden_states, *args, **kwargs)
+        kwargs = {name: value for name, value in kwargs.items() if name not in DOCUMENT_INPUTS}
+        return torch.cat([torch.cat([forward(piece[None], *args, **kwargs)
+                                     for piece in states.split([end - start for start, end, _ in row])], dim=1)
+                          for states, row in zip(hidden_states, cut)])
+
+    return run

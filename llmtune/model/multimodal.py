@@ -12,6 +12,7 @@ to the hidden states (the same values; every trainable vision weight gets its gr
 
 import inspect
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -41,7 +42,9 @@ def decode(hf_model, input_ids, attention_mask, position_ids, model_kwargs: dict
     the images encoded first, then the text with their embeddings in place."""
     body = hf_model.base_model
     names = image_input_names(body)
-    kwargs = dict(model_kwargs)
+    # Gemma 3's token types, from which transformers builds its image tokens' mask where it builds one (flex
+    # attention); the document attention reads the image blocks the packed documents' feature adds.
+    kwargs = {**(token_types(hf_model, input_ids) if image_blocks(hf_model) else {}), **model_kwargs}
     blank = kwargs.pop(BLANK_IMAGES, False)
     encoded = body.get_image_features(**{name: kwargs.pop(name) for name in names if name in kwargs},
                                       return_dict=True)
@@ -75,7 +78,7 @@ def set_text_attention(hf_model, backend: str) -> None:
 # The modules that project the vision tower's features to the language model's width, by the names the families
 # give them (LLaVA's and Gemma 3's multi_modal_projector, Idefics3's connector, Qwen's merger inside its tower).
 PROJECTORS = ("multi_modal_projector", "connector", "merger")
-LANGUAGE_MODEL = "language_model"
+LANGUAGE_MODELS = ("language_model", "text_model")  # the families' names of it (Idefics3's and SmolVLM's the second)
 
 
 def model_parts(hf_model) -> dict[str, list[str]]:
@@ -87,10 +90,11 @@ def model_parts(hf_model) -> dict[str, list[str]]:
     prefix, body = hf_model.base_model_prefix, hf_model.base_model
     projector = [name for name, _ in body.named_modules() if name.rpartition(".")[2] in PROJECTORS]
     projector = [name for name in projector if not any(name.startswith(outer + ".") for outer in projector)]
-    tower = [name for name, _ in body.named_children() if name != LANGUAGE_MODEL and name not in projector]
+    language = [name for name, _ in body.named_children() if name in LANGUAGE_MODELS]
+    tower = [name for name, _ in body.named_children() if name not in language and name not in projector]
     return {"vision_tower": [f"{prefix}.{name}" for name in tower],
             "projector": [f"{prefix}.{name}" for name in projector],
-            "language_model": [f"{prefix}.{LANGUAGE_MODEL}", "lm_head"]}
+            "language_model": [f"{prefix}.{name}" for name in language] + ["lm_head"]}
 
 
 def part_of(name: str, parts: dict[str, list[str]]) -> str | None:
@@ -138,14 +142,36 @@ def save_processor(tokenizer, folder) -> None:
         (Path(folder) / settings.name).write_bytes(settings.read_bytes())
 
 
+def image_blocks(hf_model):
+    """For a family whose image tokens attend to each other both ways (Gemma 3), a function of [b, S] token ids ->
+    their image blocks as its mask reads them: transformers' get_block_sequence_ids_for_mask of the image tokens'
+    types, one number per run of an image's tokens, -1 elsewhere. None for the others, whose image tokens attend
+    causally as text does."""
+    if not is_multimodal(hf_model.config):  # Gemma 3's text model shares the module
+        return None
+    blocks = getattr(sys.modules[type(hf_model.base_model).__module__], "get_block_sequence_ids_for_mask", None)
+    image_token = hf_model.config.image_token_id
+    return blocks and (lambda input_ids: blocks((input_ids == image_token).int(), input_ids.device))
+
+
+def token_types(hf_model, input_ids: torch.Tensor) -> dict:
+    """The token types transformers' forward of the family reads beside the ids, 1 on image tokens, as its processor
+    gives them: Qwen's mm_token_type_ids (its multimodal rope places the image tokens), Gemma 3's token_type_ids
+    (its image blocks attend both ways); none for the other families."""
+    parameters = inspect.signature(hf_model.forward).parameters
+    types = (input_ids == hf_model.config.image_token_id).int()
+    if "mm_token_type_ids" in parameters:
+        return {"mm_token_type_ids": types}
+    # PaliGemma's token_type_ids mean something else (its prompt and its answer): Gemma 3's go with image blocks.
+    return {"token_type_ids": types} if "token_type_ids" in parameters and image_blocks(hf_model) else {}
+
+
 def generation_inputs(hf_model, input_ids: torch.Tensor, images: list[dict]) -> dict:
     """What transformers' generate of a vision-language model takes besides the token ids of a batch whose rows hold
     images (`images`: each row's tensors, data/images.py's, in row order): the image tensors concatenated, and the
-    token types of those families whose rope reads them (Qwen's mm_token_type_ids: 1 on image tokens)."""
+    family's token types (`token_types`)."""
     found = [tensors for tensors in images if tensors]
     if not found:
         return {}
     inputs = {name: torch.cat([tensors[name] for tensors in found]).to(input_ids.device) for name in found[0]}
-    if "mm_token_type_ids" in inspect.signature(hf_model.forward).parameters:
-        inputs["mm_token_type_ids"] = (input_ids == hf_model.config.image_token_id).int()
-    return inputs
+    return {**inputs, **token_types(hf_model, input_ids)}

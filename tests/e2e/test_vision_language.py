@@ -3,7 +3,6 @@ tokens the processor counts, never labelled; a packed row gives each sample the 
 it alone (fp32, 1e-5); a run trains, packed and unpacked alike, and its export is the whole model."""
 
 import dataclasses
-import inspect
 import json
 import re
 import shutil
@@ -23,7 +22,9 @@ from llmtune.features.documents import PackedDocuments
 from llmtune.features.multimodal_positions import MultimodalPositions
 from llmtune.model.build import CausalLMForTraining
 from llmtune.model.loss import IGNORE_INDEX, LossOptions
-from tests.vision_models import VISION_FAMILIES, image_conversations, image_pairs, tiny_vlm
+from llmtune.model.multimodal import token_types
+from tests.vision_models import (FAMILY, VISION_FAMILIES, chatml_template, image_conversations, image_pairs,
+                                  tiny_vlm)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,46 @@ def test_image_tokens_are_the_processors_and_never_labelled(vlm, conversations, 
     assert f"{seen} images ({image_tokens} image tokens)" in stats.summary()
 
 
-@pytest.mark.parametrize("family", VISION_FAMILIES, ids=[family.name for family in VISION_FAMILIES])
+def test_a_family_whose_processor_needs_a_missing_package_is_refused_in_one_line(tmp_path, monkeypatch):
+    from transformers.models.smolvlm import processing_smolvlm
+
+    from llmtune.errors import UserError
+    from tests.helpers import byte_level_tokenizer
+
+    monkeypatch.setattr(processing_smolvlm, "num2words", None)  # as where num2words is not installed
+    family = FAMILY["SmolVLM"]
+    tokenizer = byte_level_tokenizer(tmp_path, chatml_template(family.image_part), family.specials)
+    (tmp_path / images.PROCESSOR_FILE).write_text(json.dumps(family.image_processor))
+    with pytest.raises(UserError, match=r"^model: smolvlm's processor needs a package this environment lacks "
+                                        r"\(Package `num2words` is required.*\); pip install 'llmtune\[vision\]'"):
+        images.family_processor("smolvlm", str(tmp_path), tokenizer)
+
+
+def test_an_images_tokens_hold_none_of_the_tokenizers_own(vlm, conversations, tmp_path):
+    """A tokenizer that begins every text with BOS (Gemma's, Llama's) puts none among an image's tokens: they are
+    the processor's expansion of its image token alone."""
+    from PIL import Image
+    from tokenizers import processors
+
+    tokenizer = recipe_tokenizer("sft", ModelConfig(name_or_path=str(vlm)), data_config(conversations, tmp_path))
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    assert tokenizer("What is it?")["input_ids"][0] == bos
+    tokens, _ = images.of(tokenizer).encoded(Image.new("RGB", (28, 28)))
+    assert bos not in tokens
+
+
+def family_cases():
+    """Every family, each skipped where the package its processor needs is absent (it is an optional extra's)."""
+    import importlib.util
+
+    return [pytest.param(family, id=family.name, marks=pytest.mark.skipif(
+        family.requires is not None and importlib.util.find_spec(family.requires) is None,
+        reason=f"{family.name}'s processor needs {family.requires}")) for family in VISION_FAMILIES]
+
+
+@pytest.mark.parametrize("family", family_cases())
 def test_packed_rows_give_each_sample_transformers_loss_alone(family, conversations, tmp_path):
     """The support matrix of vision-language families: each one's tiny model of the real class, its samples with
     images packed into rows, each sample's loss in its row that of transformers' own forward of it alone."""
@@ -74,10 +114,6 @@ def test_packed_rows_give_each_sample_transformers_loss_alone(family, conversati
 
     vlm = tiny_vlm(tmp_path / "model", family)
     hf_model = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32).eval()
-    model = CausalLMForTraining(hf_model, LossOptions(), None).eval()
-    features = Features([PackedDocuments(None), MultimodalPositions(None)])
-    features.build(hf_model, None)
-    model.features = features
     data_cfg = data_config(conversations, tmp_path)
     tokenizer = recipe_tokenizer("sft", ModelConfig(name_or_path=str(vlm)), data_cfg)
     packed, _, _ = build_datasets("sft", data_cfg, tokenizer, 0)
@@ -85,12 +121,17 @@ def test_packed_rows_give_each_sample_transformers_loss_alone(family, conversati
     for sample in build_datasets("sft", dataclasses.replace(data_cfg, packing=False), tokenizer, 0)[0]:
         ids = torch.tensor([sample["input_ids"]])
         kwargs = images.merged(sample[images.IMAGES])
-        if kwargs and "mm_token_type_ids" in inspect.signature(hf_model.forward).parameters:  # Qwen's rope reads them
-            kwargs["mm_token_type_ids"] = (ids == hf_model.config.image_token_id).int()
+        if kwargs:  # the token types its processor gives: Qwen's rope and Gemma 3's image attention read them
+            kwargs.update(token_types(hf_model, ids))
         with torch.no_grad():
             alone[tuple(sample["input_ids"])] = F.cross_entropy(
                 hf_model(input_ids=ids, **kwargs).logits[0], torch.tensor(sample["labels"][1:] + [IGNORE_INDEX]),
                 ignore_index=IGNORE_INDEX, reduction="sum").item()
+    # Built once transformers' own attention has given the references: the feature replaces it.
+    model = CausalLMForTraining(hf_model, LossOptions(), None).eval()
+    features = Features([PackedDocuments(None), MultimodalPositions(None)])
+    features.build(hf_model, None)
+    model.features = features
     blank = images.of(tokenizer).blank()
     assert max(row["position_ids"].count(0) for row in packed) > 1, "several samples share a row"
     for row in packed:
@@ -257,6 +298,41 @@ def test_generate_with_images_gives_transformers_greedy_completion(vlm, conversa
     assert cli_main(["generate", str(vlm), "--file", str(prompts), "--out", str(tmp_path / "out.jsonl"),
                      "--do_sample", "false", "--max_new_tokens", "6"]) == 0
     assert json.loads((tmp_path / "out.jsonl").read_text())["completion"][0]["content"] == expected
+
+
+@pytest.mark.parametrize("name", ["Gemma 3", "Qwen3.5"])
+def test_a_family_trains_packed_exports_whole_and_generates_as_transformers(name, conversations, tmp_path, capsys):
+    """The families whose packed rows need more than document masks (Gemma 3's images attended both ways, Qwen3.5's
+    linear attention) train, export their whole class, and `llmtune generate --image` completes as transformers'
+    own processor and generate do."""
+    import llmtune
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from llmtune.run.cli import main as cli_main
+
+    family = FAMILY[name]
+    vlm = tiny_vlm(tmp_path / "model", family)
+    llmtune.train("sft", recipe(vlm, conversations, tmp_path / "out", max_steps=1, per_device_train_batch_size=1,
+                                gradient_accumulation_steps=2))
+    exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "hf", dtype=torch.float32).eval()
+    original = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32)
+    assert type(exported) is type(original) and exported.state_dict().keys() == original.state_dict().keys()
+    image = conversations / "images" / "3.png"
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "hf")
+    processor = images.family_processor(family.model_type, str(tmp_path / "out" / "hf"), tokenizer)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                       {"type": "text", "text": "What is it?"}]}],
+                                         tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    inputs.pop("attention_mask")
+    with torch.no_grad():
+        out = exported.generate(**inputs, do_sample=False, max_new_tokens=6, eos_token_id=[], pad_token_id=0)
+    expected = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert expected.strip(), "the trained model says something"
+    assert cli_main(["generate", str(tmp_path / "out" / "hf"), "--prompt", "What is it?", "--image", str(image),
+                     "--do_sample", "false", "--max_new_tokens", "6"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == expected
 
 
 @pytest.mark.parametrize("case, expected", [

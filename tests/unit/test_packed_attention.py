@@ -374,3 +374,75 @@ def test_compiled_layers_attend_a_branch_as_its_sequence_alone(backend, monkeypa
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
     assert dict(counters["graph_break"]) == {}
+
+
+# Images attended both ways (Gemma 3's) inside DOCUMENTS' documents: [start, end) of each image's tokens per row; two
+# in one document, one longer than the window, one longer than the sliding window, one in a document of its own span.
+IMAGES = [[(1, 4), (8, 20), (21, 26), (35, 55)], [(2, 30), (43, 48)]]
+
+
+def image_blocks() -> torch.Tensor:
+    """transformers' own numbering of the images' tokens (Gemma 3's get_block_sequence_ids_for_mask)."""
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    types = torch.zeros(len(IMAGES), LENGTH, dtype=torch.int)
+    for row, images in enumerate(IMAGES):
+        for start, end in images:
+            types[row, start:end] = 1
+    return get_block_sequence_ids_for_mask(types)
+
+
+def images_alone(query, key, value, blocks, sliding_window):
+    """The reference: every document attended alone under the mask transformers composes for Gemma 3: causal OR
+    the document's image blocks, AND the sliding window."""
+    from transformers.masking_utils import and_masks, blockwise_overlay, causal_mask_function, or_masks, \
+        sliding_window_overlay
+
+    rows = []
+    for row, lengths in enumerate(DOCUMENTS):
+        start, pieces = 0, []
+        for n in lengths:
+            allowed = or_masks(causal_mask_function, blockwise_overlay(blocks[row:row + 1, start:start + n]))
+            if sliding_window:
+                allowed = and_masks(allowed, sliding_window_overlay(sliding_window))
+            index = torch.arange(n)
+            mask = allowed(torch.tensor(0), torch.tensor(0), index[:, None], index[None, :])
+            pieces.append(F.scaled_dot_product_attention(*(t[row:row + 1, :, start:start + n] for t in
+                                                           (query, key, value)), attn_mask=mask))
+            start += n
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows).transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend,window,sliding_window,compiled", [
+    ("sdpa", 16, None, False), ("sdpa", 2048, None, False), ("sdpa", 16, 4, False), ("eager", 16, 4, False),
+    ("eager", 2048, None, False), ("sdpa", 16, 4, True), ("eager", 16, 4, True)])
+def test_image_blocks_attend_both_ways_within_their_image_and_document(backend, window, sliding_window, compiled,
+                                                                      monkeypatch):
+    """Gemma 3's image tokens, packed: each sees every token of its own image, the later ones too, inside the
+    sliding window, and every token its document alone gives it, whatever the spans; compiled (aot_eager), sdpa's
+    spans inside document_sdpa and eager's mask of the row: the same outputs and gradients."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    monkeypatch.setattr(attention, "DOCUMENT_WINDOW", window)
+    function = eager_attention_forward if backend == "eager" else attention.backend_function(None, "sdpa")
+    module = attention.AttentionHeads(1)
+    generator = torch.Generator().manual_seed(4)
+    query, key, value = (torch.randn(2, 2, LENGTH, 8, generator=generator, requires_grad=True) for _ in range(3))
+    blocks = image_blocks()
+    spans = attention.document_spans(positions(), window, blocks)
+
+    def attend(query, key, value, positions, spans, blocks):
+        return attention.attend(function, module, query, key, value, positions, sliding_window, backend == "eager",
+                                window, spans, blocks, scaling=8 ** -0.5)
+
+    if compiled:
+        torch._dynamo.reset()
+        attend = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    out = attend(query, key, value, positions(), spans, blocks)
+    expected = images_alone(query, key, value, blocks, sliding_window)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    weights = torch.randn(out.shape, generator=generator)
+    grads = torch.autograd.grad((out * weights).sum(), (query, key, value))
+    for grad, reference in zip(grads, torch.autograd.grad((expected * weights).sum(), (query, key, value))):
+        torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-5)
