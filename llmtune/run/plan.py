@@ -8,17 +8,22 @@ counted (but the weights, which FSDP2 frees after forward), the way benchmarks/c
 step. Two things make that trace the run's own:
 attention calls the kernel a real CPU run calls (torch picks its math fallback for meta tensors, which would save
 the [sequence, sequence] weights a flash kernel never holds), and the model's data-dependent checks (is this row
-packed? is the mask all ones?) are answered with the plain case, as no data exists. The step's peak is then the
-sum of what is alive at its fullest moment, the start of backward (see Plan.peak).
+packed? is the mask all ones?) are answered with the plain case, as no data exists. A vision-language model's
+tower runs the same way on its image processor's tensors of the images a micro-batch is taken to hold (Vision).
+The step's peak is then the sum of what is alive at its fullest moment, the start of backward (see Plan.peak).
 """
 
 import math
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from functools import partial
 
 import psutil
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmtune.config import ParallelConfig
@@ -62,6 +67,19 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class Vision:
+    """A vision-language model's vision side of a plan, which reads no data: each image a square of
+    data.image_max_pixels (the largest an image reaches its processor at, data/images.load_image), and a
+    micro-batch's rows filled with them, as many as a row's tokens hold, at least one a row (the tokens a template
+    writes around an image are left out: a row is taken to hold a few more than it can)."""
+    parts: tuple[tuple[str, int, int], ...]  # (part, parameters, trained) of the vision tower and the projector
+    images: int  # a micro-batch's
+    side: int  # pixels of each image's width and height
+    tokens: int  # image tokens of one image (the features the tower gives the language model)
+    activations: tuple[int, int]  # what the tower holds of a micro-batch's images, checkpointing (off, on)
+
+
+@dataclass(frozen=True)
 class Plan:
     """Bytes per rank."""
     layout: Layout
@@ -90,6 +108,7 @@ class Plan:
     kv_cache: int = 0  # the keys and values of a batch of completions, every layer (0: no generation)
     generation: str = ""  # what generates (eval_generation, grpo's rounds) and in batches of how many completions
     sharded_modules: int = 0  # the modules fully_shard wraps (layers, split experts, the root): all-gathers of a phase
+    vision: Vision | None = None  # a vision-language model's vision tower and images (its activations in activations)
 
     @property
     def kept_whole(self) -> bool:
@@ -174,51 +193,240 @@ class _PlainData(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _OnMeta(TorchDispatchMode):
+    """An op given meta and real tensors runs on meta: an image's real tensors, whose values a vision tower reads to
+    lay out its patches (Qwen's grid, LLaVA-NeXT's image sizes, Idefics3's padding crops), meet its meta weights."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+class _Saves(TorchFunctionMode):
+    """What a forward on the meta device leaves its graph holding for backward once the step keeps only what it reads
+    of the forward's output (what backward will run): the tensors autograd saves, and the leaves the forward makes
+    require grad (transformers' enable_input_require_grads makes the input embeddings' outputs so), which the graph
+    holds for their gradients; by storage, alive or freed with a graph the output does not reach: the module of
+    `modules` running when it was first held (None: outside them) and its bytes. And the storages of each module's
+    tensor inputs, what activation checkpointing keeps of it. Left out: the weights autograd saves (a matmul keeps
+    its weight for the input's gradient): under FSDP2 they are the gathered weights, whose storage is freed after
+    the layer's forward and gathered again for its backward, which Plan.gathered counts; and the tensors of
+    `left_out`."""
+
+    def __init__(self, hf_model, modules, left_out=()):
+        super().__init__()
+        self.modules = modules
+        self.weights = {t.untyped_storage()._cdata for t in [*hf_model.parameters(), *left_out]}
+        self.held, self.current, self.inputs = {}, None, [{} for _ in modules]
+
+    def run(self, forward, read, *modes) -> tuple:
+        """(`read` of forward()'s output, what the step keeps of it, the rest dropped; {storage: (module, bytes)} of
+        what the graph holds), forward() run under the plan's meta modes and `modes`."""
+        hooks = [module.register_forward_pre_hook(partial(self._enter, i), with_kwargs=True)
+                 for i, module in enumerate(self.modules)]
+        hooks += [module.register_forward_hook(self._leave) for module in self.modules]
+        try:
+            with ExitStack() as stack:
+                for mode in (_MetaAsOnDevice(), _PlainData(), *modes, self,
+                             torch.autograd.graph.saved_tensors_hooks(self._keep, lambda tensor: tensor)):
+                    stack.enter_context(mode)
+                kept = read(forward())
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return kept, {cdata: (module, nbytes) for cdata, (module, nbytes, ref) in self.held.items()
+                      if not ref.expired()}
+
+    def by_module(self, held: dict) -> tuple[int, list[int]]:
+        """(bytes of `held` outside the modules, bytes of each module's)."""
+        per_module = [0] * len(self.modules)
+        outside = 0
+        for module, nbytes in held.values():
+            if module is None:
+                outside += nbytes
+            else:
+                per_module[module] += nbytes
+        return outside, per_module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.requires_grad_:
+            self._hold(args[0])
+        return func(*args, **(kwargs or {}))
+
+    def _enter(self, i, module, args, kwargs):
+        self.current = i
+        self.inputs[i] = {leaf.untyped_storage()._cdata: leaf.untyped_storage().nbytes()
+                          for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)}
+
+    def _leave(self, module, args, out):
+        self.current = None
+
+    def _keep(self, tensor):
+        self._hold(tensor)
+        # Detached, the same storage: an op's output saved as itself would make a reference cycle with the node that
+        # saved it (its grad_fn), which would outlive its graph.
+        return tensor.detach()
+
+    def _hold(self, tensor) -> None:
+        storage = tensor.untyped_storage()
+        known = self.held.get(storage._cdata)
+        if storage._cdata not in self.weights and (known is None or known[2].expired()):  # new, or a freed one's address
+            self.held[storage._cdata] = (self.current, storage.nbytes(), StorageWeakRef(storage))
+
+
 def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, list[int], list[int]]:
     """(bytes autograd saves outside the decoder layers, bytes each layer saves, bytes of each layer's experts'
-    pairs) in the decoder's forward of `rows` x `tokens` on the meta device, each storage counted once.
-    The weights autograd saves (a matmul keeps its weight for the input's gradient) are left out: under FSDP2 they
-    are the gathered weights, whose storage is freed after the layer's forward and gathered again for its backward,
-    which Plan.gathered counts. The pairs: the hidden states of the (token, expert) pairs an experts module
-    computes, [T x k, hidden] in their dtype, what expert parallelism sends to the experts' ranks (0 in a layer
-    without experts)."""
+    pairs) in the decoder's forward of `rows` x `tokens` on the meta device, each storage counted once, the weights
+    left out (_Saves). The pairs: the hidden states of the (token, expert) pairs an experts module computes,
+    [T x k, hidden] in their dtype, what expert parallelism sends to the experts' ranks (0 in a layer without
+    experts)."""
     from llmtune.model.expert_parallel import experts_modules
 
-    weights = {p.untyped_storage()._cdata for p in hf_model.parameters()}
-    owner, current = {}, [None]
-    hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: current.__setitem__(0, i))
-             for i, layer in enumerate(layers)]
-    hooks += [layer.register_forward_hook(lambda module, args, out: current.__setitem__(0, None))
-              for layer in layers]
+    saves = _Saves(hf_model, layers)
     pairs = [0] * len(layers)
 
     def routed(module, args):
         # Every family calls its experts with (hidden_states [T, H], top_k_index [T, k], top_k_weights).
         hidden_states, top_k_index = args[:2]
-        pairs[current[0]] += top_k_index.numel() * hidden_states.shape[-1] * hidden_states.element_size()
-    hooks += [module.register_forward_pre_hook(routed) for module in experts_modules(hf_model)]
-
-    def keep(tensor):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in weights:
-            owner.setdefault(storage._cdata, (current[0], storage.nbytes()))
-        return tensor
+        pairs[saves.current] += top_k_index.numel() * hidden_states.shape[-1] * hidden_states.element_size()
+    hooks = [module.register_forward_pre_hook(routed) for module in experts_modules(hf_model)]
 
     ids = torch.zeros((rows, tokens), dtype=torch.long, device="meta")
     try:
-        with _MetaAsOnDevice(), _PlainData(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            hf_model.get_decoder()(input_ids=ids, use_cache=False)
+        _, held = saves.run(lambda: hf_model.get_decoder()(input_ids=ids, use_cache=False), lambda outputs: outputs)
     finally:
         for hook in hooks:
             hook.remove()
-    per_layer = [0] * len(layers)
-    outside = 0
-    for layer, nbytes in owner.values():
-        if layer is None:
-            outside += nbytes
-        else:
-            per_layer[layer] += nbytes
-    return outside, per_layer, pairs
+    return *saves.by_module(held), pairs
+
+
+def language_layers(hf_model, layers) -> list:
+    """The decoder layers of the language model: a vision-language model's text decoder's (its vision blocks are
+    FSDP units too), a text model's every one."""
+    from llmtune.model.multimodal import is_multimodal
+
+    if not is_multimodal(hf_model.config):
+        return layers
+    language = set(hf_model.get_decoder().modules())
+    return [layer for layer in layers if layer in language]
+
+
+def vision_saved(hf_model, image: dict, checkpointing: bool) -> tuple[int, int]:
+    """(bytes a vision-language model's vision tower holds for backward for one image, `image` its processor's
+    tensors; the image tokens it gives the language model), from the run's call of the tower (model/multimodal.decode)
+    on the meta device. A tower's images are encoded each on its own (Qwen's patches attend within their image,
+    CLIP's images are a batch), so a micro-batch's images hold as many times this. Held: what the language model
+    reads of the encoding reaches (its pooler_output, Qwen3-VL's deepstack features too); the rest is freed with the
+    encoding before backward (LLaVA's last CLIP layer, whose output its features skip).
+    With checkpointing as the run has it: activation_checkpointing_enable makes the tower's input embeddings require
+    grad (transformers' enable_input_require_grads), so a frozen tower runs under autograd too, and each
+    checkpointed block that holds anything keeps its inputs instead (its recomputation is the tower's backward, at the
+    end of the step's, not at the start the plan's peak is). Without, a frozen tower and projector hold nothing."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    language = set(hf_model.get_decoder().modules())
+    blocks = [m for m in hf_model.modules() if isinstance(m, GradientCheckpointingLayer) and m not in language]
+    # Its buffers left out (CLIP's position ids, which an embedding saves): one for all the images, which this
+    # count of one would multiply.
+    saves = _Saves(hf_model, blocks, left_out=hf_model.buffers())
+    if checkpointing:
+        hf_model.enable_input_require_grads()
+    try:
+        (features, _), held = saves.run(
+            lambda: hf_model.base_model.get_image_features(**image, return_dict=True),
+            lambda encoded: (encoded.pooler_output, getattr(encoded, "deepstack_features", None)), _OnMeta())
+    finally:
+        hf_model.disable_input_require_grads()
+    kept = {cdata: nbytes for cdata, (block, nbytes) in held.items() if block is None or not checkpointing}
+    if checkpointing:
+        # A checkpointed block keeps every tensor it is called with (its hidden states, and the position embeddings
+        # all blocks share), each storage once.
+        holding = {block for block, _ in held.values()} - {None}
+        kept |= {cdata: nbytes for block in holding for cdata, nbytes in saves.inputs[block].items()}
+    tokens = sum(leaf.numel() for leaf in pytree.tree_leaves(features) if isinstance(leaf, torch.Tensor))
+    return sum(kept.values()), tokens // hf_model.config.get_text_config().hidden_size
+
+
+def vision_plan(config, model_config, hf_model, layout: Layout) -> Vision:
+    """The Vision of a vision-language model's plan, `hf_model` built on the meta device in the compute dtype with
+    the recipe's features (what trains)."""
+    from llmtune.model.multimodal import model_parts, part_of
+
+    parts = model_parts(hf_model)
+    counts = {part: [0, 0] for part in ("vision_tower", "projector")}
+    for name, param in hf_model.named_parameters():
+        if (part := part_of(name, parts)) in counts:
+            counts[part][0] += param.numel()
+            counts[part][1] += param.numel() if param.requires_grad else 0
+    side = math.isqrt(config.data.image_max_pixels)
+    image = planned_image(config, model_config, hf_model, side)
+    (without, tokens), (with_checkpointing, _) = (vision_saved(hf_model, image, on) for on in (False, True))
+    images = layout.micro_batch * max(1, layout.seq_len // tokens)
+    return Vision(parts=tuple((part, total, trained) for part, (total, trained) in counts.items()), images=images,
+                  side=side, tokens=tokens, activations=(images * without, images * with_checkpointing))
+
+
+def planned_image(config, model_config, hf_model, side: int) -> dict:
+    """The tensors of a blank image of side x side pixels as the run hands them to the vision tower: its family's
+    image processor's (data/images.ImageInputs.encoded: those it names, of those the tower takes), the floating ones
+    in the model's compute dtype, to which FSDP2's mixed precision casts the inputs of the run's forward."""
+    from PIL import Image
+
+    from llmtune.model.multimodal import image_input_names
+
+    processor = image_processor(model_config, (config.model.name_or_path, config.model.tokenizer))
+    out = processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")
+    names = set(processor.model_input_names) & set(image_input_names(hf_model.base_model))
+    return {name: out[name].to(hf_model.dtype) if out[name].is_floating_point() else out[name]
+            for name in names if name in out}
+
+
+def image_processor(model_config, folders: tuple):
+    """The family's PIL image processor, the class data/images.family_processor takes, with the settings of the
+    first of `folders` (the model's, then model.tokenizer's) that holds them (preprocessor_config.json), as the run
+    reads them; where none does (a folder of config.json alone), its class's defaults made the tower's
+    (_tower_settings)."""
+    import json
+    from pathlib import Path
+
+    import transformers
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    from llmtune.data.images import PROCESSOR_FILE
+
+    found = next((Path(folder) for folder in folders if folder and (Path(folder) / PROCESSOR_FILE).is_file()), None)
+    named = json.loads((found / PROCESSOR_FILE).read_text()).get("image_processor_type", "") if found else ""
+    pil = (IMAGE_PROCESSOR_MAPPING_NAMES.get(model_config.model_type) or {}).get("pil") \
+        or f"{named.removesuffix('Fast')}Pil"
+    if not hasattr(transformers, pil):
+        raise UserError(f"model: transformers has no PIL image processor for {model_config.model_type} (its family's "
+                        f"or the one a {PROCESSOR_FILE} beside its config names), so the plan cannot size its images; "
+                        f"put the model's {PROCESSOR_FILE} beside its config.json")
+    image_class = getattr(transformers, pil)
+    return image_class.from_pretrained(found) if found else image_class(**_tower_settings(image_class(), model_config))
+
+
+def _tower_settings(defaults, model_config) -> dict:
+    """An image processor's settings made the model's from its class's `defaults`, which are one checkpoint's
+    (Gemma 3's class resizes to 224 pixels, gemma-3-4b's tower takes 896): the sides it resizes and crops to made
+    the tower's image_size (a fixed height and width, CLIP's shortest edge before its crop, Idefics3's crops'
+    longest edge), and what the model's config holds under the processor's names (LLaVA-NeXT's
+    image_grid_pinpoints)."""
+    settings = defaults.to_dict()
+    own = {key: value for key, value in model_config.to_dict().items() if key in settings}
+    side = getattr(model_config.vision_config, "image_size", None)
+    if not side:  # a tower of any size (Qwen's patches)
+        return own
+    sized = {key: {"height": side, "width": side} for key, value in settings.items()
+             if isinstance(value, dict) and {"height", "width"} <= value.keys()}
+    if settings.get("crop_size"):
+        sized["size"] = {"shortest_edge": side}
+    if settings.get("max_image_size"):
+        sized["max_image_size"] = {"longest_edge": side}
+    return {**sized, **own}
 
 
 def shard_bytes(param: torch.Tensor, world_size: int, itemsize: int, split: int = 1) -> int:
@@ -247,10 +455,12 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     """The plan of a loaded, checked recipe (config.load_config with this world size) on world_size ranks."""
     from llmtune.features.adapters import Adapters
     from llmtune.features.freezing import Freezing
+    from llmtune.features.multimodal_freezing import MultimodalFreezing
     from llmtune.features.registry import enabled_features
     from llmtune.model.attention import resolve_backend
     from llmtune.model.build import HALF_DTYPES, decoder_layers, meta_model, output_head
     from llmtune.model.expert_parallel import experts_modules
+    from llmtune.model.multimodal import is_multimodal
     from llmtune.model.quantize import dequantized_bytes, nf4_bytes, quantized_linears, storage_dtype
 
     train = config.train
@@ -266,15 +476,24 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
                           dtype=HALF_DTYPES[half] if half else torch.float32)
     for feature in enabled_features(config).features:
         # Only the features that decide which parameters exist and train change the plan's sizes.
-        if isinstance(feature, (Adapters, Freezing)):
+        if isinstance(feature, (Adapters, Freezing, MultimodalFreezing)):
             feature.build(hf_model, None)
-    layers = decoder_layers(hf_model)
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    # Every FSDP unit build_model shards: the decoder layers and a vision-language model's vision blocks (the classes
+    # of _no_split_modules), whose forward comes first and backward last. Resharded after their forward, the vision
+    # blocks hold nothing gathered at the start of backward, the plan's peak, where the language model's layers are
+    # in backward (the last of them kept gathered): `layers`, whose largest is counted there, and whose inputs
+    # checkpointing keeps. Every unit is in all_layers: gathered together where the layers stay gathered
+    # (reshard_after_forward false, between micro-batches, a generation phase), 1/n each under
+    # reshard_after_forward n. A vision block larger than a language layer (Gemma 3's SigLIP block is a sixth of
+    # one) would count at the tower's backward, at the end of the step's, the language model's activations freed.
+    units = decoder_layers(hf_model)
+    layers = language_layers(hf_model, units)
+    in_layers = {id(p) for layer in units for p in layer.parameters()}
     params = list(hf_model.parameters())
     trainable = [p for p in params if p.requires_grad]
     # model.quantize: the weights features/quantization.py quantizes, counted in NF4's bytes (no torchao needed).
     nf4 = storage_dtype(half)
-    quantized = {id(linear.weight): linear.weight.numel() for linear in quantized_linears(hf_model, layers).values()
+    quantized = {id(linear.weight): linear.weight.numel() for linear in quantized_linears(hf_model, units).values()
                  } if config.model.quantize != "none" else {}
 
     parallel = config.parallel
@@ -306,13 +525,15 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
         per_layer = [saved + pairs for saved, pairs in zip(per_layer, routed)]
     hidden = model_config.get_text_config().hidden_size
     layer_inputs = len(layers) * layout.micro_batch * tokens * hidden * compute
-    without = outside + sum(per_layer)
-    with_checkpointing = outside + layer_inputs + max(per_layer)
+    vision = vision_plan(config, model_config, hf_model, layout) if is_multimodal(model_config) else None
+    tower_without, tower_with = vision.activations if vision else (0, 0)
+    without = outside + sum(per_layer) + tower_without
+    with_checkpointing = outside + layer_inputs + max(per_layer) + tower_with
     head = output_head(hf_model).weight
     return Plan(
         layout=layout, params=stored, grads=trained, optimizer=2 * trained,
         largest_layer=max(sum(sized(p, 1, compute) for p in layer.parameters()) for layer in layers),
-        all_layers=sum(sized(p, 1, compute) for layer in layers for p in layer.parameters()),
+        all_layers=sum(sized(p, 1, compute) for layer in units for p in layer.parameters()),
         root=sum(p.numel() for p in params if id(p) not in in_layers) * compute,
         activations=with_checkpointing if train.gradient_checkpointing else without,
         activations_other=without if train.gradient_checkpointing else with_checkpointing,
@@ -329,7 +550,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
         dequantized=dequantized_bytes(max(quantized.values()), nf4) if quantized else 0,
         experts=max((module.num_experts for module in experts), default=0), routed=max(routed),
         **generation_phase(config, model_config, compute, world_size),
-        sharded_modules=len(layers) + 1 + (len(experts) if layout.ep > 1 else 0))
+        sharded_modules=len(units) + 1 + (len(experts) if layout.ep > 1 else 0), vision=vision)
 
 
 def generation_phase(config, model_config, compute: int, world_size: int) -> dict:
@@ -501,9 +722,12 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         *([("largest quantized weight dequantized, transient", plan.dequantized)] if plan.dequantized else []),
         *([("expert all-to-all buffers, balanced routing", plan.dispatch),
            (f"  (all pairs to one rank's experts: {gib(plan.dispatch_worst)})", None)] if plan.dispatch else []),
-        (f"embeddings, lm_head and norm, gathered ({dtype})", plan.root),
+        # A vision-language model's root holds its tower's weights outside the blocks too (patch embeddings, norm).
+        (f"embeddings, lm_head{', norm, projector' if plan.vision else ' and norm,'} gathered ({dtype})", plan.root),
         (f"activations per micro-batch, checkpointing {checkpointing}", plan.activations),
         (f"  (checkpointing {'off' if train.gradient_checkpointing else 'on'}: {gib(plan.activations_other)})", None),
+        *([(f"  of which the vision tower's ({plan.vision.images} images)",
+            plan.vision.activations[train.gradient_checkpointing])] if plan.vision else []),
         (f"loss ({loss})", plan.loss),
         ("peak of a training step", plan.peak),
     ]
@@ -515,6 +739,7 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         f"{plan.trainable / 1e9:.3g}B trained; {dtype} compute",
         *([f"quantization: nf4 (model.quantize), {plan.quantized / 1e9:.3g}B parameters of the frozen base's linear "
            "layers in 4 bits, about 0.52 bytes each with their scales"] if plan.quantized else []),
+        *(vision_lines(plan.vision) if plan.vision else []),
         f"layout: {config.parallel.describe(layout.world_size)}",
         *([f"experts per rank: {plan.experts // layout.ep} of each layer's {plan.experts}, "
            + (f"each sharded over {layout.efsdp} ranks" if layout.efsdp > 1 else "each whole on the rank")
@@ -547,6 +772,18 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
     return "\n".join(lines)
 
 
+def vision_lines(vision: Vision) -> list[str]:
+    """render's lines of a vision-language model's tower and images."""
+    def trains(total: int, trained: int) -> str:
+        return "frozen" if not trained else "trained" if trained == total else f"{trained / 1e9:.3g}B trained"
+
+    parts = "; ".join(f"{part.removeprefix('vision_')} {total / 1e9:.3g}B parameters, {trains(total, trained)}"
+                      for part, total, trained in vision.parts)
+    return [f"vision: {parts}",
+            f"images: {vision.images} of {vision.side} x {vision.side} a micro-batch, {vision.tokens} image tokens "
+            "each: rows filled with images (no data is read; data.image_max_pixels)"]
+
+
 def plan_recipe(config, model, world_size: int, device_gib: float | None, processes_here: int = 1) -> str:
     """The report of `llmtune plan` of the loaded recipe `config`, after the checks a run makes of its recipe, layout
     and model (the same messages), except that only the model's config is read: no weight, no data file is needed.
@@ -561,6 +798,9 @@ def plan_recipe(config, model, world_size: int, device_gib: float | None, proces
     except (OSError, ValueError) as err:
         raise UserError(f"model: cannot read the config of {config.model.name_or_path or config.model.config} "
                         f"({str(err).splitlines()[0]})") from None
+    # The recipe as the run reads it, the model's folder fetched: a vision-language model's image processor's
+    # settings are read there (its preprocessor_config.json, which the fetch of its config files brings).
+    config = replace(config, model=model)
     check_features(config, model_config, world_size)
     # The run's checks of the model's build, without those of its weights, which a plan does not read.
     check_model(replace(config.model, name_or_path=None), config.train, model_config)
