@@ -29,6 +29,7 @@ DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_comple
 TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "wsd")
+CHECKPOINTING = ("none", "full", "selective")  # train.gradient_checkpointing's modes; false is none, true full
 DECAY_TYPES = ("linear", "cosine", "1-sqrt")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 # Names that users of other trainers write, read as llmtune's (config.yaml holds llmtune's), by whose names they are.
@@ -364,7 +365,12 @@ class TrainConfig:
     router_aux_loss_coef: float | None = _field(None, "Mixture-of-experts models: coefficient of the router's "
                                                       "load-balancing loss added to the loss; default the model "
                                                       "config's router_aux_loss_coef, 0 = off.")
-    gradient_checkpointing: bool = _field(False, "Recompute each decoder layer's activations in backward.")
+    gradient_checkpointing: bool | str = _field(False, "What each decoder layer keeps for backward: false (none: "
+                                                       "every activation), true or full (its input alone: the "
+                                                       "layer recomputed in backward, transformers' gradient "
+                                                       "checkpointing), or selective (torchtitan's op-level "
+                                                       "policy: attention's and every other matmul's outputs "
+                                                       "kept, the cheap elementwise work recomputed).")
     compile: bool = _field(False, "torch.compile each decoder layer.")
     max_skipped_steps: int = _field(5, "Stop after this many optimizer steps in a row skipped for a non-finite "
                                        "loss or gradient norm.")
@@ -435,6 +441,9 @@ class TrainConfig:
                 if not re.fullmatch(r"[\w.]+:[\w.]+", path)]
         if self.bf16 and self.fp16:
             out.append("train.fp16: and train.bf16 are both on; choose one compute precision")
+        if isinstance(self.gradient_checkpointing, str) and self.gradient_checkpointing not in CHECKPOINTING:
+            out.append(_choice_problem("train.gradient_checkpointing", self.gradient_checkpointing,
+                                       ("true", "false", *CHECKPOINTING)))
         if self.fp8 and not self.bf16:
             out.append("train.fp8: float8 training computes in bf16 what it leaves out of float8; set train.bf16: true")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
@@ -474,6 +483,11 @@ class TrainConfig:
     def freezes(self) -> bool:
         """Whether a chosen part of the weights trains and the rest is frozen (features/freezing.py)."""
         return bool(self.trainable_modules or self.frozen_modules) or self.trainable_layers is not None
+
+    def checkpointing(self) -> str:
+        """train.gradient_checkpointing as one of CHECKPOINTING (model/checkpointing.py)."""
+        value = self.gradient_checkpointing
+        return "full" if value is True else "none" if value is False else value
 
     def half_precision(self) -> str | None:
         """The compute dtype below fp32, bf16 or fp16, or None (fp32)."""

@@ -35,6 +35,7 @@ class Banner:
     no_decay: tuple[int, int]
     precision: str
     attention: str
+    checkpointing: str  # train.gradient_checkpointing's mode (TrainConfig.checkpointing)
     peak: str  # the plan's peak per rank, or why there is none
     threads: str = ""  # torch's intra-op threads and why (run/threads.set_threads)
     quantized: int = 0  # parameters held in nf4 (model.quantize), whole-model count
@@ -61,7 +62,7 @@ class Banner:
             + (f"; {self.quantized:,} frozen in nf4 (model.quantize)" if self.quantized else "")
             + (f", {self.kept:,} frozen in the compute dtype (linear weights of no whole number of {GROUP:,}-value "
                "groups, which nf4 cannot hold)" if self.kept else ""),
-            f"precision {self.precision}, attention {self.attention}",
+            f"precision {self.precision}, attention {self.attention}, activation checkpointing {self.checkpointing}",
             f"planned peak memory {self.peak}",
         ] + ([f"threads {self.threads}"] if self.threads else []) + ([f"LLaMA-Factory recipe: its defaults for {', '.join(self.recipe_defaults)}"]
              if self.recipe_defaults else [])
@@ -111,7 +112,8 @@ def start_banner(trainer, config, world_size: int, peak: str, threads: str = "")
         dp=world_size // config.parallel.cp_size, layout=config.parallel.describe(world_size),
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
-        peak=peak, threads=threads, batch=trainer.objective.global_batch_words(data.global_batch),
+        checkpointing=config.train.checkpointing(), peak=peak, threads=threads,
+        batch=trainer.objective.global_batch_words(data.global_batch),
         quantized=sum(p.numel() for p in params if is_quantized(p)),
         kept=sum(linear.weight.numel() for linear in frozen_linears(model.hf_model, decoder_layers(model.hf_model))
                  .values() if not is_quantized(linear.weight)) if config.model.quantize != "none" else 0,

@@ -135,7 +135,7 @@ def test_the_start_banner_says_the_runs_numbers(runs, recipe, assets, capsys):
                                    f"{sum(p.ndim >= 2 for p in model.parameters())} tensors; no decay: " \
                                    f"{count - decay:,} in {sum(p.ndim < 2 for p in model.parameters())})"
     # auto on a CPU: transformers' sdpa, wrapped by the packed documents' attention (pt packs rows of documents).
-    assert banner["precision"] == "fp32, attention sdpa (through llmtune_documents)"
+    assert banner["precision"] == "fp32, attention sdpa (through llmtune_documents), activation checkpointing none"
     # The peak `llmtune plan` prints for the same recipe and layout.
     assert cli_main(["plan", recipe, "--task", "pt"]) == 0
     peak = re.search(r"peak of a training step +(.+)$", capsys.readouterr().out, re.M).group(1)

@@ -13,7 +13,7 @@ from llmtune.tasks.dpo import DPO
 FRESH = Banner(rows=1000, unit="samples", steps_per_epoch=62, total_steps=186, first_step=0, global_batch=16,
                micro_batch=4, accumulation=2, dp=2, layout=ParallelConfig().describe(2), params=1234567, trainable=1234000, decay=(14, 1230000),
                no_decay=(29, 4000), precision="fp32", attention="sdpa (through llmtune_documents)",
-               peak="12.3 MiB per rank (llmtune plan's estimate for this layout)")
+               checkpointing="selective", peak="12.3 MiB per rank (llmtune plan's estimate for this layout)")
 
 
 def test_the_banner_says_the_runs_numbers():
@@ -22,7 +22,7 @@ def test_the_banner_says_the_runs_numbers():
         "global batch 16 samples = micro-batch 4 x accumulation 2 x 2 data-parallel",
         "layout 2 rank(s) = replicate 1 x shard 2 x cp 1; every parameter sharded over 2 rank(s)",
         "parameters 1,234,567, trainable 1,234,000 (weight decay: 1,230,000 in 14 tensors; no decay: 4,000 in 29)",
-        "precision fp32, attention sdpa (through llmtune_documents)",
+        "precision fp32, attention sdpa (through llmtune_documents), activation checkpointing selective",
         "planned peak memory 12.3 MiB per rank (llmtune plan's estimate for this layout)",
     ]
 

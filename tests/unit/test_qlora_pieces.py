@@ -165,7 +165,8 @@ def test_the_fit_advice_offers_qlora_after_lora_where_the_shapes_split(tmp_path,
 def test_the_banner_counts_the_parameters_held_in_nf4():
     banner = Banner(rows=8, unit="samples", steps_per_epoch=2, total_steps=2, first_step=0, global_batch=4,
                     micro_batch=4, accumulation=1, dp=1, layout="1 rank(s)", params=1000, trainable=10, decay=(2, 10),
-                    no_decay=(0, 0), precision="fp32", attention="sdpa", peak="1 MiB", quantized=900)
+                    no_decay=(0, 0), precision="fp32", attention="sdpa", checkpointing="none", peak="1 MiB",
+                    quantized=900)
     assert banner.lines()[3].endswith("; 900 frozen in nf4 (model.quantize)")
     assert "nf4" not in " ".join(Banner(**{**banner.__dict__, "quantized": 0}).lines())
 

@@ -1,0 +1,51 @@
+"""train.gradient_checkpointing: what each decoder layer keeps for its backward.
+
+- none (false): every tensor autograd saves.
+- full (true): the layer's input alone; the whole layer runs again in backward (transformers' gradient
+  checkpointing, non-reentrant).
+- selective: torchtitan's op-level policy. The layer is checkpointed as under full, but the outputs of the ops that
+  cost FLOPs to recompute are kept: attention's, and every other matmul's (keeping them all would keep nearly what
+  no checkpointing keeps); the cheap work (norms, rope, activation functions, casts, the other matmuls) runs again.
+  Recomputing it gives the same values as the forward did, so the losses are those of no checkpointing.
+"""
+
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from llmtune.model.attention import document_sdpa
+
+aten = torch.ops.aten
+MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten._grouped_mm.default})
+# Attention's kernels, CPU and CUDA, and llmtune's document-span operator (compiled layers' attention): each output
+# kept, never recomputed.
+ATTENTION = frozenset({aten._scaled_dot_product_flash_attention.default,
+                       aten._scaled_dot_product_flash_attention_for_cpu.default,
+                       aten._scaled_dot_product_efficient_attention.default,
+                       aten._scaled_dot_product_cudnn_attention.default, document_sdpa._opoverload})
+
+
+def checkpoint_kwargs(mode: str) -> dict:
+    """torch.utils.checkpoint's keyword arguments for a mode that checkpoints (full, selective)."""
+    kwargs = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = selective_contexts
+    return kwargs
+
+
+def selective_contexts():
+    """The forward's and the recompute's contexts of one checkpointed call, with a matmul count of their own: the
+    recompute must reach the same decision for each matmul as the forward did."""
+    return create_selective_checkpoint_contexts(partial(_policy, defaultdict(int)))
+
+
+def _policy(counts: dict, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    if func in MATMULS:
+        phase = "recompute" if ctx.is_recompute else "forward"
+        counts[phase] += 1
+        return CheckpointPolicy.MUST_SAVE if counts[phase] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+    if func in ATTENTION:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
