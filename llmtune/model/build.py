@@ -27,7 +27,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTex
 
 from llmtune.errors import UserError
 from llmtune.model.attention import backend_problems, resolve_backend
-from llmtune.model.checkpointing import checkpoint_kwargs
+from llmtune.model.checkpointing import enable_checkpointing
 from llmtune.model.expert_parallel import split_experts
 from llmtune.model.loss import IGNORE_INDEX, LossOptions, cross_entropy_sum, token_logps
 from llmtune.model import multimodal
@@ -317,8 +317,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
             if not param.requires_grad and not is_quantized(param):
                 param.data = param.data.to(HALF_DTYPES[half])
     if train_cfg.checkpointing() != "none":
-        hf_model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=checkpoint_kwargs(train_cfg.checkpointing()))
+        enable_checkpointing(hf_model, train_cfg.checkpointing())
     layers = decoder_layers(hf_model)
     if train_cfg.compile:
         for layer in layers:

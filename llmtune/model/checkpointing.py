@@ -27,6 +27,16 @@ ATTENTION = frozenset({aten._scaled_dot_product_flash_attention.default,
                        aten._scaled_dot_product_cudnn_attention.default, document_sdpa._opoverload})
 
 
+def enable_checkpointing(hf_model, mode: str) -> None:
+    """Each of hf_model's layers (transformers' GradientCheckpointingLayer: decoder layers, vision blocks)
+    checkpointed in `mode`, full or selective."""
+    hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs(mode))
+    # transformers also makes every input embedding's output require grad, which reentrant checkpointing needs under
+    # frozen embeddings and non-reentrant does not: kept, it would run a frozen vision tower under autograd, each
+    # block's inputs held and the block recomputed in backward for no gradient.
+    hf_model.disable_input_require_grads()
+
+
 def checkpoint_kwargs(mode: str) -> dict:
     """torch.utils.checkpoint's keyword arguments for a mode that checkpoints (full, selective)."""
     kwargs = {"use_reentrant": False}

@@ -208,8 +208,8 @@ class _OnMeta(TorchDispatchMode):
 class _Saves(TorchFunctionMode):
     """What a forward on the meta device leaves its graph holding for backward once the step keeps only what it reads
     of the forward's output (what backward will run): the tensors autograd saves, and the leaves the forward makes
-    require grad (transformers' enable_input_require_grads makes the input embeddings' outputs so), which the graph
-    holds for their gradients; by storage, alive or freed with a graph the output does not reach: the module of
+    require grad (marked with requires_grad_, as transformers' enable_input_require_grads marks embeddings), which
+    the graph holds for their gradients; by storage, alive or freed with a graph the output does not reach: the module of
     `modules` running when it was first held (None: outside them) and its bytes. And the storages of each module's
     tensor inputs, what activation checkpointing keeps of it. Left out: the weights autograd saves (a matmul keeps
     its weight for the input's gradient): under FSDP2 they are the gathered weights, whose storage is freed after
@@ -321,10 +321,9 @@ def vision_saved(hf_model, image: dict, checkpointing: bool) -> tuple[int, int]:
     CLIP's images are a batch), so a micro-batch's images hold as many times this. Held: what the language model
     reads of the encoding reaches (its pooler_output, Qwen3-VL's deepstack features too); the rest is freed with the
     encoding before backward (LLaVA's last CLIP layer, whose output its features skip).
-    With checkpointing as the run has it: activation_checkpointing_enable makes the tower's input embeddings require
-    grad (transformers' enable_input_require_grads), so a frozen tower runs under autograd too, and each
-    checkpointed block that holds anything keeps its inputs instead (its recomputation is the tower's backward, at the
-    end of the step's, not at the start the plan's peak is). Without, a frozen tower and projector hold nothing."""
+    With checkpointing, each checkpointed block that holds anything keeps its inputs instead (its recomputation is
+    the tower's backward, at the end of the step's, not at the start the plan's peak is). A frozen tower and
+    projector hold nothing (model/build.py leaves their inputs without grad under checkpointing too)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     language = set(hf_model.get_decoder().modules())
@@ -332,14 +331,9 @@ def vision_saved(hf_model, image: dict, checkpointing: bool) -> tuple[int, int]:
     # Its buffers left out (CLIP's position ids, which an embedding saves): one for all the images, which this
     # count of one would multiply.
     saves = _Saves(hf_model, blocks, left_out=hf_model.buffers())
-    if checkpointing:
-        hf_model.enable_input_require_grads()
-    try:
-        (features, _), held = saves.run(
-            lambda: hf_model.base_model.get_image_features(**image, return_dict=True),
-            lambda encoded: (encoded.pooler_output, getattr(encoded, "deepstack_features", None)), _OnMeta())
-    finally:
-        hf_model.disable_input_require_grads()
+    (features, _), held = saves.run(
+        lambda: hf_model.base_model.get_image_features(**image, return_dict=True),
+        lambda encoded: (encoded.pooler_output, getattr(encoded, "deepstack_features", None)), _OnMeta())
     kept = {cdata: nbytes for cdata, (block, nbytes) in held.items() if block is None or not checkpointing}
     if checkpointing:
         # A checkpointed block keeps every tensor it is called with (its hidden states, and the position embeddings

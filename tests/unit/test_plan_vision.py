@@ -19,6 +19,7 @@ from llmtune.config import load_config
 from llmtune.data.images import MAX_PIXELS, ImageInputs, family_processor
 from llmtune.features.multimodal_freezing import MultimodalFreezing
 from llmtune.model.build import decoder_layers, load_model_config
+from llmtune.model.checkpointing import enable_checkpointing
 from llmtune.model.multimodal import image_input_names
 from llmtune.run import cli
 from llmtune.run.plan import plan_memory
@@ -162,23 +163,21 @@ def tower_holds(model, image: dict) -> int:
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_tower_holds_for_backward_what_a_real_forward_of_it_holds(folder, tmp_path, name, frozen, checkpointing):
     """A real fp32 forward on CPU of the tower built by transformers, frozen as the run freezes it and with
-    activation checkpointing as build_model enables it (which makes even a frozen tower's patch embeddings require
-    grad: transformers' enable_input_require_grads, where the tower names them; Qwen3-VL's does not), on the
-    processor's tensors of the plan's image: what it leaves alive is the plan's figure for one image, exactly.
-    Frozen without checkpointing, nothing."""
+    activation checkpointing as build_model enables it, on the processor's tensors of the plan's image: what it leaves
+    alive is the plan's figure for one image, exactly. Frozen, nothing."""
     config = recipe(folder(name), tmp_path, freeze_vision_tower=frozen, freeze_multi_modal_projector=frozen,
                     gradient_checkpointing=checkpointing)
     vision = plan_of(config).vision
     model = AutoModelForImageTextToText.from_pretrained(folder(name), dtype=torch.float32, attn_implementation="sdpa")
     MultimodalFreezing(config).build(model, None)
     if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, "full")
     model.train()
     _, tensors = image_inputs(folder(name), name).encoded(Image.new("RGB", (SIDE, SIDE)))
     image = {key: tensors[key] for key in image_input_names(model.base_model) if key in tensors}
     held = tower_holds(model, image)
     assert vision.activations[checkpointing] == vision.images * held
-    assert (held == 0) == (frozen and (not checkpointing or name == "Qwen3-VL"))
+    assert (held == 0) == frozen
 
 
 def test_a_folder_of_config_json_alone_takes_the_image_processors_defaults_sized_to_the_tower(tmp_path):
