@@ -34,7 +34,7 @@ them (`_mask`). A span holding image tokens is then attended with its mask.
 import sys
 
 import torch
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv
 
 from llmtune.config import HUB_KERNEL
 
@@ -246,7 +246,7 @@ def attend(attention, module, query, key, value, positions, sliding_window: int 
         if spans is not None and not eager and not kwargs.get("dropout") and kwargs.get("position_bias") is None:
             groups = query.shape[1] // key.shape[1]
             return document_sdpa(query, repeat_kv(key, groups), repeat_kv(value, groups), positions, spans,
-                                 kwargs.get("scaling"), sliding_window, image_blocks)
+                                 kwargs.get("scaling"), sliding_window, image_blocks)[0]
         # One masked call over the row (see the module's doc).
         return attention(module, query, key, value,
                          _mask(positions, sliding_window, eager, query.dtype, False, image_blocks), **kwargs)[0]
@@ -273,7 +273,7 @@ def attend(attention, module, query, key, value, positions, sliding_window: int 
 
 class AttentionHeads:
     """What a backend's attention function reads of a causal decoder's attention module, for heads attended apart
-    from it (the Ulysses wrapper's share of them, document_sdpa's heads with key/value repeated). A plain class:
+    from it (the Ulysses wrapper's share of them). A plain class:
     torch.compile cannot build a SimpleNamespace inside a compiled layer, and breaks the layer there."""
 
     is_causal = True
@@ -282,55 +282,127 @@ class AttentionHeads:
         self.num_key_value_groups, self.training, self.config = num_key_value_groups, training, config
 
 
-def _sdpa_spans(query, key, value, positions, spans, scaling, sliding_window, image_blocks) -> torch.Tensor:
-    return attend(sdpa_attention_forward, AttentionHeads(1), query, key, value, positions, sliding_window, False,
-                  DOCUMENT_WINDOW, spans, image_blocks, scaling=scaling)
+def _pieces(positions, spans, sliding_window, image_blocks, dtype) -> list[tuple[slice, int, int, torch.Tensor | None]]:
+    """How document_sdpa cuts [b, S] rows as `attend` does: (rows, start, end, additive mask) of each kernel call, the
+    mask None where the causal kernel is all it takes."""
+    cut = _cut(spans)
+    if all(len(row) == 1 for row in cut):  # every row one span: one call
+        single = all(one for ((_, _, one),) in cut)
+        return [(slice(None), 0, positions.shape[1],
+                 _additive(_mask(positions, sliding_window, False, dtype, single, image_blocks), dtype))]
+    return [(slice(row, row + 1), start, end,
+             _additive(_mask(positions[row:row + 1, start:end], sliding_window, False, dtype, one,
+                             None if image_blocks is None else image_blocks[row:row + 1, start:end]), dtype))
+            for row, row_spans in enumerate(cut) for start, end, one in row_spans]
+
+
+def _additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the kernels below take it: 0 where attended, the dtype's lowest elsewhere."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
+                                                                                      torch.finfo(dtype).min)
+
+
+# Memory-efficient attention's (CUDA) logsumexp is padded to a multiple of this many queries, and its bias read at a
+# last-dimension stride that is a multiple of 16 (as torch's sdpa pads it).
+LSE_ALIGNMENT, BIAS_ALIGNMENT = 32, 16
+
+
+def _span_forward(query, key, value, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [n, h, s, d], logsumexp [n, h, s] fp32) of one kernel call: the kernels sdpa itself picks, whose
+    backward takes these two: CPU flash attention, CUDA memory-efficient attention (which takes a mask)."""
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, mask is None,
+                                                                          attn_mask=mask, scale=scale)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, _bias(mask, query), True, 0.0, mask is None, scale=scale)
+    return out, lse[..., :query.shape[2]]
+
+
+def _span_backward(grad, query, key, value, out, lse, mask, scale) -> tuple[torch.Tensor, ...]:
+    """The gradients w.r.t. query, key and value of one _span_forward call, from its output and logsumexp."""
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, query, key, value, out, lse, 0.0, mask is None, attn_mask=mask, scale=scale)
+    padded = lse.new_zeros(*lse.shape[:2], -(-lse.shape[2] // LSE_ALIGNMENT) * LSE_ALIGNMENT)
+    padded[..., :lse.shape[2]] = lse
+    unused = torch.zeros((), dtype=torch.int64, device=query.device)  # the dropout's seed and offset: no dropout
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad, query, key, value, _bias(mask, query), out, padded, unused, unused, 0.0, [True, True, True, False],
+        mask is None, scale=scale)[:3]
+
+
+def _bias(mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """A [n, 1, s, s] mask as memory-efficient attention reads its bias: every head's, at an aligned stride."""
+    if mask is None:
+        return None
+    pad = -mask.shape[-1] % BIAS_ALIGNMENT
+    aligned = torch.nn.functional.pad(mask, (0, pad))[..., :mask.shape[-1]] if pad else mask
+    return aligned.expand(query.shape[0], query.shape[1], -1, -1)
+
+
+def _spans_forward(query, key, value, positions, spans, scaling, sliding_window, image_blocks):
+    """document_sdpa's (output [b, S, h, d], logsumexp [b, h, S]), span by span."""
+    out = query.new_empty(query.shape)
+    lse = query.new_empty(query.shape[:3], dtype=torch.float32)
+    for rows, start, end, mask in _pieces(positions, spans, sliding_window, image_blocks, query.dtype):
+        at = (rows, slice(None), slice(start, end))
+        out[at], lse[at] = _span_forward(query[at], key[at], value[at], mask, scaling)
+    return out.transpose(1, 2).contiguous(), lse
 
 
 @torch.library.custom_op("llmtune::document_sdpa", mutates_args=())
 def document_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
                   spans: torch.Tensor, scaling: float | None, sliding_window: int | None,
-                  image_blocks: torch.Tensor | None = None) -> torch.Tensor:
-    """sdpa attention span by span (`attend`; key/value with as many heads as query) as one operator, which
-    torch.compile calls as it is, without tracing the Python that cuts the rows on host values."""
-    return _sdpa_spans(query, key, value, positions, spans, scaling, sliding_window, image_blocks)
+                  image_blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """sdpa attention span by span (`attend`'s spans; key/value with as many heads as query) as one operator, which
+    torch.compile calls as it is, without tracing the Python that cuts the rows on host values: its output
+    [b, S, h, d] and the logsumexp its backward reads. Each span is one call of the kernel sdpa would pick, and its
+    backward that kernel's backward: attention runs forward once a step (twice under full checkpointing), as
+    uncompiled."""
+    return _spans_forward(query, key, value, positions, spans, scaling, sliding_window, image_blocks)
 
 
 @document_sdpa.register_fake
 def _(query, key, value, positions, spans, scaling, sliding_window, image_blocks=None):
-    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
+    return (query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3]),
+            query.new_empty(query.shape[:3], dtype=torch.float32))
 
 
 @torch.library.custom_op("llmtune::document_sdpa_backward", mutates_args=())
 def _document_sdpa_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            positions: torch.Tensor, spans: torch.Tensor, scaling: float | None,
-                            sliding_window: int | None, image_blocks: torch.Tensor | None = None
+                            out: torch.Tensor, lse: torch.Tensor, positions: torch.Tensor, spans: torch.Tensor,
+                            scaling: float | None, sliding_window: int | None, image_blocks: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """document_sdpa's gradients: its forward again, differentiated by torch.func.vjp (an operator runs below
-    autograd, where torch.autograd would record nothing). Recomputing costs one more forward of the attention
-    and keeps only query, key and value for backward, as activation checkpointing would."""
-    _, gradients = torch.func.vjp(
-        lambda q, k, v: _sdpa_spans(q, k, v, positions, spans, scaling, sliding_window, image_blocks), query, key,
-        value)
-    # Contiguous, as the fake below says: compiled code relies on an operator's strides being the fake's.
-    return tuple(gradient.contiguous() for gradient in gradients(grad))
+    """document_sdpa's gradients, span by span from its output and logsumexp (an operator runs below autograd,
+    where torch.autograd would record nothing). Contiguous, as the fake below says: compiled code relies on an
+    operator's strides being the fake's."""
+    gradients = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value)]
+    grad, out = grad.transpose(1, 2), out.transpose(1, 2)
+    for rows, start, end, mask in _pieces(positions, spans, sliding_window, image_blocks, query.dtype):
+        at = (rows, slice(None), slice(start, end))
+        for gradient, part in zip(gradients, _span_backward(grad[at], query[at], key[at], value[at], out[at],
+                                                           lse[at], mask, scaling)):
+            gradient[at] = part
+    return tuple(gradients)
 
 
 @_document_sdpa_backward.register_fake
-def _(grad, query, key, value, positions, spans, scaling, sliding_window, image_blocks=None):
+def _(grad, query, key, value, out, lse, positions, spans, scaling, sliding_window, image_blocks=None):
     return tuple(t.new_empty(t.shape) for t in (query, key, value))
 
 
 def _keep_inputs(ctx, inputs, output) -> None:
     query, key, value, positions, spans, ctx.scaling, ctx.sliding_window, image_blocks = inputs
     ctx.images = image_blocks is not None  # save_for_backward takes tensors alone
-    ctx.save_for_backward(query, key, value, positions, spans, *([image_blocks] if ctx.images else []))
+    ctx.save_for_backward(query, key, value, *output, positions, spans, *([image_blocks] if ctx.images else []))
 
 
-def _backward(ctx, grad):
-    query, key, value, positions, spans, *blocks = ctx.saved_tensors
-    gradients = _document_sdpa_backward(grad, query, key, value, positions, spans, ctx.scaling, ctx.sliding_window,
-                                        *blocks)
+def _backward(ctx, grad, _):
+    query, key, value, out, lse, positions, spans, *blocks = ctx.saved_tensors
+    gradients = _document_sdpa_backward(grad, query, key, value, out, lse, positions, spans, ctx.scaling,
+                                        ctx.sliding_window, *blocks)
     return *gradients, None, None, None, None, None
 
 

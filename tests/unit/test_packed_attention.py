@@ -132,14 +132,7 @@ def test_compiled_layers_attend_the_same_spans(backend, feature_name, monkeypatc
     expected_logits, expected_grads = logits_and_grads(model, inputs, weights)
     torch._dynamo.reset()
     counters.clear()
-    calls = []
-    spans = attention._sdpa_spans
-
-    def counted(*args):
-        calls.append(args[4].shape)
-        return spans(*args)
-
-    monkeypatch.setattr(attention, "_sdpa_spans", counted)
+    calls = count_attention_forwards(monkeypatch)
     compile_with_backend(monkeypatch, "aot_eager")
     for layer in model.model.layers:
         compile_layer(layer)
@@ -147,12 +140,54 @@ def test_compiled_layers_attend_the_same_spans(backend, feature_name, monkeypatc
     torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
-    # Forward and backward (its forward again) of each of the 2 layers.
-    assert len(calls) == (4 if backend == "sdpa" else 0)
+    # The forward of each of the 2 layers, once: the backward is the kernels' own.
+    assert len(calls) == (2 if backend == "sdpa" else 0)
     # Other documents in rows of another length: the same graph.
     other = torch.cat([torch.arange(n) for n in (3, 30, 7)]).repeat(2, 1)
     logits_and_grads(model, transform(ids[:, :40], other), weights[:, :40])
     assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 1
+
+
+def count_attention_forwards(monkeypatch) -> list:
+    """The calls of document_sdpa's forward from here on, each the shape of its spans."""
+    calls = []
+    forward = attention._spans_forward
+
+    def counted(*args):
+        calls.append(args[4].shape)
+        return forward(*args)
+
+    monkeypatch.setattr(attention, "_spans_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_a_compiled_layer_runs_its_attention_forward_once_a_step_twice_under_full_checkpointing(checkpointing,
+                                                                                                 monkeypatch):
+    """A step's attention forwards under torch.compile (aot_eager), each layer's: 1, 2 where full checkpointing
+    recomputes the layer, 1 under selective (attention's output kept); the gradients those of the uncompiled
+    layers."""
+    from llmtune.model.checkpointing import enable_checkpointing
+
+    monkeypatch.setattr(attention, "DOCUMENT_WINDOW", 16)
+    model = tiny_llama("sdpa")
+    feature, state = packed_features("documents")
+    feature.build(model, state)
+    inputs = feature.transform({"input_ids": input_ids(), "position_ids": positions()})
+    weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2))
+    expected_logits, expected_grads = logits_and_grads(model, inputs, weights)
+    if checkpointing != "none":
+        enable_checkpointing(model, checkpointing)
+    torch._dynamo.reset()
+    calls = count_attention_forwards(monkeypatch)
+    compile_with_backend(monkeypatch, "aot_eager")
+    for layer in model.model.layers:
+        compile_layer(layer)
+    logits, grads = logits_and_grads(model, inputs, weights)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert len(calls) == len(model.model.layers) * (2 if checkpointing == "full" else 1)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager", VARLEN])
@@ -268,6 +303,29 @@ def test_flash_attention_on_packed_rows_equals_every_document_alone_on_cuda():
     for name, grad in grads.items():
         scale = expected_grads[name].abs().max().item()
         torch.testing.assert_close(grad, expected_grads[name], rtol=5e-2, atol=5e-2 * scale, msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="document_sdpa's CUDA kernels need a CUDA device")])])
+@pytest.mark.parametrize("sliding_window", [None, 12])
+def test_document_sdpa_gives_sdpas_outputs_and_gradients(device, sliding_window):
+    """document_sdpa's kernels and their backward span by span (CPU flash attention; CUDA memory-efficient
+    attention, its masks padded as sdpa pads them) against sdpa over each row with its documents' mask, fp32: rows
+    of several spans, spans of one document (the causal kernel) and of several."""
+    host = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ((20, 3, 9, 32), (40, 24))])
+    spans, positions_on = attention.document_spans(host, 16), host.to(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    query, key, value = (torch.randn(2, 4, LENGTH, 16, device=device, generator=generator, requires_grad=True)
+                         for _ in range(3))
+    out = attention.document_sdpa(query, key, value, positions_on, spans, None, sliding_window)[0]
+    grad = torch.randn(out.shape, device=device, generator=generator)
+    found = torch.autograd.grad(out, (query, key, value), grad)
+    mask = attention._mask(positions_on, sliding_window, False, torch.float32, False)
+    expected_out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask).transpose(1, 2)
+    expected = torch.autograd.grad(expected_out, (query, key, value), grad)
+    torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
+    for got, want in zip(found, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 # Rows whose documents have branches (data/collate.share_prefix): (length, start position) of each segment; a segment
