@@ -29,7 +29,7 @@ DATA_FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_comple
 TRUNCATIONS = ("truncate_prompt", "drop")
 REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "wsd")
-CHECKPOINTING = ("none", "full", "selective")  # train.gradient_checkpointing's modes; false is none, true full
+CHECKPOINTING = ("none", "selective", "full")  # train.gradient_checkpointing's modes, least recompute first; false is none, true full
 DECAY_TYPES = ("linear", "cosine", "1-sqrt")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 # Names that users of other trainers write, read as llmtune's (config.yaml holds llmtune's), by whose names they are.

@@ -52,10 +52,15 @@ def selective_contexts():
 
 
 def _policy(counts: dict, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    keep = kept(counts, func, "recompute" if ctx.is_recompute else "forward")
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def kept(counts: dict, func, phase: str = "forward") -> bool:
+    """Whether selective checkpointing keeps the output of `func`, an op a checkpointed layer runs in `phase`
+    (forward, recompute), `counts` the layer call's matmuls of each phase so far (updated): attention's, and the
+    first, third, ... matmul's. Also what `llmtune plan` counts of each layer (run/plan.py)."""
     if func in MATMULS:
-        phase = "recompute" if ctx.is_recompute else "forward"
         counts[phase] += 1
-        return CheckpointPolicy.MUST_SAVE if counts[phase] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
-    if func in ATTENTION:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+        return counts[phase] % 2 == 1
+    return func in ATTENTION

@@ -14,6 +14,7 @@ The step's peak is then the sum of what is alive at its fullest moment, the star
 """
 
 import math
+from collections import defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from functools import partial
@@ -26,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmtune.config import ParallelConfig
+from llmtune.config import CHECKPOINTING, ParallelConfig
 from llmtune.errors import UserError
 from llmtune.tasks.registry import PROMPTS, TASKS
 
@@ -90,7 +91,7 @@ class Plan:
     all_layers: int  # every decoder layer all-gathered at once, in the compute dtype
     root: int  # embeddings, lm_head and final norm, gathered from forward to the end of backward
     activations: int  # per micro-batch, with the recipe's checkpointing
-    activations_other: int  # per micro-batch, with checkpointing the other way
+    activations_by_mode: dict  # per micro-batch, under each of train.gradient_checkpointing's modes
     loss: int  # the loss's buffers at its peak (chunked or full logits)
     trainable: int  # parameters that train, whole model
     total_params: int
@@ -277,15 +278,37 @@ class _Saves(TorchFunctionMode):
             self.held[storage._cdata] = (self.current, storage.nbytes(), StorageWeakRef(storage))
 
 
-def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, list[int], list[int]]:
+class _SelectiveKept(TorchDispatchMode):
+    """The bytes selective checkpointing keeps of each of `saves`' modules in a forward: the outputs of the ops its
+    policy keeps (model/checkpointing.kept), counted in each module's call as the policy counts them."""
+
+    def __init__(self, saves):
+        super().__init__()
+        self.saves = saves
+        self.kept = [0] * len(saves.modules)
+        self.counts = [defaultdict(int) for _ in saves.modules]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from llmtune.model.checkpointing import kept
+
+        out = func(*args, **(kwargs or {}))
+        module = self.saves.current
+        if module is not None and kept(self.counts[module], func):
+            self.kept[module] += sum(t.numel() * t.element_size() for t in pytree.tree_leaves(out)
+                                     if isinstance(t, torch.Tensor))
+        return out
+
+
+def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, list[int], list[int], list[int]]:
     """(bytes autograd saves outside the decoder layers, bytes each layer saves, bytes of each layer's experts'
-    pairs) in the decoder's forward of `rows` x `tokens` on the meta device, each storage counted once, the weights
-    left out (_Saves). The pairs: the hidden states of the (token, expert) pairs an experts module computes,
-    [T x k, hidden] in their dtype, what expert parallelism sends to the experts' ranks (0 in a layer without
-    experts)."""
+    pairs, bytes selective checkpointing keeps of each layer) in the decoder's forward of `rows` x `tokens` on the
+    meta device, each storage counted once, the weights left out (_Saves). The pairs: the hidden states of the
+    (token, expert) pairs an experts module computes, [T x k, hidden] in their dtype, what expert parallelism sends
+    to the experts' ranks (0 in a layer without experts)."""
     from llmtune.model.expert_parallel import experts_modules
 
     saves = _Saves(hf_model, layers)
+    selective = _SelectiveKept(saves)
     pairs = [0] * len(layers)
 
     def routed(module, args):
@@ -296,11 +319,12 @@ def saved_activations(hf_model, layers, rows: int, tokens: int) -> tuple[int, li
 
     ids = torch.zeros((rows, tokens), dtype=torch.long, device="meta")
     try:
-        _, held = saves.run(lambda: hf_model.get_decoder()(input_ids=ids, use_cache=False), lambda outputs: outputs)
+        _, held = saves.run(lambda: hf_model.get_decoder()(input_ids=ids, use_cache=False), lambda outputs: outputs,
+                            selective)
     finally:
         for hook in hooks:
             hook.remove()
-    return *saves.by_module(held), pairs
+    return *saves.by_module(held), pairs, selective.kept
 
 
 def language_layers(hf_model, layers) -> list:
@@ -512,7 +536,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     stored = sum(sized(p, layout.shard, 4 if p.requires_grad or not half else 2) for p in params)
     trained = sum(sized(p, layout.shard, 4) for p in trainable)
     tokens = math.ceil(layout.seq_len / layout.cp)
-    outside, per_layer, routed = saved_activations(hf_model, layers, layout.micro_batch, tokens)
+    outside, per_layer, routed, kept = saved_activations(hf_model, layers, layout.micro_batch, tokens)
     if layout.ep > 1:
         # The split forward saves what the traced one does, and the outputs its experts' ranks sent back too, kept
         # for the routing weights' gradient (model/expert_parallel.py).
@@ -521,16 +545,20 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     layer_inputs = len(layers) * layout.micro_batch * tokens * hidden * compute
     vision = vision_plan(config, model_config, hf_model, layout) if is_multimodal(model_config) else None
     tower_without, tower_with = vision.activations if vision else (0, 0)
-    without = outside + sum(per_layer) + tower_without
-    with_checkpointing = outside + layer_inputs + max(per_layer) + tower_with
+    # Checkpointed (full), each layer keeps its input, and the layer in backward, recomputed, what it saves; selective
+    # keeps the outputs its policy keeps too, and recomputes the rest. A vision tower's blocks are counted as under
+    # full for both.
+    activations = {"none": outside + sum(per_layer) + tower_without,
+                   "full": outside + layer_inputs + max(per_layer) + tower_with,
+                   "selective": outside + layer_inputs + sum(kept)
+                   + max(saved - own for saved, own in zip(per_layer, kept)) + tower_with}
     head = output_head(hf_model).weight
     return Plan(
         layout=layout, params=stored, grads=trained, optimizer=2 * trained,
         largest_layer=max(sum(sized(p, 1, compute) for p in layer.parameters()) for layer in layers),
         all_layers=sum(sized(p, 1, compute) for layer in units for p in layer.parameters()),
         root=sum(p.numel() for p in params if id(p) not in in_layers) * compute,
-        activations=with_checkpointing if train.gradient_checkpointing else without,
-        activations_other=without if train.gradient_checkpointing else with_checkpointing,
+        activations=activations[train.checkpointing()], activations_by_mode=activations,
         loss=loss_bytes(layout.micro_batch * tokens, hidden, head.shape[0], train.chunk_loss_size, compute,
                         head.requires_grad),
         trainable=sum(p.numel() for p in trainable), total_params=sum(p.numel() for p in params),
@@ -601,9 +629,10 @@ def changes(config, world_size: int, model_config):
         default = getattr(ParallelConfig(), key)
         yield (f"parallel.{key}: {str(default).lower()}", replace(config, parallel=replace(parallel, **{key: default})),
                world_size)
-    if not train.gradient_checkpointing:
-        yield ("train.gradient_checkpointing: true",
-               replace(config, train=replace(train, gradient_checkpointing=True)), world_size)
+    # The least recompute first: selective keeps what costs FLOPs to recompute.
+    for mode in CHECKPOINTING[CHECKPOINTING.index(train.checkpointing()) + 1:]:
+        yield (f"train.gradient_checkpointing: {mode}",
+               replace(config, train=replace(train, gradient_checkpointing=mode)), world_size)
     if not train.chunk_loss_size:
         yield "train.chunk_loss_size: 1024", replace(config, train=replace(train, chunk_loss_size=1024)), world_size
     # Expert parallelism cannot share ranks with context parallelism yet. The degrees double from the recipe's while
@@ -701,7 +730,7 @@ def auto_micro_batch(config, model_config, world_size: int, device_gib: float) -
 def render(plan: Plan, config, model_config, device_gib: float | None, fix: str | None) -> str:
     layout, train = plan.layout, config.train
     dtype = train.half_precision() or "fp32"
-    checkpointing = "on" if train.gradient_checkpointing else "off"
+    checkpointing = train.checkpointing()
     loss = f"chunked, {train.chunk_loss_size} tokens" if train.chunk_loss_size else "full logits"
     rows = [
         ("parameters (sharded; fp32 where they train" + ("; nf4)" if plan.quantized else ")"), plan.params),
@@ -719,9 +748,10 @@ def render(plan: Plan, config, model_config, device_gib: float | None, fix: str 
         # A vision-language model's root holds its tower's weights outside the blocks too (patch embeddings, norm).
         (f"embeddings, lm_head{', norm, projector' if plan.vision else ' and norm,'} gathered ({dtype})", plan.root),
         (f"activations per micro-batch, checkpointing {checkpointing}", plan.activations),
-        (f"  (checkpointing {'off' if train.gradient_checkpointing else 'on'}: {gib(plan.activations_other)})", None),
+        ("  (" + ", ".join(f"{mode}: {gib(plan.activations_by_mode[mode])}" for mode in CHECKPOINTING
+                           if mode != checkpointing) + ")", None),
         *([(f"  of which the vision tower's ({plan.vision.images} images)",
-            plan.vision.activations[train.gradient_checkpointing])] if plan.vision else []),
+            plan.vision.activations[checkpointing != "none"])] if plan.vision else []),
         (f"loss ({loss})", plan.loss),
         ("peak of a training step", plan.peak),
     ]

@@ -59,8 +59,14 @@ def test_meta_trace_counts_what_a_real_forward_saves(config, dtype):
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     ids = torch.randint(0, 256, (2, 256))
-    outside, per_layer, routed = saved_activations(meta, decoder_layers(meta), 2, 256)
+    outside, per_layer, routed, kept = saved_activations(meta, decoder_layers(meta), 2, 256)
     assert outside + sum(per_layer) == real_saved_bytes(real, ids)
+    if not isinstance(config, Qwen3MoeConfig):
+        # Selective checkpointing's: the outputs of the first, third, ... matmul (q, v, gate and down projections,
+        # of 128, 64, 344 and 128 values a token) and attention's (128 values a token and a logsumexp in fp32 for
+        # each of 4 heads).
+        tokens = 2 * 256
+        assert kept == [tokens * ((128 + 64 + 344 + 128 + 128) * dtype.itemsize + 4 * 4)] * 2
     assert len(per_layer) == 2 and per_layer[0] > 0 and outside > 0
     # The (token, expert) pairs' hidden states of each layer: 2 x 256 tokens, 2 experts each, 128 values of `dtype`.
     pairs = 2 * 256 * 2 if isinstance(config, Qwen3MoeConfig) else 0
@@ -131,17 +137,20 @@ def test_plan_prints_the_parts_layout_and_tokens(plan_recipe, capsys):
     # 16 rows of 512 tokens per optimizer step; 4 rows per micro-batch on 2 ranks: accumulation 2.
     assert "accumulation 2; 8,192 tokens per optimizer step" in out
     for part in ("parameters", "gradients", "optimizer state", "decoder layers gathered, with one gradient",
-                 "activations per micro-batch, checkpointing off", "(checkpointing on:", "loss (chunked, 1024 tokens)",
+                 "activations per micro-batch, checkpointing none", "(selective: ", ", full: ", "loss (chunked, 1024 tokens)",
                  "peak of a training step", "give --device-memory GiB"):
         assert part in out
 
 
 def test_plan_names_the_cheapest_change_that_fits(plan_recipe, capsys):
-    # Peaks of this recipe: 54 MiB; 36 MiB with checkpointing; 23 MiB with it and micro-batches of 2.
+    # Peaks of this recipe: 52.7 MiB; 41.2 MiB with selective checkpointing, 34.9 MiB with full; 23 MiB with full
+    # and micro-batches of 2. The least recompute that fits 90% of the device comes first.
     assert cli.main(["plan", plan_recipe(), "--device-memory", "0.045"]) == 0
     out = capsys.readouterr().out
     assert "fit: does not fit 0.045 GiB" in out
-    assert "cheapest change that fits: train.gradient_checkpointing: true" in out
+    assert "cheapest change that fits: train.gradient_checkpointing: selective" in out
+    assert cli.main(["plan", plan_recipe(), "--device-memory", "0.04"]) == 0
+    assert "cheapest change that fits: train.gradient_checkpointing: full" in capsys.readouterr().out
     assert cli.main(["plan", plan_recipe(gradient_checkpointing=True), "--device-memory", "0.03"]) == 0
     out = capsys.readouterr().out
     assert "cheapest change that fits: train.per_device_train_batch_size: 2 (accumulation 8" in out
@@ -306,7 +315,7 @@ def test_auto_refuses_when_one_row_does_not_fit_with_the_plans_advice(plan_recip
         auto_micro_batch(config, model_config, 1, device)
     assert str(err.value).startswith("train.per_device_train_batch_size: auto, but not even a micro-batch of 1 fits: "
                                      f"a step's peak is {gib(peak(config, model_config, 1, 1))} per rank")
-    assert str(err.value).endswith("cheapest change that fits: train.gradient_checkpointing: true")
+    assert str(err.value).endswith("cheapest change that fits: train.gradient_checkpointing: selective")
     with pytest.raises(UserError, match="no single change fits: combine them, or use a device with more memory"):
         auto_micro_batch(config, model_config, 1, 1e-4)
 
