@@ -368,9 +368,13 @@ class TrainConfig:
     gradient_checkpointing: bool | str = _field(False, "What each decoder layer keeps for backward: false (none: "
                                                        "every activation), true or full (its input alone: the "
                                                        "layer recomputed in backward, transformers' gradient "
-                                                       "checkpointing), or selective (torchtitan's op-level "
+                                                       "checkpointing), selective (torchtitan's op-level "
                                                        "policy: attention's and every other matmul's outputs "
-                                                       "kept, the cheap elementwise work recomputed).")
+                                                       "kept, the cheap elementwise work recomputed), or auto "
+                                                       "(the least recompute whose planned peak fits the device's "
+                                                       "memory, the RAM available on CPU: none, selective, then "
+                                                       "full; decided before the run starts, said in the start "
+                                                       "banner).")
     compile: bool = _field(False, "torch.compile each decoder layer.")
     max_skipped_steps: int = _field(5, "Stop after this many optimizer steps in a row skipped for a non-finite "
                                        "loss or gradient norm.")
@@ -441,9 +445,9 @@ class TrainConfig:
                 if not re.fullmatch(r"[\w.]+:[\w.]+", path)]
         if self.bf16 and self.fp16:
             out.append("train.fp16: and train.bf16 are both on; choose one compute precision")
-        if isinstance(self.gradient_checkpointing, str) and self.gradient_checkpointing not in CHECKPOINTING:
+        if isinstance(self.gradient_checkpointing, str) and self.gradient_checkpointing not in (*CHECKPOINTING, AUTO):
             out.append(_choice_problem("train.gradient_checkpointing", self.gradient_checkpointing,
-                                       ("true", "false", *CHECKPOINTING)))
+                                       ("true", "false", *CHECKPOINTING, AUTO)))
         if self.fp8 and not self.bf16:
             out.append("train.fp8: float8 training computes in bf16 what it leaves out of float8; set train.bf16: true")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
@@ -485,7 +489,8 @@ class TrainConfig:
         return bool(self.trainable_modules or self.frozen_modules) or self.trainable_layers is not None
 
     def checkpointing(self) -> str:
-        """train.gradient_checkpointing as one of CHECKPOINTING (model/checkpointing.py)."""
+        """train.gradient_checkpointing as one of CHECKPOINTING (model/checkpointing.py), or auto before it is
+        decided (Config.use_auto)."""
         value = self.gradient_checkpointing
         return "full" if value is True else "none" if value is False else value
 
@@ -1203,6 +1208,17 @@ class Config:
         """Whether the run holds a second, frozen copy of the model while it trains (reference: model)."""
         section = self.reference_section()
         return section is not None and section.needs_reference() and section.reference == "model"
+
+    def has_auto(self) -> bool:
+        """Whether a setting is auto, to be decided from the plan before the run starts (run/micro_batch.py)."""
+        return AUTO in (self.train.per_device_train_batch_size, self.train.checkpointing())
+
+    def use_auto(self, decided: dict, world_size: int) -> None:
+        """The auto settings as decided ({key: value}: plan.auto_settings)."""
+        if "train.per_device_train_batch_size" in decided:
+            self.use_micro_batch(decided["train.per_device_train_batch_size"], world_size)
+        if "train.gradient_checkpointing" in decided:
+            self.train.gradient_checkpointing = decided["train.gradient_checkpointing"]
 
     def use_micro_batch(self, micro_batch: int, world_size: int) -> None:
         """per_device_train_batch_size: auto, resolved: this micro-batch, and the accumulation that keeps

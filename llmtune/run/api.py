@@ -41,7 +41,7 @@ def run_recipe(task: str, recipe, overrides: dict, callbacks: list) -> RunResult
         raise UserError(f"task: {task!r} is not a task; use {', '.join(list(TASKS)[:-1])} or {list(TASKS)[-1]}")
     world_size = world_size_from_env()
     config = load_config(recipe, override_items(overrides, task), task, world_size)
-    local = checked_inputs(config, world_size)
+    local, _ = checked_inputs(config, world_size)
     from llmtune.run.worker import run  # torch and transformers: imported once the recipe has passed its checks
 
     with handlers_kept(config.train.save_on_signals):

@@ -46,7 +46,7 @@ INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
 
 def train_command(task: str, recipe: str, rest: list[str]) -> int:
-    from llmtune.config import AUTO, load_config, parse_overrides
+    from llmtune.config import load_config, parse_overrides
     from llmtune.run import launch
     from llmtune.run.preflight import checked_inputs
 
@@ -55,12 +55,12 @@ def train_command(task: str, recipe: str, rest: list[str]) -> int:
         raise UserError("--nproc cannot be used inside torchrun; torchrun already started the processes")
     world_size = nproc or launch.world_size_from_env()
     config = load_config(recipe, overrides, task, world_size)
-    auto = config.train.per_device_train_batch_size == AUTO
-    local = checked_inputs(config, world_size)  # decides auto's micro-batch
+    local, decided = checked_inputs(config, world_size)  # decides the auto settings
     if nproc and nproc > 1:
-        # The workers train with the micro-batch decided here, before they start.
-        return launch.launch_local(nproc, [task, recipe, *overrides],
-                                   {launch.MICRO_BATCH: str(config.train.per_device_train_batch_size)} if auto else {})
+        from llmtune.run.micro_batch import launch_env
+
+        # The workers train with the settings decided here, before they start.
+        return launch.launch_local(nproc, [task, recipe, *overrides], launch_env(decided))
     from llmtune.run.worker import run
 
     run(config, local, resume_command(task, recipe, overrides, config.train.overwrite_output_dir))
@@ -120,7 +120,7 @@ def data_command(args: list[str]) -> int:
         raise UserError("--nproc: llmtune data runs on one process and starts none; remove --nproc")
     if not count.isdigit() or int(count) < 1:
         raise UserError(f"--n: {count!r} is not a positive number of samples")
-    from llmtune.config import AUTO, load_config
+    from llmtune.config import load_config
     from llmtune.run.inputs import check_inputs, fetch_hub_inputs, local_inputs
 
     config = load_config(recipe, overrides, task, world_size=1, task_flag=True)
@@ -133,7 +133,7 @@ def data_command(args: list[str]) -> int:
     check_inputs(local)
     # The run's logging setup (worker.py), so that the cache entry's "data: built" or "data: cache hit" shows.
     configure_logging()
-    if config.train.per_device_train_batch_size == AUTO:  # the padded batches' efficiency counts its micro-batches
+    if config.has_auto():  # the padded batches' efficiency counts its micro-batches
         from llmtune.model.build import load_model_config
         from llmtune.run.micro_batch import decide_before_start
 

@@ -3,8 +3,8 @@
 import os
 
 LOCAL_NPROC = "LLMTUNE_NPROC"  # set by launch_local for its workers
-# train.per_device_train_batch_size: auto as the launching process decided it, for launch_local's workers.
-MICRO_BATCH = "LLMTUNE_MICRO_BATCH"
+# The recipe's auto settings as the launching process decided them (JSON), for launch_local's workers.
+AUTO_SETTINGS = "LLMTUNE_AUTO_SETTINGS"
 
 
 def launched_by_torchrun() -> bool:

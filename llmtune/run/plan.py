@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmtune.config import CHECKPOINTING, ParallelConfig
+from llmtune.config import AUTO, CHECKPOINTING, ParallelConfig
 from llmtune.errors import UserError
 from llmtune.tasks.registry import PROMPTS, TASKS
 
@@ -706,6 +706,11 @@ def device_memory_gib(processes_here: int) -> float:
     return psutil.virtual_memory().available / GIB / processes_here
 
 
+# What each auto setting chooses, in the words of its decision's line.
+AUTO_CHOICES = {"train.per_device_train_batch_size": "the largest micro-batch that fits",
+                "train.gradient_checkpointing": "the least recompute that fits"}
+
+
 def auto_micro_batch(config, model_config, world_size: int, device_gib: float) -> Plan:
     """train.per_device_train_batch_size: auto: the plan of the largest micro-batch that divides the global batch's
     share of a data-parallel rank (so that accumulation is whole) and whose peak fits device_gib. The largest is
@@ -725,6 +730,31 @@ def auto_micro_batch(config, model_config, world_size: int, device_gib: float) -
                     f"{device_gib:.2f} GiB (llmtune plan shows its parts); " +
                     (f"cheapest change that fits: {fix}" if fix else
                      "no single change fits: combine them, or use a device with more memory"))
+
+
+def auto_settings(config, model_config, world_size: int, device_gib: float) -> tuple[dict, Plan]:
+    """The recipe's auto settings decided ({key: value}, Config.use_auto's) and the plan with them.
+    train.gradient_checkpointing: auto: the least recompute (CHECKPOINTING's order) whose step fits device_gib, full
+    where none does (the fit line then says so); with train.per_device_train_batch_size: auto, the first mode in
+    which a micro-batch fits, with the largest that does (auto_micro_batch, whose UserError stands where not even a
+    micro-batch of 1 fits under full checkpointing)."""
+    train = config.train
+    micro_auto = train.per_device_train_batch_size == AUTO
+    modes = CHECKPOINTING if train.checkpointing() == AUTO else (train.checkpointing(),)
+    for mode in modes:
+        candidate = replace(config, train=replace(train, gradient_checkpointing=mode))
+        if micro_auto:
+            try:
+                plan = auto_micro_batch(candidate, model_config, world_size, device_gib)
+            except UserError:
+                if mode == modes[-1]:
+                    raise
+                continue
+        else:
+            plan = plan_memory(candidate, model_config, world_size)
+        if micro_auto or fits(plan, device_gib) or mode == modes[-1]:
+            decided = {"train.per_device_train_batch_size": plan.layout.micro_batch} if micro_auto else {}
+            return {**decided, **({"train.gradient_checkpointing": mode} if len(modes) > 1 else {})}, plan
 
 
 def render(plan: Plan, config, model_config, device_gib: float | None, fix: str | None) -> str:
@@ -813,7 +843,6 @@ def plan_recipe(config, model, world_size: int, device_gib: float | None, proces
     and model (the same messages), except that only the model's config is read: no weight, no data file is needed.
     model: the recipe's model section with its config's files fetched (inputs.fetched_config). processes_here: the
     ranks of one node, which share its RAM on CPU (train.per_device_train_batch_size: auto)."""
-    from llmtune.config import AUTO
     from llmtune.features.registry import check_features
     from llmtune.model.build import check_model, load_model_config
 
@@ -828,16 +857,13 @@ def plan_recipe(config, model, world_size: int, device_gib: float | None, proces
     check_features(config, model_config, world_size)
     # The run's checks of the model's build, without those of its weights, which a plan does not read.
     check_model(replace(config.model, name_or_path=None), config.train, model_config)
-    auto = config.train.per_device_train_batch_size == AUTO
+    auto = config.has_auto()
     if device_gib is None and (torch.cuda.is_available() or auto):
         device_gib = device_memory_gib(processes_here)
-    if auto:
-        plan = auto_micro_batch(config, model_config, world_size, device_gib)
-        config.use_micro_batch(plan.layout.micro_batch, world_size)
-    else:
-        plan = plan_memory(config, model_config, world_size)
-    chosen = f"train.per_device_train_batch_size: auto -> {plan.layout.micro_batch}, the largest micro-batch that " \
-        "fits\n" if auto else ""
+    decided, plan = auto_settings(config, model_config, world_size, device_gib) if auto else \
+        ({}, plan_memory(config, model_config, world_size))
+    config.use_auto(decided, world_size)
+    chosen = "".join(f"{key}: auto -> {value}, {AUTO_CHOICES[key]}\n" for key, value in decided.items())
     fix = None if device_gib is None or fits(plan, device_gib) else \
         cheapest_fit(config, model_config, world_size, device_gib)
     return chosen + render(plan, config, model_config, device_gib, fix)

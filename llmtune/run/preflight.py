@@ -3,12 +3,12 @@ starts, and under torchrun with Hub ids each worker once the ids are fetched (wo
 output folder (writable, no other run's checkpoints or export) and the inputs (paths, data rows, chat template),
 torch-free so that a wrong path is reported before torch is imported; then, against the model's transformers
 config, the rows' images (data/image_rows.py), the enabled features' checks, the model's own (built on the meta
-device) and model.init_from's checkpoint; last, train.per_device_train_batch_size: auto decided from the plan of a step (run/micro_batch.py)."""
+device) and model.init_from's checkpoint; last, the auto settings (train.per_device_train_batch_size, train.gradient_checkpointing) decided from the plan of a
+step (run/micro_batch.py)."""
 
 from pathlib import Path
 
 from llmtune.checkpoint.folders import continues
-from llmtune.config import AUTO
 from llmtune.errors import UserError
 from llmtune.llamafactory import LF_TEMPLATE
 from llmtune.run.inputs import (check_inputs, check_output_dir, fetch_hub_inputs, has_chat_template, hub_inputs,
@@ -16,23 +16,23 @@ from llmtune.run.inputs import (check_inputs, check_output_dir, fetch_hub_inputs
 from llmtune.run.launch import launched_by_torchrun
 
 
-def checked_inputs(config, world_size: int):
-    """The recipe as the run reads it, its Hub ids fetched and every check passed, and
-    train.per_device_train_batch_size: auto decided (in config and in it); None under torchrun with Hub ids, whose
-    workers fetch and check them in turn once the process group exists (worker.fetch_in_turn)."""
+def checked_inputs(config, world_size: int) -> tuple[object, dict]:
+    """(the recipe as the run reads it, its Hub ids fetched and every check passed; the auto settings decided here,
+    in config and in it: {key: value}). The recipe None under torchrun with Hub ids, whose workers fetch and check
+    them in turn once the process group exists (worker.fetch_in_turn)."""
     if launched_by_torchrun() and hub_inputs(config):
-        return None
+        return None, {}
     local = local_inputs(config, fetch_hub_inputs(config))
     model_config = check_run(local, world_size)
-    # Under torchrun every worker comes here: they agree on one number once their process group exists
-    # (micro_batch.agree_micro_batch).
-    if config.train.per_device_train_batch_size == AUTO and not launched_by_torchrun():
-        from llmtune.monitor.console import configure_logging
-        from llmtune.run.micro_batch import decide_before_start
+    # Under torchrun every worker comes here: they agree on the settings once their process group exists
+    # (micro_batch.agree_auto).
+    if not config.has_auto() or launched_by_torchrun():
+        return local, {}
+    from llmtune.monitor.console import configure_logging
+    from llmtune.run.micro_batch import decide_before_start
 
-        configure_logging()  # the run's (worker.py), so that the decision's line shows
-        decide_before_start(config, local, model_config, world_size)
-    return local
+    configure_logging()  # the run's (worker.py), so that the decision's line shows
+    return local, decide_before_start(config, local, model_config, world_size)
 
 
 def check_run(local, world_size: int):

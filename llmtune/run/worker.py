@@ -16,7 +16,6 @@ from llmtune.checkpoint.folders import continues, remove_earlier_run
 from llmtune.checkpoint.hf_export import export_trained
 from llmtune.checkpoint.manager import CheckpointManager
 from llmtune.command import command_line
-from llmtune.config import AUTO
 from llmtune.data.collate import pad_token_id
 from llmtune.data.manager import build_data
 from llmtune.data.templates import recipe_tokenizer
@@ -29,7 +28,7 @@ from llmtune.monitor.plots import plot_run
 from llmtune.run.banner import log_start, planned_peak
 from llmtune.run.cpu_memory import keep_freed_memory
 from llmtune.run.inputs import fetch_hub_inputs, local_inputs, pin_hub_inputs
-from llmtune.run.micro_batch import agree_micro_batch
+from llmtune.run.micro_batch import agree_auto
 from llmtune.run.parallel import ParallelState
 from llmtune.run.preflight import check_run
 from llmtune.run.rank_agreement import check_ranks_agree
@@ -65,8 +64,8 @@ def build_trainer(config, state: ParallelState, local=None, callbacks=()) -> tup
     the recipe names (llmtune.train's)."""
     local = local or config
     threads = set_threads()
-    if config.train.per_device_train_batch_size == AUTO:  # under torchrun, where every worker read the recipe's auto
-        agree_micro_batch(config, local, state)
+    if config.has_auto():  # under torchrun, where every worker read the recipe's auto
+        agree_auto(config, local, state)
     if state.device.type == "cpu":
         keep_freed_memory()
     output_dir = Path(config.train.output_dir)

@@ -92,3 +92,74 @@ def test_a_run_trains_the_same_steps_in_each_mode(tiny_model, sft_file, tmp_path
         assert f"activation checkpointing {mode}" in (out / "train.log").read_text()
     assert losses["full"] == pytest.approx(losses["none"], rel=1e-6)
     assert losses["selective"] == pytest.approx(losses["none"], rel=1e-6)
+
+
+def plan_recipe(tmp_path, **train) -> str:
+    """A recipe of a 2-layer Llama config alone (a plan reads no weight): peaks of 52.7 MiB without checkpointing,
+    41.2 MiB with selective, 34.9 MiB with full."""
+    import yaml
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024).save_pretrained(tmp_path / "model")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"config": str(tmp_path / "model"), "tokenizer": str(tmp_path / "model")},
+        "data": {"train_files": ["not/needed.jsonl"], "max_seq_len": 512},
+        "train": {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "global_batch_size": 16,
+                  **train}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("device_gib, chosen", [(0.08, "none"), (0.045, "selective"), (0.04, "full"),
+                                                (0.01, "full")])
+def test_auto_chooses_the_least_recompute_whose_plan_fits(tmp_path, capsys, device_gib, chosen):
+    from llmtune.run import cli
+
+    assert cli.main(["plan", plan_recipe(tmp_path, gradient_checkpointing="auto"), "--device-memory",
+                     str(device_gib), "--task", "pt"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"train.gradient_checkpointing: auto -> {chosen}, the least recompute that fits\n")
+    assert f"activations per micro-batch, checkpointing {chosen}" in out
+    assert ("fit: fits" in out) == (device_gib > 0.01)  # under full too little: the plan says it does not fit
+
+
+def test_auto_with_an_auto_micro_batch_takes_the_first_mode_some_micro_batch_fits_in(tmp_path, capsys):
+    """At 0.04 GiB a micro-batch of 4 fits only under full checkpointing, but one of 2 fits with none: less
+    recompute first, then the largest micro-batch."""
+    from llmtune.run import cli
+
+    assert cli.main(["plan", plan_recipe(tmp_path, gradient_checkpointing="auto", per_device_train_batch_size="auto"),
+                     "--device-memory", "0.04", "--task", "pt"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["train.per_device_train_batch_size: auto -> 2, the largest micro-batch that fits",
+                         "train.gradient_checkpointing: auto -> none, the least recompute that fits"]
+
+
+def test_a_run_decides_auto_before_it_starts_and_says_so(tiny_model, sft_file, tmp_path, monkeypatch, caplog):
+    """On CPU the device is the RAM available: made here just enough for selective checkpointing."""
+    import logging
+    from types import SimpleNamespace
+
+    import llmtune
+    from llmtune.run.plan import GIB, plan_memory
+
+    recipe = {"model": {"name_or_path": str(tiny_model)},
+              "data": {"train_files": [str(sft_file)], "max_seq_len": 64, "chat_template": "chatml"},
+              "train": {"output_dir": str(tmp_path / "out"), "max_steps": 1, "per_device_train_batch_size": 4,
+                        "gradient_accumulation_steps": 1, "gradient_checkpointing": "auto"},
+              "checkpoint": {"export_hf": False}}
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(tiny_model)
+    peaks = {mode: plan_memory(load_config({**recipe, "train": {**recipe["train"], "gradient_checkpointing": mode}},
+                                           [], "sft", 1), model_config, 1).peak for mode in ("none", "selective")}
+    assert peaks["selective"] < peaks["none"]
+    available = (peaks["selective"] + peaks["none"]) / 2 / 0.9
+    monkeypatch.setattr("llmtune.run.plan.psutil.virtual_memory", lambda: SimpleNamespace(available=available))
+    with caplog.at_level(logging.INFO, logger="llmtune"):
+        llmtune.train("sft", recipe)
+    assert any(m.startswith("train.gradient_checkpointing: auto -> selective: the least recompute whose planned "
+                            f"peak") and f"of {available / GIB:.2f} GiB, the RAM available" in m
+               for m in caplog.messages)
+    assert "activation checkpointing selective" in (tmp_path / "out" / "train.log").read_text()

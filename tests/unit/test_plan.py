@@ -17,7 +17,7 @@ from llmtune.config import load_config
 from llmtune.errors import UserError
 from llmtune.model.build import decoder_layers, load_model_config
 from llmtune.run import cli
-from llmtune.run.micro_batch import decide_micro_batch
+from llmtune.run.micro_batch import decide_auto
 from llmtune.run.plan import (GIB, USABLE_FRACTION, auto_micro_batch, changes, cheapest_fit, device_memory_gib, gib,
                               loss_bytes, plan_memory, render, saved_activations, shard_bytes)
 from tests.helpers import run_cli_imports
@@ -328,7 +328,7 @@ def test_auto_on_cpu_plans_for_the_available_ram_over_the_nodes_processes(plan_r
     monkeypatch.setattr("llmtune.run.plan.psutil.virtual_memory", lambda: SimpleNamespace(available=available))
     assert device_memory_gib(2) == pytest.approx(between(low, high))
     with caplog.at_level(logging.INFO, logger="llmtune"):
-        assert decide_micro_batch(config, model_config, 2, 2) == 2
+        assert decide_auto(config, model_config, 2, 2) == {"train.per_device_train_batch_size": 2}
     assert caplog.messages == [
         f"train.per_device_train_batch_size: auto -> 2 (accumulation 4, global batch 16): the largest micro-batch whose "
         f"planned peak, {gib(low)} per rank, fits 90% of {between(low, high):.2f} GiB, the RAM available over 2 "
