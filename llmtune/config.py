@@ -80,7 +80,7 @@ SCHEDULER_ALIASES = {"constant_with_warmup": "constant", "cosine_with_min_lr": "
 # LLaMA-Factory's finetuning_type values, as peft.method reads them; its freeze (the last layers trained) is llmtune's
 # train.trainable_layers, a choice of parameters rather than a method (llamafactory.FREEZE).
 FINETUNING_TYPES = {"full": "none", "lora": "lora"}
-ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "varlen", "flash_attention_2", "flash_attention_3", "flex_attention")
 CATCHABLE_SIGNALS = {sig.name for sig in signal.Signals} - {"SIGKILL", "SIGSTOP"}
 # Values of checkpoint.resume_from_checkpoint that mean the newest good checkpoint of output_dir (else a fresh start).
 RESUME_NEWEST = ("auto", "latest")
@@ -138,9 +138,10 @@ class ModelConfig:
                                         "default main.")
     trust_remote_code: bool = _field(False, "Allow model/tokenizer code shipped inside the folder to run.")
     attn_implementation: str = _field("auto", "Attention backend: auto (on CUDA with bf16: flash_attention_3 on "
-                                              "Hopper, else flash_attention_2, where installed; otherwise sdpa, or "
-                                              "eager for a class without it), sdpa, eager, flash_attention_2, "
-                                              "flash_attention_3, flex_attention or a Hub kernel "
+                                              "Hopper, else flash_attention_2, where installed, else varlen; "
+                                              "otherwise sdpa, or eager for a class without it), sdpa, eager, "
+                                              "varlen (torch's own flash attention varlen kernels, CUDA), "
+                                              "flash_attention_2, flash_attention_3, flex_attention or a Hub kernel "
                                               "(kernels-community/flash-attn2); checked before the run starts.")
     init_from: str | None = _field(None, "An llmtune checkpoint (a global_step_N folder, saved on any number of "
                                          "ranks) whose model weights a new run starts from, loaded over the model "

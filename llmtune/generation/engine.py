@@ -32,6 +32,7 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
 from llmtune.model.build import CausalLMForTraining, gathered
 from llmtune.model.expert_parallel import split_experts
 from llmtune.model.multimodal import generation_inputs, set_text_attention, text_attention
+from llmtune.model.varlen import VARLEN
 
 # The defaults of the sampling keys where neither the caller nor the model's generation config sets one:
 # transformers' (GenerationConfig._get_default_generation_params; tests/unit/test_generation.py holds them to it),
@@ -175,8 +176,11 @@ def _ready(model):
             return
         hf_model = model.hf_model
         wrapped = text_attention(hf_model)
-        if model.attention and wrapped != model.attention:
-            set_text_attention(hf_model, model.attention)
+        # torch's varlen kernels take no padding mask, which a left-padded batch with a KV cache needs: sdpa
+        # generates for them (the same attention, another kernel).
+        own = "sdpa" if model.attention == VARLEN else model.attention
+        if own and wrapped != own:
+            set_text_attention(hf_model, own)
         try:
             with torch.compiler.set_stance("force_eager"), gathered(model):
                 yield

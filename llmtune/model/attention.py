@@ -37,6 +37,7 @@ import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from llmtune.config import HUB_KERNEL
+from llmtune.model import varlen
 
 DOCUMENTS = "llmtune_documents"
 # Longest stretch of a row that one sdpa/eager call (and one mask) covers; see `attend`. Short: a document of this
@@ -48,8 +49,10 @@ DOCUMENT_WINDOW = 256
 
 
 def is_varlen(backend: str | None) -> bool:
-    """Whether the backend runs flash attention's variable-length kernels (it takes cu_seq_lens, no mask)."""
-    return backend is not None and (backend.startswith("flash_attention") or bool(HUB_KERNEL.match(backend)))
+    """Whether the backend runs flash attention's variable-length kernels (it takes cu_seq_lens, no mask): flash-attn's,
+    a Hub kernel's, or torch's own (varlen)."""
+    return backend is not None and (backend.startswith("flash_attention") or backend == varlen.VARLEN
+                                    or bool(HUB_KERNEL.match(backend)))
 
 
 def backend_problems(backend: str | None, cuda: bool, bf16: bool) -> list[str]:
@@ -67,6 +70,10 @@ def backend_problems(backend: str | None, cuda: bool, bf16: bool) -> list[str]:
     problems = []
     if not bf16:
         problems.append(f"{key} computes in bf16 or fp16 only; set train.bf16 (or fp16): true, or use sdpa")
+    if backend == varlen.VARLEN:
+        return problems + ([] if varlen.available() else [
+            f"{key} needs torch.nn.attention.varlen, which torch {torch.__version__} lacks; use sdpa, or torch 2.10 "
+            "or later"])
     packages = {"flash_attention_2": (is_flash_attn_2_available, "flash-attn"),
                 "flash_attention_3": (is_flash_attn_3_available, "flash-attn-3 (flash_attn_interface)")}
     available, package = packages.get(backend, (lambda: False, None))
@@ -79,8 +86,9 @@ def backend_problems(backend: str | None, cuda: bool, bf16: bool) -> list[str]:
 
 def resolve_backend(requested: str, model_config, cuda: bool, bf16: bool) -> str | None:
     """transformers' name for the recipe's backend. `auto`: flash attention 3 on Hopper, else 2, where the
-    package is installed, the run computes in bf16 and the model class supports it; otherwise None, which lets
-    transformers pick (sdpa where the class has it, else eager)."""
+    package is installed, the run computes in bf16 and the model class supports it; without flash-attn, torch's
+    own varlen kernels (no package, no mask); otherwise None, which lets transformers pick (sdpa where the class has
+    it, else eager)."""
     if requested != "auto":
         return requested
     if not (cuda and bf16 and _supports_flash(model_config)):
@@ -89,7 +97,9 @@ def resolve_backend(requested: str, model_config, cuda: bool, bf16: bool) -> str
 
     if is_flash_attn_3_available() and torch.cuda.get_device_capability()[0] == 9:
         return "flash_attention_3"
-    return "flash_attention_2" if is_flash_attn_2_available() else None
+    if is_flash_attn_2_available():
+        return "flash_attention_2"
+    return varlen.VARLEN if varlen.available() else None
 
 
 def _supports_flash(model_config) -> bool:

@@ -84,6 +84,9 @@ def test_auto_picks_flash_attention_only_where_it_can_train(monkeypatch):
     assert resolve_backend("auto", config, cuda=True, bf16=False) is None  # flash attention has no fp32
     assert resolve_backend("eager", config, cuda=True, bf16=True) == "eager"
     monkeypatch.setattr(hf_utils, "is_flash_attn_2_available", lambda: False)
+    # Without flash-attn, torch's own varlen kernels; without those too, transformers' pick.
+    assert resolve_backend("auto", config, cuda=True, bf16=True) == "varlen"
+    monkeypatch.setattr("llmtune.model.varlen.available", lambda: False)
     assert resolve_backend("auto", config, cuda=True, bf16=True) is None
 
 
