@@ -5,7 +5,7 @@
 Builds DIR (default: mirror-torch<TORCH_VERSION> beside the repository) with PYTHON (default python3.12, the
 machine's; 3.12 or later, which numpy 2.5.2 takes): torch TORCH_VERSION from PyPI (the CUDA build, several GB with
 its nvidia libraries: it runs on the CPU), the machine's versions of what llmtune imports
-(device_wheels.ON_DEVICE), llmtune itself with --no-deps, then the wheels the machine lacks (device_wheels.py),
+(device/wheels.py's ON_DEVICE), llmtune itself with --no-deps, then the wheels the machine lacks (device/wheels.py),
 installed into DIR/site exactly as on the machine and put on PYTHONPATH. Then runs pytest -m "not slow" there, or
 the PYTEST_ARGS given after --. Run again, it reinstalls nothing pip finds in place. Not part of CI.
 """
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from device_wheels import INSTALL, ON_DEVICE, REPO, UNPINNED_ON_DEVICE, download
+from device.wheels import INSTALL, ON_DEVICE, REPO, UNPINNED_ON_DEVICE, download
 
 # Only the tests need these: the trackers' sinks the suite logs to offline, absent from the machine.
 TEST_ONLY = ["wandb", "mlflow-skinny"]

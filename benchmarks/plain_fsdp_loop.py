@@ -1,4 +1,4 @@
-"""The baseline of benchmarks/throughput.py (CPU) and benchmarks/device_proof.py (GPU): a plain hand-written FSDP2 loop.
+"""The baseline of benchmarks/throughput.py (CPU) and benchmarks/device/proof.py (GPU): a plain hand-written FSDP2 loop.
 
     torchrun --nproc-per-node N benchmarks/plain_fsdp_loop.py MODEL_CONFIG TOKENIZER DATA.jsonl SEQ BATCH STEPS WARMUP
                                                               [--bf16] [--checkpointing]
@@ -8,7 +8,8 @@ optimizer; prints one JSON line from rank 0: the wall time of every step after W
 tokens of one step (all ranks), peak RSS and, on CUDA, rank 0's torch.cuda.max_memory_allocated. On a machine with
 CUDA each process takes its GPU (nccl), else the CPU (gloo). --bf16: FSDP2's mixed precision (bf16 compute, fp32
 gradient reduction), as llmtune's train.bf16; --checkpointing: transformers' activation checkpointing of each decoder
-layer. throughput.py also imports it, to run its steps between llmtune's in the same processes.
+layer. throughput.py also imports it, to run its steps between llmtune's in the same processes, and the proof's
+profile stage, to profile its steps in the process that profiled llmtune's.
 """
 
 import argparse

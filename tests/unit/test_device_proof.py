@@ -1,7 +1,8 @@
-"""benchmarks/device_proof.py, the GPU proof, kept working between lent GPUs: its dry run takes every stage on this
-CPU with tiny shapes and writes both reports and a log per stage, each stage completed, what runs here passed and
-what needs CUDA skipped ("no CUDA"), never passed; a stage's process that crashes inside an item is started again
-after it, and one out of time keeps what it finished."""
+"""benchmarks/device/proof.py, the GPU proof, kept working between lent GPUs: its dry run takes every stage on this
+CPU with tiny shapes and writes both reports, the stages' log and the profile's trace of one step, each stage
+completed, what runs here passed and what needs CUDA skipped ("no CUDA"), never passed; the profile's table from the
+CPU operators' times; a stage's process that crashes inside an item is started again after it, and one out of time
+keeps what it finished."""
 
 import json
 import subprocess
@@ -10,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.device_proof import STAGES, Stage, run_stage
+from benchmarks.device.profiling import CATEGORIES, LAUNCHES, ROWS
+from benchmarks.device.proof import LOG, STAGES, Stage, run_stage
+from benchmarks.device.stages import TRACE, TRACE_LIMIT_MIB
 
 pytestmark = pytest.mark.slow  # the dry run trains a few tiny models and starts a process per stage
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "device_proof.py"
+SCRIPT = REPO / "benchmarks" / "device" / "proof.py"
 OUTCOMES = {"passed", "failed", "skipped"}
 # What only a GPU runs: the rows of each stage that must be skipped here, with "no CUDA".
 CUDA_ONLY = {
@@ -44,15 +47,17 @@ def report(dry_run):
     return json.loads((dry_run[1] / "device_proof.json").read_text())
 
 
-def test_the_dry_run_writes_both_reports_and_a_log_per_stage_and_a_line_per_stage(dry_run):
+def test_the_dry_run_writes_both_reports_the_log_and_the_trace_and_a_line_per_stage(dry_run):
     done, out = dry_run
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["device_proof.md", "device_proof.json", *(f"{stage.name}.log" for stage in STAGES)])
-    assert len(list(out.iterdir())) <= 8, "a lent machine hands back 8 files at most"
+    assert sorted(p.name for p in out.iterdir()) == sorted(["device_proof.md", "device_proof.json", LOG, TRACE])
+    log = (out / LOG).read_text()
+    assert [line.split()[2].rstrip(":") for line in log.splitlines() if line.startswith("[device_proof] stage ")] \
+        == [stage.name for stage in STAGES]
     lines = done.stdout.splitlines()
     assert [line.split("`")[1] for line in lines[:-1]] == [stage.name for stage in STAGES]
     assert all(" completed in " in line for line in lines[:-1])
+    assert sum(stage.budget_s for stage in STAGES) <= 8 * 60, "the whole proof in under 8 minutes"
 
 
 def test_every_stage_completes_and_what_runs_on_a_cpu_passes(report):
@@ -71,6 +76,24 @@ def test_every_stage_completes_and_what_runs_on_a_cpu_passes(report):
     speed = report["stages"]["speed"]["rows"]
     assert [row["status"] for row in speed] == ["passed", "passed"]
     assert all(row["tokens_per_s"] > 0 for row in speed)
+
+
+def test_the_profile_gives_the_table_of_both_runs_from_cpu_operators_and_llmtunes_step_as_a_trace(dry_run, report):
+    rows = {row["name"]: row for row in report["stages"]["profile"]["rows"]}
+    assert all(row["status"] == "passed" for row in rows.values()), rows
+    table = rows["llmtune against the plain loop"]["table"]
+    assert list(table) == list(ROWS) and rows["llmtune against the plain loop"]["source"].startswith("CPU")
+    for llmtune, plain, difference in table.values():
+        assert difference == pytest.approx(llmtune - plain, abs=1e-3)
+    for name in ("llmtune: time by category", "plain FSDP2 loop: time by category"):
+        breakdown = rows[name]["breakdown"]
+        assert breakdown["matmuls"] > 0 and breakdown["attention forward"] > 0 and breakdown["optimizer"] > 0
+        assert breakdown[LAUNCHES] > 0
+        assert sum(breakdown[c] for c in CATEGORIES) == pytest.approx(breakdown["all of the above"], abs=0.01)
+    trace = json.loads((dry_run[1] / TRACE).read_text())
+    assert [e["name"] for e in trace["traceEvents"] if e["name"].startswith("ProfilerStep#")] == ["ProfilerStep#2"]
+    assert rows["llmtune: one step's Chrome trace"]["trace_mib"] < TRACE_LIMIT_MIB
+    assert "| matmuls | " in (dry_run[1] / "device_proof.md").read_text()
 
 
 def test_what_needs_cuda_is_reported_skipped_for_want_of_it(report):
@@ -108,7 +131,7 @@ def test_a_stage_crashed_in_an_item_goes_on_after_it_and_one_out_of_time_keeps_w
     script.write_text(f"""import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {str(REPO)!r})
-from benchmarks.device_items import Results
+from benchmarks.device.items import Results
 results = Results(Path({str(tmp_path / "fake.jsonl")!r}))
 results.run("a", lambda: {{"value": 1}})
 results.run("b", lambda: os._exit(3))

@@ -1,4 +1,4 @@
-"""benchmarks/device_wheels.py: the folder it leaves holds one wheel of each carried package, at its pinned version,
+"""benchmarks/device/wheels.py: the folder it leaves holds one wheel of each carried package, at its pinned version,
 for the lent machine's Python and platform, and the line it prints installs them without resolving anything."""
 
 import subprocess
@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tests.helpers import script_module
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_wheels.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device" / "wheels.py"
 
 
 def load():

@@ -1,5 +1,6 @@
-"""benchmarks/device_proof.py's reports: OUT/device_proof.json (the stages' sections as they are) and
-OUT/device_proof.md (a table per part: a environment, b correctness, c speed, d memory), each written whole."""
+"""benchmarks/device/proof.py's reports: OUT/device_proof.json (the stages' sections as they are) and
+OUT/device_proof.md (a table per part: a environment, b correctness, c speed and its profile, d memory), each written
+whole."""
 
 import json
 from pathlib import Path
@@ -61,6 +62,22 @@ def speed(stages: dict) -> list[str]:
     return [*lines, "", *table(["configuration", "status", "tokens/s/GPU", "MFU", "peak GiB", "reason, note"], rows)]
 
 
+def profile(stages: dict) -> list[str]:
+    """The profile stage's items, then its table: ms per step by category, llmtune beside the plain loop."""
+    if "profile" not in stages:
+        return []
+    rows = stages["profile"]["rows"]
+    lines = [stage_line("profile", stages["profile"]), "",
+             *table(["item", "status", "s", "reason, file"], [[r["name"], r["status"], r.get("seconds"),
+                                                               r.get("reason") or r.get("trace")] for r in rows])]
+    compared = next((r for r in rows if "table" in r), None)
+    if compared:
+        lines += [f"Per profiled step, from {compared['source']}: ms, but the launches (a count).", "",
+                  *table(["", "llmtune", "plain loop", "llmtune - plain loop"],
+                         [[row, *values] for row, values in compared["table"].items()])]
+    return lines
+
+
 def memory(stages: dict) -> list[str]:
     """The plan beside every run that has both figures (the runs, speed and extra stages), then the loss cases."""
     planned = []
@@ -85,7 +102,9 @@ def markdown(report: dict) -> str:
     stages = report["stages"]
     lines = ["# llmtune device proof", "",
              f"Started {report['started']}; " + ("dry run on the CPU" if report["dry_run"] else "on the GPU") +
-             f"; budgets x{report['budget_scale']:g}. Written by benchmarks/device_proof.py.", ""]
-    for part, render in (("a", environment), ("b", correctness), ("c", speed), ("d", memory)):
-        lines += [f"## {part}. {PARTS[part]}", "", *render(stages)]
+             f"; budgets x{report['budget_scale']:g}. Written by benchmarks/device/proof.py.", ""]
+    for part, renders in (("a", (environment,)), ("b", (correctness,)), ("c", (speed, profile)), ("d", (memory,))):
+        lines += [f"## {part}. {PARTS[part]}", ""]
+        for render in renders:
+            lines += render(stages)
     return "\n".join(lines).rstrip() + "\n"

@@ -1,6 +1,6 @@
 """The wheels the lent GPU machine lacks for llmtune and the GPU proof, downloaded here into .whl/ (git-excluded).
 
-    python benchmarks/device_wheels.py [--dest .whl]
+    python benchmarks/device/wheels.py [--dest .whl]
 
 The lent machine (PyTorch 2.11.0+cu130, Python 3.12.3, transformers 5.17.0, huggingface_hub 1.33.0, numpy 2.5.2,
 ...: the pip list its image holds) reaches no package registry: what it lacks travels beside the repository, 48 MiB
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LIMIT_MIB = 48  # the working tree travels too, 64 MiB in all
 PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
             *(arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",

@@ -1,6 +1,6 @@
-"""The work of benchmarks/device_proof.py's stages, each run in a process of its own (`run_stage`): env (a), tests (b),
-speed and extra (c), memory (d); the runs stage (b) is benchmarks/device_runs.py. Each item's result goes to the
-stage's Results as it ends."""
+"""The work of benchmarks/device/proof.py's stages, each run in a process of its own (`run_stage`): env (a), tests (b),
+profile, speed and extra (c), memory (d); the runs stage (b) is benchmarks/device/runs.py, the profile's reading of
+its traces benchmarks/device/profiling.py. Each item's result goes to the stage's Results as it ends."""
 
 import json
 import os
@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from benchmarks.device_items import NO_CUDA, RESULTS_ENV, Failed, Results, Skipped, last_lines
+from benchmarks.device.items import NO_CUDA, RESULTS_ENV, Failed, Results, Skipped, last_lines, planned_gib
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
-def env_stage(results: Results, work: Path, dry_run: bool) -> None:
+def env_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
     """a. What ran the proof. GPU facts are skipped without CUDA; a package not installed is skipped, by name."""
     import importlib.metadata
     import platform
@@ -77,8 +77,8 @@ def env_stage(results: Results, work: Path, dry_run: bool) -> None:
     results.run("llmtune commit", commit)
 
 
-def tests_stage(results: Results, work: Path, dry_run: bool) -> None:
-    """b. The tests marked cuda, in the files that mark them, run by pytest with benchmarks/device_items.py as a
+def tests_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
+    """b. The tests marked cuda, in the files that mark them, run by pytest with benchmarks/device/items.py as a
     plugin: each test's outcome lands in the results as it ends. pytest ending otherwise than with its tests' outcomes
     (a file that does not import, say) is an item of its own."""
     import importlib.util
@@ -93,21 +93,13 @@ def tests_stage(results: Results, work: Path, dry_run: bool) -> None:
         return
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
                    if "pytest.mark.cuda" in p.read_text())
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "benchmarks.device_items", "-m", "cuda", "-rs",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "benchmarks.device.items", "-m", "cuda", "-rs",
                            "-q", "-p", "no:cacheprovider", *files], cwd=REPO,
                           env={**os.environ, RESULTS_ENV: str(results.path)}, capture_output=True, text=True)
     print(done.stdout + done.stderr)
     if done.returncode not in (0, 1):  # 1: a test failed, in its own row
         results.run("pytest", pytest_ended(f"pytest exited {done.returncode}:\n"
                                            f"{last_lines(done.stdout + done.stderr)}"))
-
-
-def planned_gib(recipe: Path, task: str) -> float:
-    """`llmtune plan`'s peak of a training step for the recipe (a run's config.yaml too) on one rank, in GiB."""
-    from benchmarks.plan_accuracy import predicted
-    from llmtune.config import load_config
-
-    return predicted(load_config(str(recipe), [], task, 1), 1) / 2**30
 
 
 class Speed:
@@ -220,13 +212,89 @@ class Speed:
                 / 100, "peak_gib": max(s[1] for s in timed), "note": "peak: torchtitan's max reserved memory"}
 
 
-def speed_stage(results: Results, work: Path, dry_run: bool) -> None:
+def speed_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
     speed = Speed(work, dry_run)
     results.run("llmtune: bf16, activation checkpointing", lambda: speed.llmtune(True, False, False))
     results.run("plain FSDP2 loop: bf16, activation checkpointing", speed.plain)
 
 
-def extra_stage(results: Results, work: Path, dry_run: bool) -> None:
+PROFILED_STEPS = 3
+TRACE = "llmtune_step.pt.trace.json"  # in OUT
+TRACE_LIMIT_MIB = 16  # the most a file may weigh to come back from a lent machine
+
+
+def profile_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
+    """c. torch.profiler over PROFILED_STEPS steps, after the speed stage's warm-up, of llmtune (its own
+    monitor.profile_steps) and of the plain loop (the same profiler and options), both in this process on the speed
+    stage's inputs: each one's time by category (benchmarks/device/profiling.py), the table of both, and llmtune's
+    middle step as a Chrome trace in OUT."""
+    import gc
+
+    import torch
+
+    import llmtune
+    from benchmarks.device import profiling
+    from benchmarks.plain_fsdp_loop import PlainLoop
+    from llmtune.config import MonitorConfig
+    from llmtune.monitor.metrics import StepProfiler
+    from llmtune.run.parallel import ParallelState
+
+    speed = Speed(work, dry_run)
+    window = [speed.args.warmup + 1, speed.args.warmup + PROFILED_STEPS]  # 1-based optimizer steps
+    folders = {"llmtune": speed.folder / "profile" / "llmtune", "plain": speed.folder / "profile" / "plain"}
+    names = {"llmtune": "llmtune: time by category", "plain": "plain FSDP2 loop: time by category"}
+
+    def trace(runner: str) -> dict:
+        path, = (folders[runner] / "profile").glob("*.pt.trace.json")
+        return json.loads(path.read_text())
+
+    def llmtune_steps() -> dict:
+        recipe = speed.gpu.write_recipe(folders["llmtune"], speed.inputs, speed.args, True, False, False)
+        llmtune.train("pt", str(recipe), train={"max_steps": window[1]},
+                      monitor={"profile_steps": window, "plots": False})
+        return {"breakdown": profiling.breakdown(trace("llmtune"), PROFILED_STEPS)}
+
+    def llmtune_step_trace() -> dict:
+        if "breakdown" not in results.rows[names["llmtune"]]:
+            raise Skipped(f"ran, but {names['llmtune']} did not pass: no trace")
+        text = json.dumps(profiling.one_step(trace("llmtune")), separators=(",", ":"))
+        mib = round(len(text) / 2**20, 2)
+        if mib > TRACE_LIMIT_MIB:
+            raise Failed(f"one step's trace is {mib} MiB, over the {TRACE_LIMIT_MIB} MiB a file comes back with",
+                         trace_mib=mib)
+        (out / TRACE).write_text(text)
+        return {"trace": TRACE, "trace_mib": mib}
+
+    def plain_steps() -> dict:
+        gc.collect()  # llmtune's run is over: what it left goes back before the plain loop builds its model
+        if speed.cuda:
+            torch.cuda.empty_cache()
+        state = ParallelState.initialize()
+        model, tokenizer, corpus = speed.inputs
+        loop = PlainLoop(str(model), str(tokenizer), str(corpus), speed.args.seq, speed.args.batch, state.fsdp_mesh,
+                         bf16=True, checkpointing=True)
+        profiler = StepProfiler(MonitorConfig(profile_steps=window), folders["plain"], 0)
+        for step in range(1, window[1] + 1):
+            loop()
+            profiler.step(step == window[1])
+        state.close()
+        return {"breakdown": profiling.breakdown(trace("plain"), PROFILED_STEPS)}
+
+    def compared() -> dict:
+        """The table, with the column of a run that did not pass left empty."""
+        breakdowns = [results.rows[name].get("breakdown") for name in names.values()]
+        if breakdowns == [None, None]:
+            raise Skipped("neither run passed: nothing to compare")
+        return {"table": profiling.comparison(*breakdowns),
+                "source": "CUDA kernels" if speed.cuda else "CPU operators' self time (no CUDA)"}
+
+    results.run(names["llmtune"], llmtune_steps)
+    results.run("llmtune: one step's Chrome trace", llmtune_step_trace)
+    results.run(names["plain"], plain_steps)
+    results.run("llmtune against the plain loop", compared)
+
+
+def extra_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
     """c, the rest: the speed stage's llmtune run with torch.compile, then with float8 too; torchtitan beside it."""
     speed = Speed(work, dry_run)
 
@@ -245,7 +313,7 @@ def extra_stage(results: Results, work: Path, dry_run: bool) -> None:
     results.run("torchtitan: bf16, full activation checkpointing", speed.torchtitan)
 
 
-def memory_stage(results: Results, work: Path, dry_run: bool) -> None:
+def memory_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
     """d. benchmarks/chunk_loss.py's loss cases, each in a fresh process: full logits, llmtune's default chunk and
     Liger's fused linear cross-entropy, bf16 on CUDA (fp32 tiny shapes on a CPU)."""
     import importlib.util
@@ -277,18 +345,18 @@ def memory_stage(results: Results, work: Path, dry_run: bool) -> None:
     results.run("loss: Liger fused linear cross-entropy", case("fused", 0))
 
 
-def runs_stage(results: Results, work: Path, dry_run: bool) -> None:
-    from benchmarks.device_runs import run_cases
+def runs_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
+    from benchmarks.device.runs import run_cases
 
     run_cases(results, work / "runs", dry_run)
 
 
-WORK = {"env": env_stage, "tests": tests_stage, "runs": runs_stage, "speed": speed_stage, "memory": memory_stage,
-        "extra": extra_stage}
+WORK = {"env": env_stage, "tests": tests_stage, "runs": runs_stage, "profile": profile_stage, "speed": speed_stage,
+        "memory": memory_stage, "extra": extra_stage}
 
 
-def run_stage(name: str, work: Path, dry_run: bool) -> None:
-    """A stage's process: its items into WORK/<name>.jsonl."""
+def run_stage(name: str, work: Path, out: Path, dry_run: bool) -> None:
+    """A stage's process: its items into WORK/<name>.jsonl, what it hands back beside the reports into OUT."""
     if dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the dry run is a CPU's, on any machine
-    WORK[name](Results(work / f"{name}.jsonl"), work, dry_run)
+    WORK[name](Results(work / f"{name}.jsonl"), work, out, dry_run)

@@ -1,4 +1,4 @@
-"""The runs stage of benchmarks/device_proof.py (b): runs of tiny models through llmtune.train (the CLI's checks and
+"""The runs stage of benchmarks/device/proof.py (b): runs of tiny models through llmtune.train (the CLI's checks and
 worker, in the calling process), one after another in one process that imports torch once for all of them, each on
 the path this machine gives it (on a GPU: CUDA, nccl, bf16), each judged by what it must equal.
 
@@ -31,8 +31,7 @@ import torch
 import yaml
 
 import llmtune
-from benchmarks.device_items import NO_CUDA, Failed, Results, Skipped
-from benchmarks.device_stages import planned_gib
+from benchmarks.device.items import NO_CUDA, Failed, Results, Skipped, planned_gib
 from tests.helpers import StopAt, read_metrics, save_tiny_model, train_and_export
 
 # Relative difference of two runs' losses, step by step, that one attention kernel (or fused kernel, offload, micro-

@@ -1,6 +1,7 @@
-"""The items of benchmarks/device_proof.py's stages: each one passed, failed or skipped with its reason, written the
-moment it starts and ends, so that a stage killed for its time or crashed keeps what it finished. Also pytest's hooks
-that write the tests stage's items (pytest -p benchmarks.device_items)."""
+"""The items of benchmarks/device/proof.py's stages: each one passed, failed or skipped with its reason, written the
+moment it starts and ends, so that a stage killed for its time or crashed keeps what it finished; planned_gib, the
+plan's figure every run's item carries (stages.py and runs.py both take it from here, neither from the other). Also
+pytest's hooks that write the tests stage's items (pytest -p benchmarks.device.items)."""
 
 import json
 import os
@@ -75,6 +76,15 @@ def context_lost(error: Exception) -> bool:
     """Whether the error left CUDA unusable in this process (torch.AcceleratorError: an illegal memory access, a
     device-side assert), rather than failing one call."""
     return type(error).__name__ == "AcceleratorError" or "CUDA error" in str(error)
+
+
+def planned_gib(recipe: Path, task: str) -> float:
+    """`llmtune plan`'s peak of a training step for the recipe (a run's config.yaml too) on one rank, in GiB: the
+    number every run's item carries for part d."""
+    from benchmarks.plan_accuracy import predicted
+    from llmtune.config import load_config
+
+    return predicted(load_config(str(recipe), [], task, 1), 1) / 2**30
 
 
 def read_events(path: Path) -> list[dict]:
