@@ -148,6 +148,34 @@ def test_compiled_layers_attend_the_same_spans(backend, feature_name, monkeypatc
     assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 1
 
 
+def test_flex_attention_builds_one_document_block_mask_a_micro_batch_compiled_or_not(monkeypatch):
+    """flex attention's BlockMask of the packed documents: built once a micro-batch by the model's forward
+    (transformers' mask creation) and handed to every layer, whose compiled code reuses it; the documents kept
+    apart (a forward: flex attention has no backward on CPU)."""
+    import transformers.masking_utils as masking
+
+    built = []
+    create = masking.create_block_mask
+    monkeypatch.setattr(masking, "create_block_mask", lambda *args, **kwargs: built.append(1) or create(*args,
+                                                                                                          **kwargs))
+    model = tiny_llama("flex_attention").eval()
+    ids = input_ids()
+    weights = torch.zeros(2, LENGTH, 97)
+    expected, _ = documents_alone(tiny_llama("sdpa"), ids, weights)
+    outputs = []
+    for compiled in (False, True):
+        if compiled:
+            torch._dynamo.reset()
+            for layer in model.model.layers:
+                compile_layer(layer)
+        built.clear()
+        with torch.no_grad():
+            outputs.append(model(input_ids=ids, position_ids=positions(), use_cache=False).logits)
+        assert len(built) == 1
+    for logits in outputs:
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
 def count_attention_forwards(monkeypatch) -> list:
     """The calls of document_sdpa's forward from here on, each the shape of its spans."""
     calls = []
