@@ -1,8 +1,9 @@
 """`llmtune plan` against the run: the predicted peak of a training step per rank next to the peak the step
-measures, on CPU, for layouts of 1 and 2 ranks, activation checkpointing on and off, and context parallelism; then,
-for a mixture of experts, 2 ranks with and without expert parallelism.
+measures, on CPU, for layouts of 1 and 2 ranks, activation checkpointing none, selective and full, and context
+parallelism; then, for a mixture of experts, 2 ranks with and without expert parallelism. --only: the cases whose
+name holds TEXT (e.g. "1 rank"), for a shorter run.
 
-    python -m benchmarks.plan_accuracy [--seq-len 1024] [--layers 4]
+    python -m benchmarks.plan_accuracy [--seq-len 1024] [--layers 4] [--only TEXT]
 
 (as a module: run as a file, its folder would come first on sys.path, where benchmarks/peft.py stands in for peft)
 
@@ -30,8 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 CASES = [
     ("1 rank", [], 1),
     ("1 rank, checkpointing", ["train.gradient_checkpointing=true"], 1),
+    ("1 rank, selective checkpointing", ["train.gradient_checkpointing=selective"], 1),
     ("2 ranks", [], 2),
     ("2 ranks, checkpointing", ["train.gradient_checkpointing=true"], 2),
+    ("2 ranks, selective checkpointing", ["train.gradient_checkpointing=selective"], 2),
     ("2 ranks, cp=2", ["parallel.cp_size=2"], 2),
     ("2 ranks, cp=2, checkpointing", ["parallel.cp_size=2", "train.gradient_checkpointing=true"], 2),
     ("1 rank, full logits", ["train.chunk_loss_size=0"], 1),
@@ -186,6 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--only", default="", help="the cases whose name holds this text alone")
     parser.add_argument("--cases", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cases:
@@ -199,6 +203,9 @@ def main() -> None:
         return
     for model, experts, cases in (("Llama", 0, CASES),
                                   (f"Qwen3-MoE of {EXPERTS} experts of 256 (2 per token),", EXPERTS, MOE_CASES)):
+        cases = [case for case in cases if args.only in case[0]]
+        if not cases:
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = Path(tmp) / "model"
             write_model(model_dir, args.layers, args.seq_len, experts)
