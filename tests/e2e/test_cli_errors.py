@@ -78,7 +78,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, recipe, capsys, changes, ove
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of CUDA-only backends need a machine without CUDA")
 @pytest.mark.parametrize("backend, expected", [
     ("flash", "model.attn_implementation: 'flash' is not an attention backend; use one of auto, sdpa, eager, "
-              "flash_attention_2, flash_attention_3, flex_attention or a Hub kernel"),
+              "varlen, flash_attention_2, flash_attention_3, flex_attention or a Hub kernel"),
+    ("varlen", "model.attn_implementation: varlen needs a CUDA device and this machine has none; use auto (sdpa "
+               "here) or sdpa"),
     ("flash_attention_2", "model.attn_implementation: flash_attention_2 needs a CUDA device and this machine has "
                           "none; use auto (sdpa here) or sdpa"),
     ("kernels-community/flash-attn2", "model.attn_implementation: kernels-community/flash-attn2 needs a CUDA device"),
