@@ -211,13 +211,13 @@ def main() -> None:
             write_model(model_dir, args.layers, args.seq_len, experts)
             print(f"\n{model} hidden 256, {args.layers} layers, vocab 2048, fp32, micro-batch 2 x {args.seq_len} "
                   "tokens, accumulation 2, chunked loss 512; MiB per rank")
-            print(f"| {'layout':<30} | {'predicted':>9} | {'measured':>9} | {'predicted / measured':>20} |")
-            print(f"|{'-' * 32}|{'-' * 11}:|{'-' * 11}:|{'-' * 22}:|")
+            print(f"| {'layout':<33} | {'predicted':>9} | {'measured':>9} | {'predicted / measured':>20} |")
+            print(f"|{'-' * 35}|{'-' * 11}:|{'-' * 11}:|{'-' * 22}:|")
             measured_peaks = measure_cases(model_dir, args.seq_len,
                                            [(overrides, ranks) for _, overrides, ranks in cases], Path(tmp))
             for (name, overrides, ranks), measured in zip(cases, measured_peaks):
                 plan = predicted(case_config(str(model_dir), args.seq_len, overrides, ranks), ranks)
-                print(f"| {name:<30} | {plan / 2**20:9.1f} | {measured / 2**20:9.1f} | {plan / measured:20.2f} |",
+                print(f"| {name:<33} | {plan / 2**20:9.1f} | {measured / 2**20:9.1f} | {plan / measured:20.2f} |",
                       flush=True)
 
 
