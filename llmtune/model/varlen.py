@@ -5,8 +5,9 @@ laid end to end (attention.varlen_kwargs, added by the packed documents' feature
 them. `auto` picks it on a CUDA device without flash-attn (attention.resolve_backend).
 
 Its signature changed between torch releases: 2.12 and later take grouped key/value heads (enable_gqa; before,
-they are repeated to the query's heads), a scale and a window_size (causal, and a sliding window); earlier ones
-take is_causal alone, which serves a model with no sliding window and the default scale, and the others refuse.
+they are repeated to the query's heads) and a window_size (causal, and a sliding window); earlier ones take
+is_causal, which serves a model with no sliding window, the others refused when they run (and, without a scale
+argument, one whose attention scale is not the default).
 """
 
 import inspect
@@ -55,14 +56,22 @@ def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
 
 
 def _options(takes, scaling: float | None, sliding_window: int | None, dim: int) -> dict:
-    """varlen_attn's keyword arguments for causal attention within the sliding window, in its torch's signature."""
+    """varlen_attn's keyword arguments for causal attention within the sliding window, in its torch's signature
+    (`takes`: its parameters)."""
+    options = {"enable_gqa": True} if "enable_gqa" in takes else {}
     if "window_size" in takes:
-        return {"scale": scaling, "window_size": (sliding_window - 1 if sliding_window else -1, 0),
-                **({"enable_gqa": True} if "enable_gqa" in takes else {})}
-    if sliding_window or (scaling is not None and scaling != dim ** -0.5):
-        raise ValueError(f"varlen attention: torch {torch.__version__}'s varlen_attn takes no sliding window or "
-                         "scale, which this model has; use sdpa, or torch 2.12 or later")
-    return {"is_causal": True}
+        options["window_size"] = (sliding_window - 1 if sliding_window else -1, 0)
+    elif sliding_window:
+        raise ValueError(f"varlen attention: torch {torch.__version__}'s varlen_attn takes no sliding window, which "
+                         "this model has; use sdpa, or torch 2.12 or later")
+    else:
+        options["is_causal"] = True
+    if "scale" in takes:
+        options["scale"] = scaling
+    elif scaling is not None and scaling != dim ** -0.5:
+        raise ValueError(f"varlen attention: torch {torch.__version__}'s varlen_attn takes no scale, and this model's "
+                         "is not 1/sqrt(head_dim); use sdpa, or torch 2.12 or later")
+    return options
 
 
 AttentionInterface.register(VARLEN, varlen_attention_forward)

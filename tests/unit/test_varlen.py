@@ -91,8 +91,10 @@ def test_before_torch_2_12_keys_are_repeated_and_a_sliding_window_refused(monkey
     assert out.shape == (1, 16, 4, 8) and calls == [dict(heads=(4, 4), is_causal=True)]
     expected = F.scaled_dot_product_attention(query, key, key, is_causal=True, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="takes no sliding window or scale, which this model has"):
+    with pytest.raises(ValueError, match="takes no sliding window, which this model has"):
         varlen.varlen_attention_forward(None, query, key, key, None, sliding_window=8)
+    with pytest.raises(ValueError, match="takes no scale, and this model's is not 1/sqrt"):
+        varlen.varlen_attention_forward(None, query, key, key, None, scaling=0.1)
 
 
 def test_varlen_is_refused_off_cuda_and_in_fp32_in_one_line(monkeypatch):
