@@ -41,6 +41,11 @@ def float8_linears(hf_model) -> dict[str, nn.Linear]:
             if id(module) in inside and isinstance(module, nn.Linear) and keep(module, name)}
 
 
+def float8_layer_count(hf_model) -> int:
+    """The linear layers of a built model that compute in float8 (torchao's Float8Linear), for the start banner."""
+    return sum(type(module).__name__ == "Float8Linear" for module in hf_model.modules())
+
+
 def device_problem() -> str | None:
     """Why this machine cannot train in float8, or None: the launching machine's first GPU stands for the job's."""
     if not torch.cuda.is_available():

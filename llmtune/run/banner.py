@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from llmtune.data.manager import StreamingDataManager
+from llmtune.features.float8 import float8_layer_count
 from llmtune.model.build import decoder_layers
 from llmtune.model.multimodal import text_attention
 from llmtune.model.quantize import GROUP, frozen_linears, is_quantized
@@ -40,6 +41,7 @@ class Banner:
     threads: str = ""  # torch's intra-op threads and why (run/threads.set_threads)
     quantized: int = 0  # parameters held in nf4 (model.quantize), whole-model count
     kept: int = 0  # model.quantize: those of the frozen linear weights nf4 cannot hold (not whole groups)
+    float8: int = 0  # train.fp8: the linear layers that compute in float8
     batch: str | None = None  # the objective's own words for the global batch (Objective.global_batch_words)
     recipe_defaults: tuple[str, ...] = ()  # LLaMA-Factory's defaults a flat recipe took (Config.recipe_defaults)
 
@@ -62,7 +64,9 @@ class Banner:
             + (f"; {self.quantized:,} frozen in nf4 (model.quantize)" if self.quantized else "")
             + (f", {self.kept:,} frozen in the compute dtype (linear weights of no whole number of {GROUP:,}-value "
                "groups, which nf4 cannot hold)" if self.kept else ""),
-            f"precision {self.precision}, attention {self.attention}, activation checkpointing {self.checkpointing}",
+            f"precision {self.precision}"
+            + (f", float8 matmuls in {self.float8} linear layers (train.fp8)" if self.float8 else "")
+            + f", attention {self.attention}, activation checkpointing {self.checkpointing}",
             f"planned peak memory {self.peak}",
         ] + ([f"threads {self.threads}"] if self.threads else []) + ([f"LLaMA-Factory recipe: its defaults for {', '.join(self.recipe_defaults)}"]
              if self.recipe_defaults else [])
@@ -112,7 +116,8 @@ def start_banner(trainer, config, world_size: int, peak: str, threads: str = "")
         dp=world_size // config.parallel.cp_size, layout=config.parallel.describe(world_size),
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
-        checkpointing=config.train.checkpointing(), peak=peak, threads=threads,
+        checkpointing=config.train.checkpointing(), float8=float8_layer_count(model.hf_model) if config.train.fp8 else 0,
+        peak=peak, threads=threads,
         batch=trainer.objective.global_batch_words(data.global_batch),
         quantized=sum(p.numel() for p in params if is_quantized(p)),
         kept=sum(linear.weight.numel() for linear in frozen_linears(model.hf_model, decoder_layers(model.hf_model))

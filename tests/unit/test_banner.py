@@ -27,6 +27,12 @@ def test_the_banner_says_the_runs_numbers():
     ]
 
 
+def test_float8_layers_are_counted_in_the_precision_line():
+    assert dataclasses.replace(FRESH, precision="bf16 mixed (train.bf16)", float8=14).lines()[4] == (
+        "precision bf16 mixed (train.bf16), float8 matmuls in 14 linear layers (train.fp8), attention sdpa (through "
+        "llmtune_documents), activation checkpointing selective")
+
+
 def test_a_resumed_run_and_a_stream_say_so():
     resumed = dataclasses.replace(FRESH, total_steps=100, first_step=40)
     assert resumed.lines()[0] == "1,000 samples, 1.61 epochs of 62 steps = 100 optimizer steps, resuming after step 40"

@@ -13,7 +13,7 @@ import yaml
 from transformers import LlamaConfig
 
 from llmtune.config import PeftConfig, TrainConfig
-from llmtune.features.float8 import Float8Training, float8_linears
+from llmtune.features.float8 import Float8Training, float8_layer_count, float8_linears
 from llmtune.model.build import meta_model
 from llmtune.run.cli import main as cli_main
 from tests.helpers import emulated_float8_matmul, needs_cpu_float8
@@ -51,6 +51,8 @@ def test_the_swap_takes_those_layers_and_keeps_every_parameter_name():
     assert list(hf_model.state_dict()) == names
     swapped = {name for name, module in hf_model.named_modules() if type(module).__name__ == "Float8Linear"}
     assert swapped == KEPT
+    assert float8_layer_count(hf_model) == len(KEPT)  # the start banner's count
+    assert float8_layer_count(model(LLAMA_3B)) == 0
 
 
 FLOAT8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
