@@ -133,9 +133,10 @@ def write_inputs(out: Path, shape: dict, args, nproc: int) -> tuple[Path, Path, 
     return model_dir, out / "assets" / "tokenizer", corpus
 
 
-def write_recipe(run_dir: Path, inputs: tuple[Path, Path, Path], args, checkpointing: bool, compiled: bool,
+def write_recipe(run_dir: Path, inputs: tuple[Path, Path, Path], args, checkpointing: bool | str, compiled: bool,
                  fp8: bool) -> Path:
-    """run_dir/recipe.yaml: a pt run with one metrics record per step and nothing saved."""
+    """run_dir/recipe.yaml: a pt run with one metrics record per step and nothing saved; checkpointing:
+    train.gradient_checkpointing's value."""
     model_dir, tokenizer, corpus = inputs
     run_dir.mkdir(parents=True, exist_ok=True)
     train = {"output_dir": str(run_dir), "max_steps": args.warmup + args.steps, "logging_steps": 1,

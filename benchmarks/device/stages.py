@@ -124,8 +124,9 @@ class Speed:
             gpu.write_inputs(self.folder, self.shape, self.args, 1)
         self.inputs = (self.folder / "model", self.folder / "assets" / "tokenizer", self.folder / "corpus.jsonl")
 
-    def llmtune(self, checkpointing: bool, compiled: bool, fp8: bool) -> dict:
-        label = f"ac{int(checkpointing)}_compile{int(compiled)}_fp8{int(fp8)}"
+    def llmtune(self, checkpointing: bool | str, compiled: bool, fp8: bool) -> dict:
+        """checkpointing: train.gradient_checkpointing's value (true, selective, auto)."""
+        label = f"ac{checkpointing}_compile{int(compiled)}_fp8{int(fp8)}"
         recipe = self.gpu.write_recipe(self.folder / label, self.inputs, self.args, checkpointing, compiled, fp8)
         result = self.gpu.measure(recipe, 1, self.args.warmup)
         if "failed" in result:
@@ -171,10 +172,11 @@ class Speed:
                 "mfu": flops_per_token(meta, args.seq) * tokens_per_s / (peak * 1e12) if peak else None,
                 "peak_gib": result["peak_gib"]}
 
-    def torchtitan(self) -> dict:
+    def torchtitan(self, checkpointing: str = "full", compiled: bool = False) -> dict:
         """torchtitan's llama3 trainer, where installed (it is optional), on the same shape (a flavor of its own),
-        corpus (its c4_test loader reads a folder of JSON lines), steps, bf16 and full activation checkpointing;
-        tokens/s, MFU and memory as its log gives them."""
+        corpus (its c4_test loader reads a folder of JSON lines), steps and bf16, with its activation checkpointing
+        `checkpointing` (full, or selective: its op-level policy, which llmtune's selective follows) and
+        torch.compile where `compiled`; tokens/s, MFU and memory as its log gives them."""
         import importlib.util
         import shutil
         import statistics
@@ -184,6 +186,7 @@ class Speed:
         if importlib.util.find_spec("torchtitan") is None:
             raise Skipped("torchtitan is not installed (optional: the plain loop is the reference)")
         shape, args = self.shape, self.args
+        label = f"{checkpointing}_compile{int(compiled)}"
         data = self.folder / "titan_data"
         data.mkdir(exist_ok=True)
         shutil.copy(self.inputs[2], data / "corpus.jsonl")
@@ -200,9 +203,12 @@ class Speed:
                            f"--model.hf_assets_path={self.inputs[1]}", "--training.dataset=c4_test",
                            f"--training.dataset_path={data}", f"--training.seq_len={args.seq}",
                            f"--training.local_batch_size={args.batch}", f"--training.steps={args.warmup + args.steps}",
-                           "--lr_scheduler.warmup_steps=1", "--activation_checkpoint.mode=full",
+                           "--lr_scheduler.warmup_steps=1", f"--activation_checkpoint.mode={checkpointing}",
+                           *(["--activation_checkpoint.selective_ac_option=op"] if checkpointing == "selective"
+                             else []), *(["--compile.enable"] if compiled else []),
                            "--metrics.log_freq=1", "--metrics.disable_color_printing",
-                           f"--job.dump_folder={self.folder / 'titan'}"], self.folder / "torchtitan.log")
+                           f"--job.dump_folder={self.folder / f'titan_{label}'}"],
+                          self.folder / f"torchtitan_{label}.log")
         steps = [(int(m[1]), float(m[2]), float(m[3].replace(",", "")), float(m[4])) for m in re.finditer(
             r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%", output)]
         timed = [step for step in steps if step[0] > args.warmup]
@@ -295,10 +301,12 @@ def profile_stage(results: Results, work: Path, out: Path, dry_run: bool) -> Non
 
 
 def extra_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
-    """c, the rest: the speed stage's llmtune run with torch.compile, then with float8 too; torchtitan beside it."""
+    """c, the rest: the speed stage's llmtune run with torch.compile, then with float8 too; torchtitan beside it at
+    equal activation checkpointing, eager and compiled (full, then selective on both); llmtune with checkpointing
+    auto. The most wanted first: the stage's budget may end before the last."""
     speed = Speed(work, dry_run)
 
-    def compiled(fp8: bool) -> dict:
+    def compiled(fp8: bool, checkpointing: bool | str = True) -> dict:
         from llmtune.features.float8 import device_problem
 
         problem = device_problem() if fp8 else None
@@ -306,11 +314,17 @@ def extra_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
             raise Skipped(problem if speed.cuda else f"{NO_CUDA}: {problem}")
         if not speed.cuda:
             raise Skipped(f"{NO_CUDA}: the dry run leaves out compiling (minutes on a CPU; the suite compiles there)")
-        return speed.llmtune(True, True, fp8)
+        return speed.llmtune(checkpointing, True, fp8)
 
     results.run("llmtune: bf16, activation checkpointing, torch.compile", lambda: compiled(False))
     results.run("llmtune: bf16, activation checkpointing, torch.compile, float8", lambda: compiled(True))
     results.run("torchtitan: bf16, full activation checkpointing", speed.torchtitan)
+    results.run("torchtitan: bf16, full activation checkpointing, torch.compile", lambda: speed.torchtitan("full", True))
+    results.run("llmtune: bf16, selective activation checkpointing, torch.compile",
+                lambda: compiled(False, "selective"))
+    results.run("torchtitan: bf16, selective activation checkpointing (op), torch.compile",
+                lambda: speed.torchtitan("selective", True))
+    results.run("llmtune: bf16, activation checkpointing auto, torch.compile", lambda: compiled(False, "auto"))
 
 
 def memory_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:

@@ -29,7 +29,11 @@ CUDA_ONLY = {
     "memory": {"loss: Liger fused linear cross-entropy"},
     "extra": {"llmtune: bf16, activation checkpointing, torch.compile",
               "llmtune: bf16, activation checkpointing, torch.compile, float8",
-              "torchtitan: bf16, full activation checkpointing"},
+              "torchtitan: bf16, full activation checkpointing",
+              "torchtitan: bf16, full activation checkpointing, torch.compile",
+              "llmtune: bf16, selective activation checkpointing, torch.compile",
+              "torchtitan: bf16, selective activation checkpointing (op), torch.compile",
+              "llmtune: bf16, activation checkpointing auto, torch.compile"},
 }
 
 
