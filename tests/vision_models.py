@@ -230,3 +230,19 @@ def image_pairs(folder: Path, copies: int = 2) -> Path:
         "file_name": "mllm_pairs.json", "ranking": True, "formatting": "sharegpt",
         "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "images": "images"}}}))
     return folder
+
+
+def logits_on_an_image_sample(trainer, tokenizer, state):
+    """(the trained model's logits on the first training row that holds images, that row): train_and_export's
+    `then`, for an export's logits to be compared with."""
+    import torch
+
+    from llmtune.data import images
+    from llmtune.data.collate import collate
+
+    row = next(row for row in trainer.data.loader.dataset if row[images.IMAGES])
+    inputs = trainer.features.transform(collate([row], pad_id=0, blank_image=b"").inputs)
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(**{k: v for k, v in inputs.items() if k != "shift_labels"})
+    return logits, row

@@ -283,17 +283,17 @@ class _SelectiveKept(TorchDispatchMode):
     policy keeps (model/checkpointing.kept), counted in each module's call as the policy counts them."""
 
     def __init__(self, saves):
+        from llmtune.model.checkpointing import kept
+
         super().__init__()
-        self.saves = saves
+        self.saves, self.keeps = saves, kept
         self.kept = [0] * len(saves.modules)
         self.counts = [defaultdict(int) for _ in saves.modules]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from llmtune.model.checkpointing import kept
-
         out = func(*args, **(kwargs or {}))
         module = self.saves.current
-        if module is not None and kept(self.counts[module], func):
+        if module is not None and self.keeps(self.counts[module], func):
             self.kept[module] += sum(t.numel() * t.element_size() for t in pytree.tree_leaves(out)
                                      if isinstance(t, torch.Tensor))
         return out

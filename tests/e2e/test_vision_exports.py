@@ -11,10 +11,9 @@ from safetensors.torch import load_file
 
 from llmtune.config import load_config
 from llmtune.data import images
-from llmtune.data.collate import collate
 from llmtune.model.multimodal import model_parts, part_of
 from tests.helpers import train_and_export
-from tests.vision_models import image_conversations, tiny_vlm
+from tests.vision_models import image_conversations, logits_on_an_image_sample, tiny_vlm
 
 
 def test_lora_exports_the_adapter_and_the_merged_model_with_the_frozen_tower_unchanged(tmp_path):
@@ -32,15 +31,7 @@ def test_lora_exports_the_adapter_and_the_merged_model_with_the_frozen_tower_unc
         "peft": {"method": "lora", "target_modules": ["all-linear"]},
         "checkpoint": {"export_dtype": "fp32", "export_merged": True}}, [], "sft", world_size=1)
 
-    def logits_on_a_sample(trainer, tokenizer, state):
-        row = next(row for row in trainer.data.loader.dataset if row[images.IMAGES])
-        inputs = trainer.features.transform(collate([row], pad_id=0, blank_image=b"").inputs)
-        trainer.model.eval()
-        with torch.no_grad():
-            logits = trainer.model(**{k: v for k, v in inputs.items() if k != "shift_labels"})
-        return logits, row
-
-    logits, row = train_and_export(config, logits_on_a_sample)
+    logits, row = train_and_export(config, logits_on_an_image_sample)
     base = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32)
     parts = model_parts(base)
     # The adapters are the language model's alone.

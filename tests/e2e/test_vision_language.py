@@ -24,7 +24,7 @@ from llmtune.model.build import CausalLMForTraining
 from llmtune.model.loss import IGNORE_INDEX, LossOptions
 from llmtune.model.multimodal import token_types
 from tests.vision_models import (FAMILY, VISION_FAMILIES, chatml_template, image_conversations, image_pairs,
-                                  tiny_vlm)
+                                  logits_on_an_image_sample, tiny_vlm)
 
 
 @pytest.fixture(scope="module")
@@ -193,15 +193,7 @@ def test_export_is_the_whole_model_with_the_trained_logits_on_an_image(vlm, conv
     unpacked["data"]["packing"] = False  # a row is one sample, which transformers' forward takes alone
     config = load_config(unpacked, [], "sft", world_size=1)
 
-    def logits_on_a_sample(trainer, tokenizer, state):
-        row = next(row for row in trainer.data.loader.dataset if row[images.IMAGES])
-        inputs = trainer.features.transform(collate([row], pad_id=0, blank_image=b"").inputs)
-        trainer.model.eval()
-        with torch.no_grad():
-            logits = trainer.model(**{k: v for k, v in inputs.items() if k != "shift_labels"})
-        return logits, row
-
-    logits, row = train_and_export(config, logits_on_a_sample)
+    logits, row = train_and_export(config, logits_on_an_image_sample)
     exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "hf", dtype=torch.float32).eval()
     assert type(exported).__name__ == "Qwen2VLForConditionalGeneration"
     original = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32)

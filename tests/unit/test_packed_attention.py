@@ -129,17 +129,11 @@ def test_compiled_layers_attend_the_same_spans(backend, feature_name, monkeypatc
 
     inputs = transform(ids, positions())
     weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2))
-    expected_logits, expected_grads = logits_and_grads(model, inputs, weights)
+    expected = logits_and_grads(model, inputs, weights)
     torch._dynamo.reset()
     counters.clear()
     calls = count_attention_forwards(monkeypatch)
-    compile_with_backend(monkeypatch, "aot_eager")
-    for layer in model.model.layers:
-        compile_layer(layer)
-    logits, grads = logits_and_grads(model, inputs, weights)
-    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+    compiled_as_uncompiled(model, inputs, weights, expected, monkeypatch)
     # The forward of each of the 2 layers, once: the backward is the kernels' own.
     assert len(calls) == (2 if backend == "sdpa" else 0)
     # Other documents in rows of another length: the same graph.
@@ -176,6 +170,18 @@ def test_flex_attention_builds_one_document_block_mask_a_micro_batch_compiled_or
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def compiled_as_uncompiled(model, inputs, weights, expected, monkeypatch) -> None:
+    """The model's layers compiled (aot_eager: the graphs as inductor gets them, run by eager kernels) give the
+    (logits, gradients) `expected` of the uncompiled ones."""
+    compile_with_backend(monkeypatch, "aot_eager")
+    for layer in model.model.layers:
+        compile_layer(layer)
+    logits, grads = logits_and_grads(model, inputs, weights)
+    torch.testing.assert_close(logits, expected[0], rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[1][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
 def count_attention_forwards(monkeypatch) -> list:
     """The calls of document_sdpa's forward from here on, each the shape of its spans."""
     calls = []
@@ -203,18 +209,12 @@ def test_a_compiled_layer_runs_its_attention_forward_once_a_step_twice_under_ful
     feature.build(model, state)
     inputs = feature.transform({"input_ids": input_ids(), "position_ids": positions()})
     weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2))
-    expected_logits, expected_grads = logits_and_grads(model, inputs, weights)
+    expected = logits_and_grads(model, inputs, weights)
     if checkpointing != "none":
         enable_checkpointing(model, checkpointing)
     torch._dynamo.reset()
     calls = count_attention_forwards(monkeypatch)
-    compile_with_backend(monkeypatch, "aot_eager")
-    for layer in model.model.layers:
-        compile_layer(layer)
-    logits, grads = logits_and_grads(model, inputs, weights)
-    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+    compiled_as_uncompiled(model, inputs, weights, expected, monkeypatch)
     assert len(calls) == len(model.model.layers) * (2 if checkpointing == "full" else 1)
 
 
