@@ -2,13 +2,14 @@
 random weights (nothing downloaded), beside the figures torchtitan publishes for Llama-3.1-8B on 8 H100s.
 
     python benchmarks/gpu.py [--model 8b|3b|1b] [--seq 8192] [--batch 1] [--steps 20] [--warmup 5] [--nproc N]
-                             [--checkpointing on|off|both] [--compile on|off|both] [--fp8 on|off|both] [--attn auto]
-                             [--fused-kernels] [--document-mask on|off] [--out DIR]
+                             [--checkpointing on|off|both] [--compile on|off|both] [--fp8 off|tensorwise|rowwise|both]
+                             [--attn auto] [--fused-kernels] [--document-mask on|off] [--out DIR]
 
-Each configuration (activation checkpointing on/off x torch.compile on/off x float8 training on/off) is one `llmtune pt RECIPE --nproc N`
-run (torchrun underneath when N > 1) of warmup + steps optimizer steps, bf16, on packed rows of seq tokens: a
-corpus of documents of random lengths (log-uniform from 128 to 2 x seq tokens), so position_ids restart inside
-rows and, with the document mask on (llmtune's default), attention stays inside each document. From the run's
+Each configuration (activation checkpointing on/off x torch.compile on/off x float8 training off or with a scaling,
+float8 only compiled, as train.fp8 asks) is one `llmtune pt RECIPE --nproc N` run (torchrun underneath when N > 1)
+of warmup + steps optimizer steps, bf16, on packed rows of seq tokens: a corpus of documents of random lengths
+(log-uniform from 128 to 2 x seq tokens), so position_ids restart inside rows and, with the document mask on
+(llmtune's default), attention stays inside each document. From the run's
 metrics.jsonl (one record per step), over the timed steps after the warm-up (compilation happens there):
 - tokens/s/GPU: the median of the records' tokens_per_s, which counts the input tokens of all ranks, over N;
 - MFU: the median of the records' mfu (the monitor's FLOPs per token x tokens/s per GPU over the device's dense bf16
@@ -51,7 +52,9 @@ TORCHTITAN_GPUS = 8
 TORCHTITAN = [("FSDP", 5762, 82.4), ("FSDP + torch.compile", 6667, 77.0)]
 
 MIN_DOC_TOKENS = 128
-SWITCHES = {"on": (True,), "off": (False,), "both": (False, True)}  # --checkpointing, --compile, --fp8
+SWITCHES = {"on": (True,), "off": (False,), "both": (False, True)}  # --checkpointing, --compile
+# --fp8: train.fp8's values to run (False: off); both = each scaling
+FLOAT8 = {"off": (False,), "tensorwise": ("tensorwise",), "rowwise": ("rowwise",), "both": ("tensorwise", "rowwise")}
 
 
 def at_least(minimum: int):
@@ -81,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(train.gradient_checkpointing); both runs each; default %(default)s")
     parser.add_argument("--compile", choices=tuple(SWITCHES), default="both", help="torch.compile of each decoder "
                         "layer (train.compile); both runs each; default %(default)s")
-    parser.add_argument("--fp8", choices=tuple(SWITCHES), default="off", help="float8 training of the large linear "
-                        "layers (train.fp8; needs torchao and a GPU with float8 tensor cores); both runs each; default "
-                        "%(default)s")
+    parser.add_argument("--fp8", choices=tuple(FLOAT8), default="off", help="float8 training of the large linear "
+                        "layers with this scaling (train.fp8; needs torchao and a GPU with float8 tensor cores), in "
+                        "the compiled configurations; both runs each scaling; default %(default)s")
     parser.add_argument("--attn", default="auto", help="attention backend (model.attn_implementation); default "
                         "%(default)s: flash attention where installed, else sdpa")
     parser.add_argument("--fused-kernels", action="store_true", help="Liger's fused kernels (train.fused_kernels: "
@@ -134,9 +137,9 @@ def write_inputs(out: Path, shape: dict, args, nproc: int) -> tuple[Path, Path, 
 
 
 def write_recipe(run_dir: Path, inputs: tuple[Path, Path, Path], args, checkpointing: bool | str, compiled: bool,
-                 fp8: bool) -> Path:
+                 fp8: bool | str) -> Path:
     """run_dir/recipe.yaml: a pt run with one metrics record per step and nothing saved; checkpointing:
-    train.gradient_checkpointing's value."""
+    train.gradient_checkpointing's value, fp8 train.fp8's."""
     model_dir, tokenizer, corpus = inputs
     run_dir.mkdir(parents=True, exist_ok=True)
     train = {"output_dir": str(run_dir), "max_steps": args.warmup + args.steps, "logging_steps": 1,
@@ -146,7 +149,7 @@ def write_recipe(run_dir: Path, inputs: tuple[Path, Path, Path], args, checkpoin
     if args.fused_kernels:
         train["fused_kernels"] = True
     if fp8:
-        train["fp8"] = True
+        train["fp8"] = fp8
     recipe = run_dir / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "model": {"config": str(model_dir), "tokenizer": str(tokenizer), "attn_implementation": args.attn},
@@ -178,7 +181,7 @@ def measure(recipe: Path, nproc: int, warmup: int) -> dict:
 
 
 def row(label: str, gpus: int, tokens_per_gpu: float, mfu: str, mem_gib: float) -> str:
-    return f"{label:<34} {gpus:>4} {tokens_per_gpu:>13,.0f} {mfu:>6} {mem_gib:>9.1f}"
+    return f"{label:<45} {gpus:>4} {tokens_per_gpu:>13,.0f} {mfu:>6} {mem_gib:>9.1f}"
 
 
 def print_reference(model: str, nproc: int) -> None:
@@ -200,16 +203,18 @@ def run_all(out: Path, args, model: str, nproc: int) -> None:
     print(f"{name} shape, random weights, on {torch.cuda.get_device_name()}; seq {args.seq}, micro-batch {args.batch} "
           f"per GPU, bf16, packed rows (document mask {args.document_mask}), attention {args.attn}"
           f"{', fused kernels' if args.fused_kernels else ''}; {args.steps} steps timed after {args.warmup}")
-    print(f"{'configuration':<34} {'GPUs':>4} {'tokens/s/GPU':>13} {'MFU':>6} {'peak GiB':>9}")
+    print(f"{'configuration':<45} {'GPUs':>4} {'tokens/s/GPU':>13} {'MFU':>6} {'peak GiB':>9}")
     for checkpointing, compiled, fp8 in itertools.product(SWITCHES[args.checkpointing], SWITCHES[args.compile],
-                                                          SWITCHES[args.fp8]):
+                                                          FLOAT8[args.fp8]):
+        if fp8 and not compiled:
+            continue  # train.fp8 needs train.compile
         label = f"checkpointing {'on' if checkpointing else 'off'}, compile {'on' if compiled else 'off'}" + \
-            (", fp8" if fp8 else "")
+            (f", fp8 {fp8}" if fp8 else "")
         recipe = write_recipe(out / label.replace(", ", "_").replace(" ", "_"), inputs, args, checkpointing, compiled,
                               fp8)
         result = measure(recipe, nproc, args.warmup)
         if "failed" in result:
-            print(f"{label:<34} {nproc:>4} failed ({result['failed']})", flush=True)
+            print(f"{label:<45} {nproc:>4} failed ({result['failed']})", flush=True)
             continue
         mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a"  # n/a: a device the monitor's table lacks
         print(row(label, nproc, result["tokens_per_gpu"], mfu, result["mem_gib"]), flush=True)

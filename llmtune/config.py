@@ -31,6 +31,8 @@ REMAINDERS = ("drop", "pad")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "wsd")
 CHECKPOINTING = ("none", "selective", "full")  # train.gradient_checkpointing's modes, least recompute first; false is none, true full
 DECAY_TYPES = ("linear", "cosine", "1-sqrt")
+# train.fp8's scalings, torchao's recipe names; the first is what true means (torchao's Float8LinearConfig default).
+FLOAT8_SCALINGS = ("tensorwise", "rowwise")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 # Names that users of other trainers write, read as llmtune's (config.yaml holds llmtune's), by whose names they are.
 # A key of the train section may also be written in lr_scheduler_kwargs, as transformers takes it.
@@ -351,11 +353,14 @@ class TrainConfig:
                                "scaling (as torch's GradScaler: from 65536, halved on a step whose gradients "
                                "overflow, which is skipped, doubled after 2000 good steps); for GPUs without bf16. "
                                "Not with bf16.")
-    fp8: bool = _field(False, "float8 matmuls (torchao's float8 training, rowwise scaling) in the decoder layers' "
-                              "linear layers large enough to gain (torchao's size filter; the others stay bf16), on "
-                              "GPUs with float8 tensor cores (compute capability 8.9+: H100, H200, L4, ...); needs "
-                              "train.bf16 and torchao (pip install -e \".[fp8]\"). Weights, gradients, checkpoints "
-                              "and exports stay as without it.")
+    fp8: bool | str = _field(False, "float8 matmuls (torchao's float8 training) in the decoder layers' linear "
+                                    "layers large enough to gain (torchao's size filter for the scaling; the others "
+                                    "stay bf16): false, true or tensorwise (one scale per tensor, the weights "
+                                    "all-gathered by FSDP2 in float8; torchao's and torchtitan's default), or "
+                                    "rowwise (a scale per row, the weights gathered in bf16); on GPUs with float8 "
+                                    "tensor cores (compute capability 8.9+: H100, H200, L4, ...); needs train.bf16, "
+                                    "train.compile (which fuses the casts and scalings) and torchao (pip install -e "
+                                    "\".[fp8]\"). Weights, gradients, checkpoints and exports stay as without it.")
     chunk_loss_size: int = _field(1024, "Tokens per chunk of the LM loss, computed from the hidden states without "
                                         "the full [tokens, vocab] logits; 0 computes the full logits.")
     fused_kernels: bool = _field(False, "Liger's fused kernels on CUDA: fused linear cross-entropy for the loss and "
@@ -449,8 +454,15 @@ class TrainConfig:
         if isinstance(self.gradient_checkpointing, str) and self.gradient_checkpointing not in (*CHECKPOINTING, AUTO):
             out.append(_choice_problem("train.gradient_checkpointing", self.gradient_checkpointing,
                                        ("true", "false", *CHECKPOINTING, AUTO)))
-        if self.fp8 and not self.bf16:
+        if isinstance(self.fp8, str) and self.fp8 not in FLOAT8_SCALINGS:
+            out.append(_choice_problem("train.fp8", self.fp8, ("true", "false", *FLOAT8_SCALINGS)))
+        elif self.fp8 and not self.bf16:
             out.append("train.fp8: float8 training computes in bf16 what it leaves out of float8; set train.bf16: true")
+        elif self.fp8 and not self.compile:
+            # torchtitan's rule too: eager float8 casts and scales each tensor in kernels of their own, which cost
+            # more than the float8 matmul saves (the first GPU: rowwise eager ran at 0.60x of bf16).
+            out.append("train.fp8: float8 only pays under torch.compile, which fuses its casts and scalings; set "
+                       "train.compile: true, or train.fp8: false")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             out.append(_choice_problem("train.lr_scheduler_type", self.lr_scheduler_type,
                                        LR_SCHEDULERS + tuple(SCHEDULER_ALIASES)))
@@ -494,6 +506,10 @@ class TrainConfig:
         decided (Config.use_auto)."""
         value = self.gradient_checkpointing
         return "full" if value is True else "none" if value is False else value
+
+    def float8_scaling(self) -> str | None:
+        """train.fp8 as one of FLOAT8_SCALINGS (torchao's recipe names), or None when off; true is tensorwise."""
+        return FLOAT8_SCALINGS[0] if self.fp8 is True else self.fp8 or None
 
     def half_precision(self) -> str | None:
         """The compute dtype below fp32, bf16 or fp16, or None (fp32)."""

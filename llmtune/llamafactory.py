@@ -41,7 +41,12 @@ NOTHING_TO_DO = {
     "video_min_pixels": "llmtune reads images, not videos",
     "video_fps": "llmtune reads images, not videos",
     "video_maxlen": "llmtune reads images, not videos",
+    # LLaMA-Factory's torchao float8 all-gather switch (its default off): llmtune's tensorwise float8 (fp8: true)
+    # always gathers the weights in float8, which moves half the bytes.
+    "fp8_enable_fsdp_float8_all_gather": "train.fp8's tensorwise scaling always all-gathers the weights in float8",
 }
+# LLaMA-Factory's fp8_backend values that are llmtune's float8 training (torchao's); another is refused.
+FP8_BACKENDS = ("auto", "torchao")
 # LLaMA-Factory's keys llmtune refuses, each with its reason and what to do instead.
 REFUSED = {
     "deepspeed": "llmtune shards with FSDP2, not DeepSpeed: leave it out (parallel.* sets the layout; ZeRO-3 is its "
@@ -49,8 +54,6 @@ REFUSED = {
     "do_predict": "llmtune trains; generate with `llmtune generate` on the export",
     "do_eval": "evaluation runs during training: give eval_dataset or val_size with eval_steps",
     "predict_with_generate": "generate with `llmtune generate`, or evaluate by generation with eval_generation",
-    "freeze_vision_tower": "llmtune trains text models; multimodal inputs are not read",
-    "freeze_multi_modal_projector": "llmtune trains text models; multimodal inputs are not read",
     "quantization_method": "llmtune quantizes the base to 4-bit NF4 alone (model.quantize: nf4): give quantize: nf4",
     "quantization_bit": "llmtune quantizes the base to 4-bit NF4 alone (model.quantize: nf4): give quantize: nf4",
     "flash_attn": "the attention backend is attn_implementation (auto picks flash attention where it can run)",
@@ -114,6 +117,11 @@ def sectioned(raw: dict, recipe: str, task: str, qualified) -> dict:
                 out.setdefault("train", {})["eval_epochs"] = 1
             elif value not in ("steps", "no"):
                 problems.append(f"{recipe}: eval_strategy {value!r}: steps (eval_steps), epoch or no")
+            continue
+        if key == "fp8_backend":
+            if value not in FP8_BACKENDS:
+                problems.append(f"{recipe}: fp8_backend {value!r}: llmtune's float8 training (fp8) is torchao's; "
+                                f"leave fp8_backend out, or set it to {' or '.join(FP8_BACKENDS)}")
             continue
         if key in REFUSED:
             problems.append(f"{recipe}: {key}: {REFUSED[key]}")

@@ -91,24 +91,39 @@ def emulated_float8_matmul():
     scaled, then one fp32 matmul. Why: on a CPU with AMX (aten's Blas.cpp: AMX-INT8, or AMX-FP16 where the operands'
     float8 kinds differ, as in the backward's e5m2 x e4m3) torch sends it to oneDNN instead, whose float8 matmul took
     about 6 minutes a step of tests/e2e/test_fp8_run.py's model on such a machine, against seconds here (AMD, no AMX,
-    the emulation). The rest of the run (torchao's casts and scales, the bf16 layers) is as it is."""
+    the emulation). oneDNN is off for the whole block (the switch Blas.cpp reads before choosing it), not around each
+    call, so that a compiled layer, which calls aten's _scaled_mm from its graph, takes the emulation too. The rest of
+    the run (torchao's casts and scales, the bf16 layers) is as it is."""
     import torch
 
-    scaled_mm = torch._scaled_mm
-
-    def emulated(*args, **kwargs):
-        enabled = torch._C._get_mkldnn_enabled()
-        torch._C._set_mkldnn_enabled(False)  # the switch Blas.cpp reads before choosing oneDNN
-        try:
-            return scaled_mm(*args, **kwargs)
-        finally:
-            torch._C._set_mkldnn_enabled(enabled)
-
-    torch._scaled_mm = emulated
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
     try:
         yield
     finally:
-        torch._scaled_mm = scaled_mm
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+@contextlib.contextmanager
+def gloo_float8_all_gather():
+    """FSDP2's all-gathers of float8 weights (train.fp8 tensorwise) over gloo, which takes no float8 dtype ("Invalid
+    scalar type"): the bytes gathered as uint8, which is what NCCL moves too."""
+    import torch
+    import torch.distributed as dist
+
+    all_gather = dist.all_gather_single
+    float8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def as_bytes(output, tensor, *args, **kwargs):
+        if tensor.dtype in float8:
+            output, tensor = output.view(torch.uint8), tensor.view(torch.uint8)
+        return all_gather(output, tensor, *args, **kwargs)
+
+    dist.all_gather_single = as_bytes  # what FSDP2's all-gather calls (fsdp/_fully_shard/_fsdp_collectives.py)
+    try:
+        yield
+    finally:
+        dist.all_gather_single = all_gather
 
 
 def compile_with_backend(monkeypatch, backend: str) -> None:

@@ -20,9 +20,10 @@ finished and the next stage starts; one that crashes inside an item starts again
               run) beside benchmarks/plain_fsdp_loop.py on the same model and tokens
   memory   d. the chunked loss against full logits and Liger's fused linear cross-entropy, T=8192, V=151,936
               (benchmarks/chunk_loss.py)
-  extra    c. the speed stage's run with torch.compile, then with float8 too (a GPU of sm_89 or later); torchtitan's
-              llama3 trainer on the same shape and corpus, where torchtitan is installed, eager and compiled; both
-              compiled with selective activation checkpointing; llmtune compiled with checkpointing auto
+  extra    c. the speed stage's run with torch.compile, then with float8 tensorwise too (a GPU of sm_89 or later);
+              torchtitan's llama3 trainer on the same shape and corpus, where torchtitan is installed, eager and
+              compiled; both compiled with selective activation checkpointing; llmtune compiled with checkpointing
+              auto; llmtune compiled with float8 rowwise
 Every run of the runs, speed and extra stages also gives d: `llmtune plan`'s peak for its recipe beside the run's
 torch.cuda.max_memory_allocated.
 
@@ -76,8 +77,9 @@ STAGES = (
     Stage("profile", "c", 70, "torch.profiler over 3 steps of llmtune and the plain loop, the speed stage's shape"),
     Stage("speed", "c", 90, "Llama-3.2-1B shape, seq 8192, bf16 + activation checkpointing, beside the plain loop"),
     Stage("memory", "d", 40, "the chunked loss against full logits and Liger's fused loss"),
-    Stage("extra", "c", 130, "the speed run with torch.compile, then float8 too; torchtitan where installed, eager "
-                             "and compiled; selective checkpointing on both; llmtune's auto"),
+    Stage("extra", "c", 130, "the speed run with torch.compile, then float8 tensorwise too; torchtitan where "
+                             "installed, eager and compiled; selective checkpointing on both; llmtune's auto; float8 "
+                             "rowwise"),
 )
 LOG = "device_proof.log"
 

@@ -124,9 +124,9 @@ class Speed:
             gpu.write_inputs(self.folder, self.shape, self.args, 1)
         self.inputs = (self.folder / "model", self.folder / "assets" / "tokenizer", self.folder / "corpus.jsonl")
 
-    def llmtune(self, checkpointing: bool | str, compiled: bool, fp8: bool) -> dict:
-        """checkpointing: train.gradient_checkpointing's value (true, selective, auto)."""
-        label = f"ac{checkpointing}_compile{int(compiled)}_fp8{int(fp8)}"
+    def llmtune(self, checkpointing: bool | str, compiled: bool, fp8: bool | str) -> dict:
+        """checkpointing: train.gradient_checkpointing's value (true, selective, auto); fp8 train.fp8's."""
+        label = f"ac{checkpointing}_compile{int(compiled)}_fp8{fp8 or 0}"
         recipe = self.gpu.write_recipe(self.folder / label, self.inputs, self.args, checkpointing, compiled, fp8)
         result = self.gpu.measure(recipe, 1, self.args.warmup)
         if "failed" in result:
@@ -301,12 +301,12 @@ def profile_stage(results: Results, work: Path, out: Path, dry_run: bool) -> Non
 
 
 def extra_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
-    """c, the rest: the speed stage's llmtune run with torch.compile, then with float8 too; torchtitan beside it at
-    equal activation checkpointing, eager and compiled (full, then selective on both); llmtune with checkpointing
-    auto. The most wanted first: the stage's budget may end before the last."""
+    """c, the rest: the speed stage's llmtune run with torch.compile, then with float8 tensorwise too; torchtitan
+    beside it at equal activation checkpointing, eager and compiled (full, then selective on both); llmtune with
+    checkpointing auto; float8 rowwise. The most wanted first: the stage's budget may end before the last."""
     speed = Speed(work, dry_run)
 
-    def compiled(fp8: bool, checkpointing: bool | str = True) -> dict:
+    def compiled(fp8: bool | str, checkpointing: bool | str = True) -> dict:
         from llmtune.features.float8 import device_problem
 
         problem = device_problem() if fp8 else None
@@ -317,7 +317,8 @@ def extra_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
         return speed.llmtune(checkpointing, True, fp8)
 
     results.run("llmtune: bf16, activation checkpointing, torch.compile", lambda: compiled(False))
-    results.run("llmtune: bf16, activation checkpointing, torch.compile, float8", lambda: compiled(True))
+    results.run("llmtune: bf16, activation checkpointing, torch.compile, float8 tensorwise",
+                lambda: compiled("tensorwise"))
     results.run("torchtitan: bf16, full activation checkpointing", speed.torchtitan)
     results.run("torchtitan: bf16, full activation checkpointing, torch.compile", lambda: speed.torchtitan("full", True))
     results.run("llmtune: bf16, selective activation checkpointing, torch.compile",
@@ -325,6 +326,7 @@ def extra_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:
     results.run("torchtitan: bf16, selective activation checkpointing (op), torch.compile",
                 lambda: speed.torchtitan("selective", True))
     results.run("llmtune: bf16, activation checkpointing auto, torch.compile", lambda: compiled(False, "auto"))
+    results.run("llmtune: bf16, activation checkpointing, torch.compile, float8 rowwise", lambda: compiled("rowwise"))
 
 
 def memory_stage(results: Results, work: Path, out: Path, dry_run: bool) -> None:

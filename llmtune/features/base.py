@@ -11,6 +11,9 @@
     loss_terms(outputs, inputs)              CausalLMForTraining.forward: terms added to the micro-batch's summed
                                              loss, in its units (the trainer divides the sum by the step's
                                              labelled tokens)
+    around_step(model)                       Trainer, a context around each training step's forwards and backwards
+                                             (entered after the step's counts, left before its gradient clipping
+                                             and optimizer step), on every rank
     step_metrics(state)                      Trainer, after each training step's micro-batches, on every rank: values
                                              for metrics.jsonl
     state_dict() / load_state_dict(state)    trainer_state.json of every checkpoint, under the feature's name
@@ -20,6 +23,7 @@
 Every point does nothing until a feature overrides it; the Trainer never asks whether a feature is on.
 """
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -69,6 +73,11 @@ class Feature:
     def loss_terms(self, outputs, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """`outputs`: the decoder's outputs; `inputs`: the micro-batch the model was called with."""
         return None
+
+    def around_step(self, model) -> contextlib.AbstractContextManager:
+        """What holds while the training step's micro-batches run through `model` (the model being trained: every
+        rank enters it, so it may reduce over them)."""
+        return contextlib.nullcontext()
 
     def step_metrics(self, state) -> dict[str, float]:
         """Values of the training step whose micro-batches just ran, by metric name, the same on every rank: every
@@ -133,6 +142,13 @@ class Features:
     def loss_terms(self, outputs, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         terms = (feature.loss_terms(outputs, inputs) for feature in self.features)
         return [term for term in terms if term is not None]
+
+    @contextlib.contextmanager
+    def around_step(self, model):
+        with contextlib.ExitStack() as stack:
+            for feature in self.features:
+                stack.enter_context(feature.around_step(model))
+            yield
 
     def step_metrics(self, state) -> dict[str, float]:
         return {key: value for feature in self.features for key, value in feature.step_metrics(state).items()}

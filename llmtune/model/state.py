@@ -14,11 +14,20 @@ def whole(param: torch.Tensor) -> torch.Tensor:
     """The full value of a parameter, gathered from every rank when it is sharded (every rank must call); a
     quantized one dequantized (each rank its rows, which are those of the whole tensor's dequantization)."""
     if not is_quantized(param):
-        return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        return unwrapped(param.full_tensor() if isinstance(param, DTensor) else param.detach())
     rows = dequantized(held(param))
     if not isinstance(param, DTensor):
         return rows
     return DTensor.from_local(rows, param.device_mesh, param.placements, run_check=False).full_tensor()
+
+
+def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a subclass that wraps one to change how it computes (torchao's float8 weights,
+    WeightWithDynamicFloat8CastTensor, which gathering and copying keep): what a file saves."""
+    while type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, names[0])
+    return tensor
 
 
 def copy_rows(param: torch.Tensor, value: torch.Tensor) -> None:

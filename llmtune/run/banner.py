@@ -42,6 +42,7 @@ class Banner:
     quantized: int = 0  # parameters held in nf4 (model.quantize), whole-model count
     kept: int = 0  # model.quantize: those of the frozen linear weights nf4 cannot hold (not whole groups)
     float8: int = 0  # train.fp8: the linear layers that compute in float8
+    float8_scaling: str | None = None  # and with which scaling (config.FLOAT8_SCALINGS)
     batch: str | None = None  # the objective's own words for the global batch (Objective.global_batch_words)
     recipe_defaults: tuple[str, ...] = ()  # LLaMA-Factory's defaults a flat recipe took (Config.recipe_defaults)
 
@@ -65,7 +66,8 @@ class Banner:
             + (f", {self.kept:,} frozen in the compute dtype (linear weights of no whole number of {GROUP:,}-value "
                "groups, which nf4 cannot hold)" if self.kept else ""),
             f"precision {self.precision}"
-            + (f", float8 matmuls in {self.float8} linear layers (train.fp8)" if self.float8 else "")
+            + (f", float8 matmuls in {self.float8} linear layers (train.fp8 {self.float8_scaling})" if self.float8
+               else "")
             + f", attention {self.attention}, activation checkpointing {self.checkpointing}",
             f"planned peak memory {self.peak}",
         ] + ([f"threads {self.threads}"] if self.threads else []) + ([f"LLaMA-Factory recipe: its defaults for {', '.join(self.recipe_defaults)}"]
@@ -117,6 +119,7 @@ def start_banner(trainer, config, world_size: int, peak: str, threads: str = "")
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
         checkpointing=config.train.checkpointing(), float8=float8_layer_count(model.hf_model) if config.train.fp8 else 0,
+        float8_scaling=config.train.float8_scaling(),
         peak=peak, threads=threads,
         batch=trainer.objective.global_batch_words(data.global_batch),
         quantized=sum(p.numel() for p in params if is_quantized(p)),

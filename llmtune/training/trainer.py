@@ -268,15 +268,16 @@ class Trainer:
         # From the host: queued on the device's stream, nothing waited for.
         totals = self.state.all_reduce_sum(step.counts.to(device, non_blocking=True))
         weights = (objective.weights(totals) * (self.state.fsdp_group_size * self.loss_scale.scale)).float()
-        objective.begin(self.model, ((batch.inputs, batch) for batch in batches))
         sums = torch.zeros(sum(objective.sizes()), device=device, dtype=torch.float64)
-        for i, batch in enumerate(batches):
-            self.state.accumulate(self.model, last=i == len(batches) - 1)
-            terms = objective.terms(self.model, batch.inputs, batch)
-            (terms.loss * weights).sum().backward()
-            sums += torch.cat([terms.loss.detach(), terms.metrics]).double()
-            if i < len(batches) - 1:
-                self.callbacks("on_substep_end")
+        with self.features.around_step(self.model):
+            objective.begin(self.model, ((batch.inputs, batch) for batch in batches))
+            for i, batch in enumerate(batches):
+                self.state.accumulate(self.model, last=i == len(batches) - 1)
+                terms = objective.terms(self.model, batch.inputs, batch)
+                (terms.loss * weights).sum().backward()
+                sums += torch.cat([terms.loss.detach(), terms.metrics]).double()
+                if i < len(batches) - 1:
+                    self.callbacks("on_substep_end")
         sums = self.state.all_reduce_sum(sums)
         feature_metrics = self.features.step_metrics(self.state)
         trained = [p for p in self.model.parameters() if p.requires_grad]

@@ -5,9 +5,11 @@ Each case trains a recipe (task, overrides, and the context-parallel attention's
 worker does, exports when the recipe says so, and leaves in its output_dir, besides the run's own outputs:
 grads.pt, every parameter's full gradient at step 1, taken just before the optimizer step; and, for a case
 with a `probe` (token ids), logits.pt, the trained model's logits on it. A `resave` case trains nothing: it saves
-again at once the checkpoint it resumed from, as its own layout holds it after the load.
+again at once the checkpoint it resumed from, as its own layout holds it after the load. A `float8` case trains
+with float8 matmuls on the CPU: torch's emulation, the weights all-gathered in float8 over gloo (tests/helpers.py).
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -21,6 +23,7 @@ from llmtune.model import attention
 from llmtune.run.parallel import ParallelState
 from llmtune.run.process_exit import run_and_exit
 from llmtune.run.worker import build_trainer
+from tests.helpers import emulated_float8_matmul, gloo_float8_all_gather
 
 
 def run_case(recipe: str, overrides: list[str], world_size: int, keep_process_group: bool = False, task: str = "sft",
@@ -66,9 +69,13 @@ def main(spec: str) -> None:
     for number, case in enumerate(cases, start=1):
         # A window shorter than the test's sequences makes the attention go document span by span.
         attention.DOCUMENT_WINDOW = case.get("document_window") or default_window
-        run_case(case["recipe"], case["overrides"], int(os.environ["WORLD_SIZE"]),
-                 keep_process_group=number < len(cases), task=case.get("task", "sft"), probe=case.get("probe"),
-                 resave=case.get("resave", False))
+        with contextlib.ExitStack() as stack:
+            if case.get("float8"):
+                stack.enter_context(emulated_float8_matmul())
+                stack.enter_context(gloo_float8_all_gather())
+            run_case(case["recipe"], case["overrides"], int(os.environ["WORLD_SIZE"]),
+                     keep_process_group=number < len(cases), task=case.get("task", "sft"), probe=case.get("probe"),
+                     resave=case.get("resave", False))
 
 
 if __name__ == "__main__":

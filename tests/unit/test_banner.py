@@ -28,9 +28,10 @@ def test_the_banner_says_the_runs_numbers():
 
 
 def test_float8_layers_are_counted_in_the_precision_line():
-    assert dataclasses.replace(FRESH, precision="bf16 mixed (train.bf16)", float8=14).lines()[4] == (
-        "precision bf16 mixed (train.bf16), float8 matmuls in 14 linear layers (train.fp8), attention sdpa (through "
-        "llmtune_documents), activation checkpointing selective")
+    assert dataclasses.replace(FRESH, precision="bf16 mixed (train.bf16)", float8=14,
+                               float8_scaling="tensorwise").lines()[4] == (
+        "precision bf16 mixed (train.bf16), float8 matmuls in 14 linear layers (train.fp8 tensorwise), attention sdpa "
+        "(through llmtune_documents), activation checkpointing selective")
 
 
 def test_a_resumed_run_and_a_stream_say_so():

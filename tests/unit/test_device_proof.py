@@ -28,7 +28,8 @@ CUDA_ONLY = {
              "pt float8", "sft torch.compile"},
     "memory": {"loss: Liger fused linear cross-entropy"},
     "extra": {"llmtune: bf16, activation checkpointing, torch.compile",
-              "llmtune: bf16, activation checkpointing, torch.compile, float8",
+              "llmtune: bf16, activation checkpointing, torch.compile, float8 tensorwise",
+              "llmtune: bf16, activation checkpointing, torch.compile, float8 rowwise",
               "torchtitan: bf16, full activation checkpointing",
               "torchtitan: bf16, full activation checkpointing, torch.compile",
               "llmtune: bf16, selective activation checkpointing, torch.compile",
@@ -110,7 +111,7 @@ def test_what_needs_cuda_is_reported_skipped_for_want_of_it(report):
     tests = stages["tests"]["rows"]
     assert {row["name"].split("::")[1] for row in tests} >= {
         "test_flash_attention_on_packed_rows_equals_every_document_alone_on_cuda",
-        "test_a_swapped_layer_computes_in_float8[cuda]",
+        "test_a_swapped_layer_computes_in_float8[cuda-tensorwise]",
         "test_the_fused_loss_alone_in_evaluation_with_lm_head_alone_trained_and_without_labels"}
     assert all(row["status"] == "skipped" and row["reason"].startswith("no CUDA: ") for row in tests)
     planned = [row for stage in stages.values() for row in stage["rows"] if "planned_gib" in row]

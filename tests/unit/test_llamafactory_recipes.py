@@ -317,3 +317,21 @@ def test_llamafactorys_vision_language_examples_read_key_by_key(tmp_path, text, 
     assert (config.train.freeze_vision_tower, config.train.freeze_multi_modal_projector,
             config.train.freeze_language_model) == (True, True, False)
     assert (config.peft.method, config.peft.target_modules) == ("lora", ["all-linear"])
+
+
+def test_the_vision_language_parts_that_train_are_read_from_a_flat_recipe(tmp_path):
+    text = MINIMAL + "freeze_vision_tower: false\nfreeze_multi_modal_projector: false\nfreeze_language_model: true\n"
+    config = load_config(flat(tmp_path, text), [], "sft", 1)
+    assert (config.train.freeze_vision_tower, config.train.freeze_multi_modal_projector,
+            config.train.freeze_language_model) == (False, False, True)
+
+
+def test_llamafactorys_fp8_keys_are_train_fp8_tensorwise_on_torchao(tmp_path):
+    """fp8: true with its torchao backend and its float8 all-gather is train.fp8 tensorwise (which always gathers in
+    float8); Transformer Engine's backend is refused."""
+    keys = "bf16: true\ntorch_compile: true\nfp8: true\nfp8_backend: torchao\nfp8_enable_fsdp_float8_all_gather: true\n"
+    config = load_config(flat(tmp_path, MINIMAL + keys), [], "sft", 1)
+    assert config.train.float8_scaling() == "tensorwise"
+    with pytest.raises(UserError, match="fp8_backend 'te': llmtune's float8 training .fp8. is torchao's; leave "
+                                        "fp8_backend out, or set it to auto or torchao"):
+        load_config(flat(tmp_path, MINIMAL + keys.replace("torchao", "te")), [], "sft", 1)
