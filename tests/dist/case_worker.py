@@ -23,7 +23,6 @@ from llmtune.model import attention
 from llmtune.run.parallel import ParallelState
 from llmtune.run.process_exit import run_and_exit
 from llmtune.run.worker import build_trainer
-from tests.helpers import emulated_float8_matmul, gloo_float8_all_gather
 
 
 def run_case(recipe: str, overrides: list[str], world_size: int, keep_process_group: bool = False, task: str = "sft",
@@ -71,6 +70,9 @@ def main(spec: str) -> None:
         attention.DOCUMENT_WINDOW = case.get("document_window") or default_window
         with contextlib.ExitStack() as stack:
             if case.get("float8"):
+                # Here, not at the top: the launches that run no float8 case need not put the repository on the path.
+                from tests.helpers import emulated_float8_matmul, gloo_float8_all_gather
+
                 stack.enter_context(emulated_float8_matmul())
                 stack.enter_context(gloo_float8_all_gather())
             run_case(case["recipe"], case["overrides"], int(os.environ["WORLD_SIZE"]),
