@@ -575,6 +575,14 @@ class ParallelConfig:
                                "peers share the shards too); -1 = the ranks left, world / (dp_replicate x cp_size).")
     cp_size: int = _field(1, "Context-parallel ranks per sequence, each holding 1/cp_size of its tokens; 1 = off.")
     cp_type: str = _field("ulysses", "Context parallelism: ulysses (all-to-all attention over heads).")
+    tp_size: int = _field(1, "Tensor-parallel ranks (consecutive: a node's GPUs) that split every decoder layer's "
+                             "linear weights, its heads and the vocabulary between them, by the model family's own "
+                             "plan (config.base_model_tp_plan); the other dimensions are laid over world / tp_size; "
+                             "1 = off.")
+    sequence_parallel: bool = _field(True, "With tp_size > 1: the norms and the residual stream between the "
+                                           "tensor-parallel regions hold 1/tp_size of each row's tokens per rank "
+                                           "(activations 1/tp_size; the all-reduces become reduce-scatters and "
+                                           "all-gathers); false keeps them whole on every tp rank.")
     expert_parallel: int = _field(1, "MoE models: ranks each routed expert layer's experts are split over (each "
                                      "rank holds experts / n of them, tokens sent to their expert's rank by "
                                      "all-to-all); n consecutive dp_shard ranks; n divides dp_shard and the expert "
@@ -605,6 +613,8 @@ class ParallelConfig:
         out = []
         if self.cp_size < 1:
             out.append(f"parallel.cp_size: {self.cp_size} must be at least 1")
+        if self.tp_size < 1:
+            out.append(f"parallel.tp_size: {self.tp_size} must be at least 1")
         if self.timeout_minutes <= 0:
             out.append(f"parallel.timeout_minutes: {self.timeout_minutes} must be above 0")
         if self.cp_type != "ulysses":
@@ -627,16 +637,26 @@ class ParallelConfig:
         return out
 
     def shard_size(self, world_size: int) -> int:
-        """The ranks one copy of the model is sharded over (dp_shard x cp_size)."""
-        return world_size // self.dp_replicate
+        """The ranks FSDP shards one copy of the model over (dp_shard x cp_size); a tensor-parallel weight is split
+        over tp_size ranks besides."""
+        return world_size // (self.dp_replicate * self.tp_size)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The ranks that read different rows (dp_replicate x dp_shard): cp and tp peers read the same ones."""
+        return world_size // (self.cp_size * self.tp_size)
 
     def describe(self, world_size: int) -> str:
         """The layout as the start banner and llmtune plan say it: the mesh, then what differs from plain FSDP2."""
         shard = self.shard_size(world_size)
+        tp = f" x tp {self.tp_size}" if self.tp_size > 1 else ""
         words = [f"{world_size} rank(s) = replicate {self.dp_replicate} x shard {shard // self.cp_size} x cp "
-                 f"{self.cp_size}; every parameter sharded over {shard} rank(s)"
+                 f"{self.cp_size}{tp}; every parameter sharded over {shard} rank(s)"
                  + (f", its {self.dp_replicate} copies' gradients all-reduced once per step" if self.dp_replicate > 1
                     else "")]
+        if self.tp_size > 1:
+            words.append(f"tp {self.tp_size}: every decoder layer's linear weights, heads and the vocabulary split "
+                         f"over {self.tp_size} consecutive ranks by the model's plan"
+                         + (", norms and residual stream sequence-parallel" if self.sequence_parallel else ""))
         if self.cpu_offload:
             words.append("parameters, gradients and optimizer state in CPU memory (parallel.cpu_offload)")
         after = self.reshard_after_forward
@@ -657,17 +677,22 @@ class ParallelConfig:
 
     def layout_problem(self, world_size: int) -> str | None:
         """Why the layout cannot be laid over world_size ranks, or None."""
-        cp, replicate = self.cp_size, self.dp_replicate
-        if cp < 1 or world_size % cp:
-            return (f"parallel.cp_size: {cp} does not divide the world size {world_size}; use a world size that is a "
+        cp, replicate, tp = self.cp_size, self.dp_replicate, self.tp_size
+        if tp < 1 or world_size % tp:
+            return (f"parallel.tp_size: {tp} does not divide the world size {world_size}; use a world size that is a "
                     "multiple of it")
-        if world_size % (replicate * cp):
-            return (f"parallel.dp_replicate: {replicate} x cp_size {cp} does not divide the world size {world_size}; "
-                    f"choose a dp_replicate that divides {world_size // cp}")
-        shard = world_size // (replicate * cp)
+        if cp < 1 or world_size % (cp * tp):
+            return (f"parallel.cp_size: {cp}{f' x tp_size {tp}' if tp > 1 else ''} does not divide the world size "
+                    f"{world_size}; use a world size that is a multiple of it")
+        if world_size % (replicate * cp * tp):
+            return (f"parallel.dp_replicate: {replicate} x cp_size {cp}{f' x tp_size {tp}' if tp > 1 else ''} does "
+                    f"not divide the world size {world_size}; choose a dp_replicate that divides "
+                    f"{world_size // (cp * tp)}")
+        shard = world_size // (replicate * cp * tp)
         if self.dp_shard not in (-1, shard):
-            return (f"parallel.dp_shard: dp_replicate {replicate} x dp_shard {self.dp_shard} x cp_size {cp} is not "
-                    f"the world size {world_size}; set dp_shard: {shard}, or -1 for the ranks left")
+            return (f"parallel.dp_shard: dp_replicate {replicate} x dp_shard {self.dp_shard} x cp_size {cp}"
+                    f"{f' x tp_size {tp}' if tp > 1 else ''} is not the world size {world_size}; set dp_shard: "
+                    f"{shard}, or -1 for the ranks left")
         if shard % self.expert_parallel:
             return (f"parallel.expert_parallel: {self.expert_parallel} does not divide dp_shard {shard}; choose a "
                     f"divisor of {shard}")
@@ -1195,7 +1220,7 @@ class Config:
     recipe_defaults: list[str] = field(default_factory=list)
 
     def dp_size(self, world_size: int) -> int:
-        return world_size // self.parallel.cp_size
+        return self.parallel.data_parallel_size(world_size)
 
     def preference(self) -> PairConfig | None:
         """The section of a task whose rows are pairs (dpo's, kto's, rm's), None for another task."""

@@ -12,12 +12,14 @@ from llmtune.features.multimodal_freezing import MultimodalFreezing
 from llmtune.features.multimodal_positions import MultimodalPositions
 from llmtune.features.quantization import QuantizedBase
 from llmtune.features.router_loss import RouterLoss
+from llmtune.features.tensor_parallel import TensorParallel
 from llmtune.features.ulysses import ContextParallel
 
-# QuantizedBase after Adapters: it quantizes what the adapters leave frozen. MultimodalPositions after
+# TensorParallel first: every other feature acts on the split model, and context parallelism slices rows it has
+# padded. QuantizedBase after Adapters: it quantizes what the adapters leave frozen. MultimodalPositions after
 # PackedDocuments: it replaces the text positions the documents' transform reads. MultimodalFreezing after Adapters
 # and Freezing, whose choice it narrows.
-FEATURES = (ContextParallel, PackedDocuments, MultimodalPositions, FusedKernels, Float8Training, Adapters,
+FEATURES = (TensorParallel, ContextParallel, PackedDocuments, MultimodalPositions, FusedKernels, Float8Training, Adapters,
             QuantizedBase, Freezing, MultimodalFreezing, RouterLoss, ExpertParallel)
 
 

@@ -35,16 +35,18 @@ from llmtune.model.multimodal import is_multimodal
 ATTENTION = "llmtune_ulysses"
 
 
-def layout_problems(model_config, cp: int) -> list[str]:
+def layout_problems(model_config, cp: int, tp: int = 1) -> list[str]:
     """What stops this model (its transformers config, whatever names its config.json uses) from running with
-    cp ranks per sequence."""
+    cp ranks per sequence; with tp ranks besides, the heads each tp rank holds are spread over the cp ranks."""
     text = model_config.get_text_config()
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads and tp > 1 and not heads % tp and not kv_heads % tp:
+        heads, kv_heads = heads // tp, kv_heads // tp
     problems = []
     if heads is None or heads % cp:
-        problems.append(f"parallel.cp_size: {cp} does not divide the model's {heads} attention heads; "
-                        "choose a cp_size that divides it")
+        problems.append(f"parallel.cp_size: {cp} does not divide the model's {heads} attention heads"
+                        f"{' per tp rank' if tp > 1 else ''}; choose a cp_size that divides it")
     elif kv_heads % cp and cp % kv_heads:
         problems.append(f"parallel.cp_size: the model's {kv_heads} key/value heads are neither a multiple nor a "
                         f"divisor of cp_size {cp}, so they cannot be spread over the cp ranks")
@@ -68,7 +70,7 @@ class ContextParallel(Feature):
 
     @staticmethod
     def check(config, model_config, world_size: int) -> list[str]:
-        problems = layout_problems(model_config, config.parallel.cp_size)
+        problems = layout_problems(model_config, config.parallel.cp_size, config.parallel.tp_size)
         if config.model.attn_implementation == "flex_attention":
             # Its block mask is built by transformers for the rows the model sees, here 1/cp of each.
             problems.append("parallel.cp_size: flex_attention does not run with context parallelism; use sdpa or "
@@ -95,36 +97,51 @@ class SequenceShard:
     """This rank's contiguous slice of every sequence of a micro-batch, and the whole sequence's position_ids
     for the attention (which sees the full sequence and masks it by document)."""
 
-    # Any valid token id pads the sequence to a multiple of cp: the pads come after every real token, which
-    # causal attention never lets look ahead, and they carry no label.
-    PAD_ID = 0
-
     def __init__(self, size: int, rank: int):
         self.size, self.rank = size, rank
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        input_ids, labels = inputs["input_ids"], inputs["shift_labels"]
-        batch, length = input_ids.shape
-        positions = inputs.get("position_ids")
-        if positions is None:
-            positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+        inputs = padded_rows(inputs, self.size)
         documents = document_positions(inputs)
-        padded = -(-length // self.size) * self.size
-        extra = padded - length
-        if extra:
-            input_ids = F.pad(input_ids, (0, extra), value=self.PAD_ID)
-            labels = F.pad(labels, (0, extra), value=IGNORE_INDEX)
-            # The pads go on counting the last document's positions: they join it, after all of its tokens.
-            positions, documents = (torch.cat([t, t[:, -1:] + torch.arange(1, extra + 1, device=t.device)], dim=1)
-                                    for t in (positions, documents))
+        padded = inputs["input_ids"].shape[1]
         part = slice(self.rank * padded // self.size, (self.rank + 1) * padded // self.size)
-        sliced = {"input_ids": input_ids[:, part].contiguous(), "shift_labels": labels[:, part].contiguous(),
-                  "position_ids": positions[:, part].contiguous(), "document_positions": documents.contiguous()}
-        if "sequence_ids" in inputs:  # a preference task's: which sequence each token belongs to (-1: padding)
-            sliced["sequence_ids"] = F.pad(inputs["sequence_ids"], (0, extra), value=-1)[:, part].contiguous()
-        for key in (key for key in TOKEN_VALUES if key in inputs):  # values in line with the labels
-            sliced[key] = F.pad(inputs[key], (0, extra))[:, part].contiguous()
+        sliced = {key: inputs[key][:, part].contiguous() for key in ("input_ids", "shift_labels", "position_ids")}
+        sliced["document_positions"] = documents.contiguous()
+        for key in (key for key in ("sequence_ids", *TOKEN_VALUES) if key in inputs):
+            sliced[key] = inputs[key][:, part].contiguous()
         return sliced
+
+
+# Any valid token id pads a row: the pads come after every real token, which causal attention never lets look ahead,
+# and they carry no label.
+PAD_ID = 0
+
+
+def padded_rows(inputs: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """A micro-batch's rows padded to a multiple of `multiple` tokens, so that they split evenly over that many ranks
+    (cp peers, or tp ranks under sequence parallelism): the pads carry no label, go on counting the last
+    document's positions (they join it, after all of its tokens), belong to no sequence and are masked out where the
+    rows have an attention mask. The inputs as they are where nothing is padded, and with position_ids."""
+    input_ids = inputs["input_ids"]
+    batch, length = input_ids.shape
+    positions = inputs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+    extra = -(-length // multiple) * multiple - length
+    padded = {**inputs, "position_ids": positions}
+    if not extra:
+        return padded
+    padded.update(input_ids=F.pad(input_ids, (0, extra), value=PAD_ID),
+                  shift_labels=F.pad(inputs["shift_labels"], (0, extra), value=IGNORE_INDEX),
+                  position_ids=torch.cat([positions, positions[:, -1:] + torch.arange(1, extra + 1,
+                                                                                     device=positions.device)], 1))
+    if "attention_mask" in inputs:
+        padded["attention_mask"] = F.pad(inputs["attention_mask"], (0, extra))
+    if "sequence_ids" in inputs:  # a preference task's: which sequence each token belongs to (-1: padding)
+        padded["sequence_ids"] = F.pad(inputs["sequence_ids"], (0, extra), value=-1)
+    for key in (key for key in TOKEN_VALUES if key in inputs):  # values in line with the labels
+        padded[key] = F.pad(inputs[key], (0, extra))
+    return padded
 
 
 class _AllToAll(torch.autograd.Function):

@@ -34,6 +34,7 @@ _ChunkedTokenLogps).
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
@@ -97,12 +98,77 @@ def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     labelled_positions(shifted_labels), if known (None: computed here)."""
     hidden = hidden.reshape(-1, hidden.size(-1))
     shifted_labels = shifted_labels.reshape(-1)
+    shard = VocabShard.of(weight, bias) if options.chunk_size and not options.fused else None
+    weight, bias = (shard.weight, shard.bias) if shard else _whole(weight, bias)
     if options.fused:
         return _fused_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
     if options.chunk_size:
         labelled = labelled_positions(shifted_labels) if labelled is None else labelled
-        return _chunked_cross_entropy_sum(hidden, weight, bias, shifted_labels, labelled, options)
+        return _chunked_cross_entropy_sum(hidden, weight, bias, shifted_labels, labelled, options, shard)
     return _full_logits_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Loss parallel: this tensor-parallel rank's rows of a head split over the vocabulary (model/tensor_parallel.py),
+    which the chunked paths compute on alone; the logsumexp, the labels' logits and the sums over the vocabulary are
+    reduced over the tp ranks (two all-reduces of [chunk] values a chunk), and the hidden states' gradient, to which
+    each shard adds its part, once per call. No rank holds a [chunk, vocab] block of the whole vocabulary."""
+
+    weight: torch.Tensor  # [V / tp, H], this rank's rows
+    bias: torch.Tensor | None
+    group: object  # the tp ranks' process group
+    start: int  # the first vocabulary id of this rank's rows
+    vocab: int  # the whole vocabulary
+
+    @classmethod
+    def of(cls, weight, bias) -> "VocabShard | None":
+        from llmtune.model.tensor_parallel import vocabulary_shard
+
+        found = vocabulary_shard(weight)
+        if found is None:
+            return None
+        local, group, start = found
+        local_bias = None if bias is None else vocabulary_shard(bias)[0]
+        return cls(local, local_bias, group, start, weight.shape[0])
+
+    def picked(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each row's logit at its label where this rank holds it, else 0 (summed over the ranks: the label's)."""
+        local = labels - self.start
+        here = (local >= 0) & (local < logits.shape[1])
+        return logits.gather(1, local.where(here, 0)[:, None]).squeeze(1).where(here, 0.0)
+
+    def add_at_labels(self, grad: torch.Tensor, labels: torch.Tensor, value) -> None:
+        """grad[i, label_i] += value (a number or [n]) where this rank holds the label."""
+        local = labels - self.start
+        here = (local >= 0) & (local < grad.shape[1])
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        added = torch.as_tensor(value, dtype=grad.dtype, device=grad.device).expand(len(rows))
+        grad.index_put_((rows[here], local[here]), added[here], accumulate=True)
+
+    def softmax_and_lse_(self, logits: torch.Tensor, sums: torch.Tensor):
+        """(the softmax over the whole vocabulary of this rank's fp32 logits [n, V / tp], written over them; the
+        logsumexp of each row, [n]; `sums` [k, n], summed over the ranks in the same collective)."""
+        row_max = logits.amax(dim=-1)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=self.group)
+        logits.sub_(row_max[:, None]).exp_()
+        totals = torch.cat([logits.sum(dim=-1)[None], sums])
+        dist.all_reduce(totals, group=self.group)
+        return logits.div_(totals[0][:, None]), row_max + totals[0].log(), totals[1:]
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(values, group=self.group)
+        return values
+
+
+def _whole(weight, bias):
+    """A head split over the vocabulary, gathered whole (the reference and fused paths, which compute every
+    vocabulary id in one block); a whole one as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):
+        return weight, bias
+    return weight.full_tensor(), None if bias is None else bias.full_tensor()
 
 
 def _full_logits(hidden, weight, bias, options: LossOptions) -> torch.Tensor:
@@ -150,21 +216,23 @@ def _fused_cross_entropy_sum(hidden, weight, bias, labels, options: LossOptions)
 
 
 def _chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               labels: torch.Tensor, labelled: torch.Tensor, options: LossOptions) -> torch.Tensor:
+                               labels: torch.Tensor, labelled: torch.Tensor, options: LossOptions,
+                               shard: VocabShard | None = None) -> torch.Tensor:
     """fp32 sum of the per-token losses over labels != IGNORE_INDEX, whose flat indices are `labelled`; hidden
-    [T, H], weight [V, H], labels [T]."""
+    [T, H], weight [V, H] (this rank's [V / tp, H] under loss parallel, `shard`), labels [T]."""
     # Decided here, not in forward: there grad mode is always off, and ctx.needs_input_grad
     # ignores torch.no_grad().
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, labelled, options)
-    loss, *_ = _loss_and_grads(hidden, weight, bias, labels, labelled, options, needs=(False, False, False))
+        return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, labelled, options, shard)
+    loss, *_ = _loss_and_grads(hidden, weight, bias, labels, labelled, options, (False, False, False), shard)
     return loss
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, labelled, options):
-        loss, *grads = _loss_and_grads(hidden, weight, bias, labels, labelled, options, needs=ctx.needs_input_grad[:3])
+    def forward(ctx, hidden, weight, bias, labels, labelled, options, shard):
+        loss, *grads = _loss_and_grads(hidden, weight, bias, labels, labelled, options, ctx.needs_input_grad[:3],
+                                       shard)
         ctx.grads = grads
         return loss
 
@@ -175,18 +243,26 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                                "use LossOptions(chunk_size=0) to backward through the loss more than once")
         grads, ctx.grads = ctx.grads, None
         # Scaled in place: a scaled copy would add a second [V, H] buffer at the peak.
-        return *(None if g is None else g.mul_(grad_output) for g in grads), None, None, None
+        return *(None if g is None else g.mul_(grad_output) for g in grads), None, None, None, None
 
 
-def _loss_and_grads(hidden, weight, bias, labels, labelled, options, needs):
+def _loss_and_grads(hidden, weight, bias, labels, labelled, options, needs, shard: VocabShard | None):
     """The summed loss and the gradients of it w.r.t. (hidden, weight, bias) flagged in `needs` (else None)."""
     grads = _grad_accumulators(hidden, weight, bias, needs)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     chunks = labelled.split(options.chunk_size)
     blocks = _Blocks.for_chunks(chunks, weight)
     for chunk in chunks:
-        loss += _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks)
+        loss += _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks, shard)
+    _hidden_grad_summed(grads, shard)
     return loss, *_in_input_dtypes(grads, weight, bias)
+
+
+def _hidden_grad_summed(grads, shard: VocabShard | None) -> None:
+    """Under loss parallel, the hidden states' gradient summed over the vocabulary shards: each rank's holds the
+    part of its own logits."""
+    if shard is not None and grads[0] is not None:
+        shard.sum(grads[0])
 
 
 def _grad_accumulators(hidden, weight, bias, needs):
@@ -231,12 +307,13 @@ class _Blocks:
         return grad_logits if self.low is None else self.low[:len(grad_logits)].copy_(grad_logits)
 
 
-def _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks: _Blocks) -> torch.Tensor:
+def _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks: _Blocks,
+               shard: VocabShard | None) -> torch.Tensor:
     """Loss of the tokens at row indices `chunk`; their gradients are added to `grads` (None: not needed)."""
     chunk_hidden = hidden.index_select(0, chunk)
     logits = blocks.logits(chunk_hidden, weight, bias)
     loss, grad_logits = _cross_entropy_and_grad(logits, labels.index_select(0, chunk), options,
-                                                need_grad=any(g is not None for g in grads))
+                                                need_grad=any(g is not None for g in grads), shard=shard)
     if grad_logits is not None:
         _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks)
     return loss
@@ -263,8 +340,10 @@ def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += a @ b
 
 
-def _cross_entropy_and_grad(logits: torch.Tensor, labels: torch.Tensor, options: LossOptions, need_grad: bool):
-    """Summed loss of fp32 logits [n, V] and, if need_grad, d(loss)/d(logits), computed in the logits' storage.
+def _cross_entropy_and_grad(logits: torch.Tensor, labels: torch.Tensor, options: LossOptions, need_grad: bool,
+                            shard: VocabShard | None = None):
+    """Summed loss of fp32 logits [n, V] (this rank's [n, V / tp] under loss parallel, `shard`) and, if need_grad,
+    d(loss)/d(logits), computed in the logits' storage.
 
     Per token, with s the (soft-capped) logits, lse = logsumexp(s) and eps the label smoothing:
     loss = lse - (1 - eps) * s[label] - eps * mean(s) + z_loss * lse**2, the definition of
@@ -272,10 +351,17 @@ def _cross_entropy_and_grad(logits: torch.Tensor, labels: torch.Tensor, options:
     """
     eps, z_loss = options.label_smoothing, options.z_loss
     logits, tanh_slope = _softcap_(logits, options.logit_softcap, need_grad)
-    per_token = -(1 - eps) * logits.gather(1, labels[:, None]).squeeze(1)
-    if eps:
-        per_token -= eps * logits.mean(dim=-1)
-    probs, lse = _softmax_and_lse_(logits)
+    if shard is None:
+        per_token = -(1 - eps) * logits.gather(1, labels[:, None]).squeeze(1)
+        if eps:
+            per_token -= eps * logits.mean(dim=-1)
+        probs, lse = _softmax_and_lse_(logits)
+    else:
+        # The label's logit and the row's sum, from the rank holding it and from every rank's part: summed with
+        # the softmax's normalizer.
+        parts = torch.stack([shard.picked(logits, labels), logits.sum(dim=-1) if eps else logits.new_zeros(len(labels))])
+        probs, lse, (picked, total) = shard.softmax_and_lse_(logits, parts)
+        per_token = -(1 - eps) * picked - eps * total / shard.vocab
     per_token += lse
     if z_loss:
         per_token += z_loss * lse.square()
@@ -285,8 +371,11 @@ def _cross_entropy_and_grad(logits: torch.Tensor, labels: torch.Tensor, options:
     if z_loss:
         grad *= 1 + 2 * z_loss * lse[:, None]
     if eps:
-        grad -= eps / grad.size(1)
-    grad[torch.arange(grad.size(0), device=grad.device), labels] -= 1 - eps
+        grad -= eps / (shard.vocab if shard else grad.size(1))
+    if shard is None:
+        grad[torch.arange(grad.size(0), device=grad.device), labels] -= 1 - eps
+    else:
+        shard.add_at_labels(grad, labels, -(1 - eps))
     if tanh_slope is not None:
         grad *= tanh_slope
     return per_token.sum(), grad
@@ -330,15 +419,19 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     labels = shifted_labels.reshape(-1)
     hidden = hidden.reshape(-1, hidden.size(-1))
+    shard = VocabShard.of(weight, bias) if options.chunk_size else None
+    weight, bias = (shard.weight, shard.bias) if shard else _whole(weight, bias)
     if options.chunk_size:
         labelled = labelled_positions(labels) if labelled is None else labelled
     if not options.chunk_size:
         logps, entropy = _full_logits_token_logps(hidden, weight, bias, labels, options, with_entropy)
     # Decided here, not in forward: there grad mode is always off (as in _chunked_cross_entropy_sum).
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        logps, entropy = _ChunkedTokenLogps.apply(hidden, weight, bias, labels, labelled, options, with_entropy)
+        logps, entropy = _ChunkedTokenLogps.apply(hidden, weight, bias, labels, labelled, options, with_entropy,
+                                                  shard)
     else:
-        logps, _, entropy = _chunked_token_logps(hidden, weight, bias, labels, labelled, options, with_entropy)
+        logps, _, entropy = _chunked_token_logps(hidden, weight, bias, labels, labelled, options, with_entropy,
+                                                 shard)
     logps = logps.view(shifted_labels.shape)
     return (logps, entropy.view(shifted_labels.shape)) if with_entropy else logps
 
@@ -351,10 +444,11 @@ def _full_logits_token_logps(hidden, weight, bias, labels, options: LossOptions,
     return picked.where(labelled, 0.0), entropy
 
 
-def _chunked_token_logps(hidden, weight, bias, labels, labelled, options: LossOptions, with_entropy: bool = False):
+def _chunked_token_logps(hidden, weight, bias, labels, labelled, options: LossOptions, with_entropy: bool = False,
+                         shard: VocabShard | None = None):
     """(fp32 log-probs [T], 0 where ignored; the logsumexp of each labelled token's (tempered) logits, in the order
     of `labelled`; with_entropy: each labelled token's entropy [T], 0 elsewhere, else None), one [chunk, V] block at a
-    time."""
+    time (of this rank's [chunk, V / tp] under loss parallel, `shard`)."""
     logps = torch.zeros(len(labels), dtype=torch.float32, device=hidden.device)
     entropy = torch.zeros_like(logps) if with_entropy else None
     chunks = labelled.split(options.chunk_size)
@@ -365,12 +459,17 @@ def _chunked_token_logps(hidden, weight, bias, labels, labelled, options: LossOp
         logits, _ = _softcap_(logits, options.logit_softcap, need_slope=False)
         if options.temperature != 1.0:
             logits.div_(options.temperature)
-        picked = logits.gather(1, labels.index_select(0, chunk)[:, None]).squeeze(1)
-        probs, chunk_lse = _softmax_and_lse_(logits)
+        chunk_labels = labels.index_select(0, chunk)
+        if shard is None:
+            picked = logits.gather(1, chunk_labels[:, None]).squeeze(1)
+            probs, chunk_lse = _softmax_and_lse_(logits)
+        else:
+            probs, chunk_lse, (picked,) = shard.softmax_and_lse_(logits, shard.picked(logits, chunk_labels)[None])
         logps.index_copy_(0, chunk, picked - chunk_lse)
         if with_entropy:
             # -sum p log p, from the probabilities the block now holds: entr(0) is 0 where p underflowed.
-            entropy.index_copy_(0, chunk, torch.special.entr(probs).sum(dim=-1))
+            chunk_entropy = torch.special.entr(probs).sum(dim=-1)
+            entropy.index_copy_(0, chunk, chunk_entropy if shard is None else shard.sum(chunk_entropy))
         lse.append(chunk_lse)
     return logps, torch.cat(lse) if lse else logps.new_empty(0), entropy
 
@@ -383,10 +482,11 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     vocabulary."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, labelled, options, with_entropy):
-        logps, lse, entropy = _chunked_token_logps(hidden, weight, bias, labels, labelled, options, with_entropy)
+    def forward(ctx, hidden, weight, bias, labels, labelled, options, with_entropy, shard):
+        logps, lse, entropy = _chunked_token_logps(hidden, weight, bias, labels, labelled, options, with_entropy,
+                                                   shard)
         ctx.save_for_backward(hidden, weight, bias, labels, labelled, lse)
-        ctx.options = options
+        ctx.options, ctx.shard = options, shard
         if entropy is not None:
             ctx.mark_non_differentiable(entropy)
         return logps, entropy
@@ -394,7 +494,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, _):
         hidden, weight, bias, labels, labelled, lse = ctx.saved_tensors
-        options = ctx.options
+        options, shard = ctx.options, ctx.shard
         grads = _grad_accumulators(hidden, weight, bias, ctx.needs_input_grad[:3])
         chunks = labelled.split(options.chunk_size)
         blocks = _Blocks.for_chunks(chunks, weight)
@@ -408,10 +508,14 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             # d log p(label) / d s = onehot(label) - p, with p = exp(s - lse), scaled per token by its grad_output;
             # all in the block, which holds the logits.
             grad_logits = logits.sub_(chunk_lse[:, None]).exp_().mul_(-grad[:, None])
-            grad_logits[torch.arange(len(chunk), device=chunk.device), labels.index_select(0, chunk)] += grad
+            if shard is None:
+                grad_logits[torch.arange(len(chunk), device=chunk.device), labels.index_select(0, chunk)] += grad
+            else:
+                shard.add_at_labels(grad_logits, labels.index_select(0, chunk), grad)
             if options.temperature != 1.0:  # through s / T
                 grad_logits /= options.temperature
             if tanh_slope is not None:
                 grad_logits *= tanh_slope
             _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks)
-        return *_in_input_dtypes(grads, weight, bias), None, None, None, None
+        _hidden_grad_summed(grads, shard)
+        return *_in_input_dtypes(grads, weight, bias), None, None, None, None, None

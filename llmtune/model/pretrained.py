@@ -28,7 +28,7 @@ from transformers.core_model_loading import (Concatenate, Interleave, MergeModul
 
 from llmtune.errors import UserError
 from llmtune.model.quantize import is_quantized
-from llmtune.model.state import copy_rows, local_rows, shard_start
+from llmtune.model.state import copy_rows, local_block, local_rows
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -206,7 +206,8 @@ def load_weights(hf_model: PreTrainedModel, folder: Path, tensors: dict[str, tor
         with torch.device("meta"):
             plain = type(hf_model)(hf_model.config)
     for name, tensor in tensors.items():
-        local, start = local_rows(tensor), shard_start(tensor)
+        local, block = local_rows(tensor), local_block(tensor)
+        start = block[0].start if block else 0
         if name in fresh:
             with torch.no_grad():
                 copy_rows(tensor, fresh_value(plain, name, seed))
@@ -217,8 +218,13 @@ def load_weights(hf_model: PreTrainedModel, folder: Path, tensors: dict[str, tor
             # rank reads the whole weight, one at a time.
             with torch.no_grad():
                 copy_rows(tensor, read_rows(source, 0, source.shape[0]))
-        elif isinstance(source, Stored):
+        elif isinstance(source, Stored) and all(part == slice(0, size) for part, size in zip(block[1:],
+                                                                                          source.shape[1:])):
             read_rows_into(local, source, start)
+        elif isinstance(source, Stored):
+            # A tensor-parallel rowwise weight: this rank's columns of its rows.
+            with torch.no_grad():
+                local.copy_(read_rows(source, start, len(local))[(slice(None), *block[1:])])
         elif len(local):
             value = converted_rows(source, start, len(local), name, hf_model)
             if value.shape != local.shape:

@@ -31,24 +31,20 @@ def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def copy_rows(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Set a parameter, sharded or not, from its full value: each rank copies the rows its shard holds (of a
+    """Set a parameter, sharded or not, from its full value: each rank copies the block its shard holds (of a
     quantized one: the rows of the whole value quantized)."""
-    start = shard_start(param)
     if is_quantized(param):
-        set_rows(held(param), value, start)
+        set_rows(held(param), value, shard_start(param))
         return
-    local = local_rows(param)
-    local.copy_(value[start:start + len(local)])
+    local_rows(param).copy_(value[local_block(param)])
 
 
 def laid_out_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """The full `value` laid out as `param` (evenly sharded, as quantized parameters are): a DTensor of this rank's
-    rows, sharded as `param` is, when it is one."""
+    block, sharded as `param` is, when it is one."""
     if not isinstance(param, DTensor):
         return value
-    start = shard_start(param)
-    rows = value[start:start + len(local_rows(param))]
-    return DTensor.from_local(rows, param.device_mesh, param.placements, run_check=False)
+    return DTensor.from_local(value[local_block(param)], param.device_mesh, param.placements, run_check=False)
 
 
 def local_rows(param: torch.Tensor) -> torch.Tensor:
@@ -59,10 +55,18 @@ def local_rows(param: torch.Tensor) -> torch.Tensor:
 def shard_start(param: torch.Tensor) -> int:
     """The first row of dim 0 held by this rank (its local shard holds the rows that follow), where torch lays it:
     FSDP2 shards dim 0 as torch.chunk does, over the mesh's shard dimension (under HSDP the other one replicates);
-    expert parallelism's experts are chunked over ep first, then each rank's share over FSDP2's ranks."""
+    expert parallelism's experts are chunked over ep first, then each rank's share over FSDP2's ranks; a
+    tensor-parallel weight is split over the tp ranks first (a colwise one's rows, a rowwise one's columns)."""
+    return local_block(param)[0].start if param.dim() else 0
+
+
+def local_block(param: torch.Tensor) -> tuple[slice, ...]:
+    """The slices of the full value that this rank's shard holds, one per dim (everything when it is not
+    sharded)."""
     if not isinstance(param, DTensor):
-        return 0
-    return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1][0]
+        return tuple(slice(0, size) for size in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -115,7 +115,7 @@ def start_banner(trainer, config, world_size: int, peak: str, threads: str = "")
         steps_per_epoch=None if stream else data.steps_per_epoch,
         total_steps=trainer.total_steps, first_step=trainer.step, global_batch=data.global_batch,
         micro_batch=config.train.per_device_train_batch_size, accumulation=config.train.gradient_accumulation_steps,
-        dp=world_size // config.parallel.cp_size, layout=config.parallel.describe(world_size),
+        dp=config.dp_size(world_size), layout=config.parallel.describe(world_size),
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         decay=groups["decay"], no_decay=groups["no_decay"], precision=precision(config.train), attention=attention,
         checkpointing=config.train.checkpointing(), float8=float8_layer_count(model.hf_model) if config.train.fp8 else 0,

@@ -21,17 +21,19 @@ LONG_WAIT = timedelta(hours=24)
 
 @dataclass
 class ParallelState:
-    """World = dp_replicate x dp_shard x cp. cp peers (consecutive ranks) hold slices of the same sequences; the data
-    sampler sees the dp_replicate x dp_shard ranks; FSDP shards over dp_shard x cp within each replica group
-    (cp ranks hold different tokens and so different gradients, which must be reduced too) and, with dp_replicate >
-    1 (HSDP), all-reduces the gradients across the groups."""
+    """World = dp_replicate x dp_shard x cp x tp, tp innermost. tp peers (consecutive ranks: a node's GPUs) split each
+    layer's weights and compute the same tokens together; cp peers (the next dimension out) hold slices of the same
+    sequences; the data sampler sees the dp_replicate x dp_shard ranks; FSDP shards over dp_shard x cp within each
+    replica group (cp ranks hold different tokens and so different gradients, which must be reduced too) and, with
+    dp_replicate > 1 (HSDP), all-reduces the gradients across the groups. One root mesh holds every dimension:
+    FSDP2 shards a tensor-parallel DTensor over its data-parallel ranks only when both meshes come from one root."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: DeviceMesh  # ("dp_replicate", "dp_shard", "cp")
-    fsdp_mesh: DeviceMesh  # ("dp_shard_cp",) over every rank, or ("dp_replicate", "dp_shard_cp") under HSDP
+    mesh: DeviceMesh  # ("dp_replicate", "dp_shard", "cp", "tp")
+    fsdp_mesh: DeviceMesh  # ("dp_shard_cp",) of every tp rank's peers, or ("dp_replicate", "dp_shard_cp") under HSDP
     # For the waits on one rank's long work (a Hub download, tokenizing a corpus): a gloo group whose timeout outlasts
     # any of them, since the training group's (parallel.timeout_minutes) is fixed when it is made. A rank that fails
     # shares its error at once and one that dies closes its connections, so this timeout only ends a stalled wait.
@@ -40,6 +42,8 @@ class ParallelState:
     # Under parallel.expert_parallel n: ("dp_replicate", "efsdp", "ep") over the same ranks, ep the n consecutive
     # ranks an experts module is split over, efsdp the shard ranks left to shard each expert; None without.
     expert_mesh: DeviceMesh | None = None
+    # The ranks that hold different tokens (every one but its tp peers), None: the whole world (tp_size 1).
+    data_group: object = None
 
     @classmethod
     def initialize(cls, parallel: ParallelConfig | None = None) -> "ParallelState":
@@ -69,21 +73,22 @@ class ParallelState:
             torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         world_size = dist.get_world_size()
-        replicate, cp = parallel.dp_replicate, parallel.cp_size
-        shard = world_size // (replicate * cp)
-        mesh = init_device_mesh(device.type, (replicate, shard, cp), mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
+        replicate, cp, tp = parallel.dp_replicate, parallel.cp_size, parallel.tp_size
+        shard = world_size // (replicate * cp * tp)
+        mesh = init_device_mesh(device.type, (replicate, shard, cp, tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
         # FSDP2 reads a 1-D mesh as plain FSDP and a 2-D one as HSDP (replicate, shard); cp peers are shard ranks.
-        fsdp_mesh = init_device_mesh(device.type, (replicate, shard * cp),
-                                     mesh_dim_names=("dp_replicate", "dp_shard_cp")) if replicate > 1 else \
-            init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard_cp",))
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"] if replicate > 1 else mesh["dp_shard_cp"]
         ep = parallel.expert_parallel
         # Consecutive ep ranks (the innermost dimension), like cp peers: on a node they are its GPUs, over which
         # the all-to-alls run. One root mesh for both: FSDP2 shards a DTensor of its ep dimension over its efsdp one.
         expert_mesh = init_device_mesh(device.type, (replicate, shard // ep, ep),
                                        mesh_dim_names=("dp_replicate", "efsdp", "ep")) if ep > 1 else None
         wait_group = dist.new_group(backend="gloo", timeout=LONG_WAIT)
+        data_group = mesh["dp_replicate", "dp_shard", "cp"]._flatten("data").get_group() if tp > 1 else None
         return cls(dist.get_rank(), world_size, local_rank, device, mesh, fsdp_mesh, wait_group, parallel,
-                   expert_mesh)
+                   expert_mesh, data_group)
 
     @property
     def cp_size(self) -> int:
@@ -95,16 +100,24 @@ class ParallelState:
         return self.parallel.shard_size(self.world_size)
 
     @property
+    def tp_size(self) -> int:
+        return self.parallel.tp_size
+
+    @property
     def dp_size(self) -> int:
-        return self.world_size // self.cp_size
+        return self.parallel.data_parallel_size(self.world_size)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.cp_size
+        return self.rank // (self.cp_size * self.tp_size)
 
     @property
     def cp_rank(self) -> int:
-        return self.rank % self.cp_size
+        return self.rank // self.tp_size % self.cp_size
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
 
     @property
     def is_main(self) -> bool:
@@ -148,11 +161,13 @@ class ParallelState:
 
     @property
     def fsdp_group_size(self) -> int:
-        """Ranks over which FSDP averages gradients: every rank, HSDP's replica groups included."""
-        return self.world_size
+        """Ranks over which FSDP averages gradients: every rank but its tp peers, HSDP's replica groups included."""
+        return self.world_size // self.tp_size
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        """The sum over the ranks that hold different tokens: tp peers compute the same micro-batch and hold the
+        same counts and sums, which are counted once."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.data_group)
         return tensor
 
     def all_agree(self, flag: bool) -> bool:

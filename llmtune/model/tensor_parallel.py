@@ -1,0 +1,143 @@
+"""Tensor parallelism (parallel.tp_size): every decoder layer's linear weights split over the tp ranks by the model
+family's own plan (transformers' config.base_model_tp_plan), applied with DTensor's parallelize_module before
+context parallelism, checkpointing, compile and FSDP2 (model/build.py, through features/tensor_parallel.py).
+
+The plan names, for each layer's linears, colwise (q/k/v, gate/up: the output features split, so each rank computes
+its own heads and its own part of the MLP's intermediate) or rowwise (o, down: the input features split, the outputs
+summed over the tp ranks), and for a per-head norm (Qwen3's q/k norms) replicated_with_grad_allreduce. What the plan
+leaves out llmtune lays itself, as torchtitan does:
+- the embedding split over the vocabulary (each rank looks up the ids of its rows, the lookups summed);
+- the lm_head split over the vocabulary, which the loss reads shard by shard (model/loss.py: loss parallel, no
+  rank holds a [tokens, vocab] block of the whole vocabulary); its own forward (generation) gathers the logits;
+- with parallel.sequence_parallel, the residual stream and the norms outside the tensor-parallel regions (the
+  modules holding the planned linears: attention, MLP) hold 1/tp of each row's tokens: a region's inputs are
+  gathered as it starts, its outputs reduce-scattered where they end (torchtitan's SequenceParallel layout). The
+  stream is a DTensor of the whole row's shape between them, so transformers' own code around the layers (masks,
+  positions, RoPE) reads the sizes it would read on one rank; the decoder's last hidden states are gathered whole
+  (decoder_output) for the heads and the features that read them.
+
+Each tp rank computes the same tokens, so the loss and every count are the same on the tp peers (ParallelState
+counts them once), and the gradient of the whole hidden states reaches each of them whole (the loss sums it over the
+vocabulary shards).
+"""
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.utils import _pytree as pytree
+
+# The styles of transformers' plans that llmtune lays with torch's, by the plan's name for them.
+COLWISE, ROWWISE, REPLICATED = "colwise", "rowwise", "replicated_with_grad_allreduce"
+STYLES = (COLWISE, ROWWISE, REPLICATED)
+# The sequence dimension of the residual stream [batch, sequence, hidden].
+SEQUENCE = 1
+# The heads dimension of a per-head norm's input [batch, sequence, heads, head_dim] (Qwen3's q/k norms).
+HEADS = 2
+
+
+def layer_plan(model_config) -> dict[str, str]:
+    """The family's plan of a decoder layer: {the module's path inside the layer: style}; {} for a family without
+    one."""
+    plan = getattr(model_config.get_text_config(), "base_model_tp_plan", None) or {}
+    return {key.split("layers.*.", 1)[1]: style for key, style in plan.items() if key.startswith("layers.*.")}
+
+
+def plan_problems(model_config, tp: int) -> list[str]:
+    """What stops this model from being split over tp ranks, one line each: a family without a plan or with styles
+    llmtune does not lay, heads, key/value heads, the intermediate size or the vocabulary that tp does not divide."""
+    text = model_config.get_text_config()
+    plan = layer_plan(model_config)
+    name = text.model_type
+    if not plan:
+        return [f"parallel.tp_size: {name} has no tensor-parallel plan in transformers (config.base_model_tp_plan); "
+                "set parallel.tp_size 1"]
+    others = sorted({style for style in plan.values() if style not in STYLES})
+    if others:
+        return [f"parallel.tp_size: {name}'s tensor-parallel plan uses {', '.join(others)}, which llmtune does not "
+                f"lay (it lays {', '.join(STYLES)}); set parallel.tp_size 1"]
+    problems = []
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    for key, value in (("attention heads", heads), ("key/value heads", kv_heads),
+                       ("intermediate size", getattr(text, "intermediate_size", None)),
+                       ("vocabulary", getattr(text, "vocab_size", None))):
+        if value is not None and value % tp:
+            problems.append(f"parallel.tp_size: {tp} does not divide the model's {key} ({value}); choose a tp_size "
+                            "that divides it")
+    return problems
+
+
+def apply_tensor_parallel(hf_model: nn.Module, layers: list[nn.Module], tp_mesh, sequence_parallel: bool) -> None:
+    """Split `hf_model` (on the meta device or materialised) over `tp_mesh` in place; `layers`: its decoder layers."""
+    plan = layer_plan(hf_model.config)
+    stream = Shard(SEQUENCE) if sequence_parallel else Replicate()
+    for layer in layers:
+        styles = {path: _style(style, sequence_parallel) for path, style in plan.items()
+                  if _has(layer, path)}
+        parallelize_module(layer, tp_mesh, styles)
+        if sequence_parallel:
+            regions = {path.rsplit(".", 1)[0] for path, style in plan.items() if style != REPLICATED}
+            for name, child in layer.named_children():
+                if name in regions:
+                    child.register_forward_pre_hook(_replicated_inputs, with_kwargs=True)
+                elif any(True for _ in child.parameters()):
+                    parallelize_module(child, tp_mesh, SequenceParallel())
+    decoder = hf_model.get_decoder()
+    embedding, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=stream,
+                                                           use_local_output=not sequence_parallel))
+    if sequence_parallel:
+        in_layers = {id(module) for layer in layers for module in layer.modules()}
+        for name, child in decoder.named_children():
+            if id(child) not in in_layers and child is not embedding and any(True for _ in child.parameters(False)):
+                parallelize_module(child, tp_mesh, SequenceParallel())
+    if head is not None:
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        if tied:
+            head.weight = embedding.weight
+
+
+def _has(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _style(style: str, sequence_parallel: bool):
+    if style == COLWISE:
+        return ColwiseParallel()
+    if style == ROWWISE:
+        # The region's output: reduce-scattered over the sequence into the stream, or summed whole.
+        return RowwiseParallel(output_layouts=Shard(SEQUENCE), use_local_output=False) if sequence_parallel \
+            else RowwiseParallel()
+    # A per-head norm: its input holds this rank's heads, and its weight, the same on every rank, has its
+    # gradient summed over them.
+    return SequenceParallel(sequence_dim=HEADS, use_local_output=True)
+
+
+def _replicated_inputs(module, args, kwargs):
+    """A tensor-parallel region's inputs whole on every tp rank: the stream's tokens gathered."""
+    def whole(value):
+        return value.redistribute(placements=[Replicate()]) if isinstance(value, DTensor) else value
+    return pytree.tree_map(whole, args), pytree.tree_map(whole, kwargs)
+
+
+def decoder_output(hidden: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states as a plain tensor of the whole rows on every tp rank (the stream's tokens
+    gathered under sequence parallelism). Backward takes this rank's tokens of their gradient, which reaches every
+    tp rank whole (model/loss.py sums the vocabulary shards' parts)."""
+    return hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
+
+
+def vocabulary_shard(weight: torch.Tensor):
+    """(this rank's rows of a head weight split over the vocabulary, the process group of its tp ranks, the first
+    vocabulary id it holds); None for a head weight that is whole on this rank. Read where FSDP2 has gathered the
+    weight: a DTensor of the tp ranks alone, split evenly (the vocabulary is a multiple of tp_size)."""
+    if not isinstance(weight, DTensor):
+        return None
+    local = weight.to_local()
+    return local, weight.device_mesh.get_group(), weight.device_mesh.get_local_rank() * local.shape[0]

@@ -1,0 +1,190 @@
+"""Tensor parallelism (fp32, one launch of 4 processes): tp 2 x dp 2 gives the per-step losses and gradient norms
+(1e-5 relative) and the step-1 gradients (1e-5 of the largest entry) of 1 process x accumulation, with sequence
+parallelism on and off, padded and packed rows, on a Llama (untied, with the loss's z-loss and label smoothing) and a
+Qwen3 (tied embeddings, q/k norms); tp 2 x cp 2 equals cp 1; a checkpoint saved at tp 2 x dp 2 resumes at tp 1 x dp
+4 and at tp 4 on the straight run's curve, and at tp 2 x dp 2 bitwise; the export loads in transformers with the
+trained logits. Each refusal of a layout is made before any process starts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, LlamaForCausalLM, Phi3Config, Qwen3ForCausalLM
+
+from llmtune.run.cli import main as cli_main
+from tests.dist.case_worker import run_case
+from tests.helpers import REPO, read_metrics, save_tiny_model
+
+STEPS, PROBE = 4, [5, 17, 42, 99, 7, 3, 64, 128]
+SAVED = "checkpoints/global_step_2"
+LOSS_OPTIONS = ["train.z_loss=0.001", "train.label_smoothing=0.1"]
+# name: (model, packing, the recipe's own overrides (the reference's too), the layout's)
+CASES = {
+    "llama_tp2_padded": ("llama", False, LOSS_OPTIONS, ["parallel.tp_size=2"]),
+    "llama_tp2_no_sequence_parallel": ("llama", False, LOSS_OPTIONS,
+                                       ["parallel.tp_size=2", "parallel.sequence_parallel=false"]),
+    "qwen3_tp2_packed": ("qwen3", True, [], ["parallel.tp_size=2"]),
+    "qwen3_tp2_cp2_packed": ("qwen3", True, [], ["parallel.tp_size=2", "parallel.cp_size=2"]),
+    "llama4_tp2_saved": ("llama4", False, ["checkpoint.save_steps=2", "checkpoint.export_hf=true",
+                                                   "checkpoint.export_dtype=fp32"],
+                         ["parallel.tp_size=2"]),
+}
+# Resumed from llama4_tp2_saved's step-2 checkpoint: name: the layout's overrides.
+RESUMES = {"resumed_tp1_dp4": [], "resumed_tp4": ["parallel.tp_size=4"], "resumed_tp2_dp2": ["parallel.tp_size=2"]}
+
+
+@pytest.fixture(scope="module")
+def models(bare_tokenizer, tmp_path_factory):
+    """A Llama, another with as many key/value heads as heads (4, for tp 4), and a Qwen3 with tied embeddings."""
+    root = tmp_path_factory.mktemp("tp_models")
+    return {"llama": str(save_tiny_model(root / "llama", LlamaForCausalLM, bare_tokenizer, num_key_value_heads=2,
+                                         tie_word_embeddings=False)),
+            "llama4": str(save_tiny_model(root / "llama4", LlamaForCausalLM, bare_tokenizer, seed=3,
+                                          num_key_value_heads=4, tie_word_embeddings=False)),
+            "qwen3": str(save_tiny_model(root / "qwen3", Qwen3ForCausalLM, bare_tokenizer, seed=1,
+                                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True))}
+
+
+def recipe(root: Path, model: str, sft_file, packing: bool) -> str:
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"name_or_path": model, "attn_implementation": "sdpa"},
+        "data": {"train_files": [str(sft_file)], "chat_template": "basic", "packing": packing, "max_seq_len": 96},
+        # 8 samples a step on any layout; chunks of 16 tokens, so that the loss runs on several of them.
+        "train": {"output_dir": str(root / "out"), "max_steps": STEPS, "per_device_train_batch_size": 2,
+                  "global_batch_size": 8, "logging_steps": 1, "learning_rate": 2e-3, "chunk_loss_size": 16},
+        "checkpoint": {"export_hf": False},
+    }))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def runs(models, sft_file, tmp_path_factory):
+    cases, outs = [], {}
+    for name, (model, packing, own, layout) in CASES.items():
+        root = tmp_path_factory.mktemp(name)
+        outs[name] = root / "out"
+        cases.append({"recipe": recipe(root, models[model], sft_file, packing), "overrides": own + layout,
+                      **({"probe": PROBE} if model == "llama4" else {})})
+    saved = outs["llama4_tp2_saved"]
+    for name, layout in RESUMES.items():
+        root = tmp_path_factory.mktemp(name)
+        outs[name] = root / "out"
+        cases.append({"recipe": recipe(root, models["llama4"], sft_file, False),
+                      "overrides": [f"checkpoint.resume_from_checkpoint={saved / SAVED}", *layout]})
+    spec = tmp_path_factory.mktemp("cases") / "cases.json"
+    spec.write_text(json.dumps(cases))
+    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                               str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # The one-process references train here while the launch runs.
+        references = {}
+        for model, packing, own, _ in CASES.values():
+            if (model, packing) not in references:
+                root = tmp_path_factory.mktemp(f"ref_{model}_{packing}")
+                run_case(recipe(root, models[model], sft_file, packing), own, 1, probe=PROBE)
+                references[(model, packing)] = root / "out"
+        _, stderr = launch.communicate(timeout=900)
+    finally:
+        launch.kill()  # a no-op once it has ended; else a reference failed or it ran out of time
+    assert launch.returncode == 0, stderr[-6000:]
+    return {"references": {name: references[case[:2]] for name, case in CASES.items()}, "outs": outs}
+
+
+def curve(output_dir: Path) -> list[tuple[int, float, float]]:
+    return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(output_dir)]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_losses_gradient_norms_and_gradients_match_one_process(runs, name):
+    reference, out = runs["references"][name], runs["outs"][name]
+    expected, got = curve(reference), curve(out)
+    assert [step for step, _, _ in got] == list(range(1, STEPS + 1))
+    for (_, loss, norm), (_, ref_loss, ref_norm) in zip(got, expected):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+    ref_grads, grads = torch.load(reference / "grads.pt"), torch.load(out / "grads.pt")
+    assert grads.keys() == ref_grads.keys()
+    for key, value in ref_grads.items():
+        scale = value.abs().max().item()
+        assert scale > 0, key
+        torch.testing.assert_close(grads[key], value, rtol=0, atol=1e-5 * scale, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["resumed_tp1_dp4", "resumed_tp4"])
+def test_a_checkpoint_of_tp2_resumes_on_another_tp_degree_on_the_straight_curve(runs, name):
+    straight = curve(runs["outs"]["llama4_tp2_saved"])[2:]
+    resumed = curve(runs["outs"][name])
+    assert [step for step, _, _ in resumed] == [3, 4]
+    for (_, loss, norm), (_, ref_loss, ref_norm) in zip(resumed, straight):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+
+
+def test_a_checkpoint_resumed_at_its_own_layout_continues_bitwise(runs):
+    assert curve(runs["outs"]["resumed_tp2_dp2"]) == curve(runs["outs"]["llama4_tp2_saved"])[2:]
+
+
+def test_the_export_of_a_tp_run_loads_in_transformers_with_the_trained_logits(runs):
+    out = runs["outs"]["llama4_tp2_saved"]
+    model = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROBE])).logits
+    trained = torch.load(out / "logits.pt")
+    torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-5)
+    # and the weights trained as one process trains them
+    reference = torch.load(runs["references"]["llama4_tp2_saved"] / "logits.pt")
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+
+
+def configs(tokenizer) -> dict:
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=64)
+    return {"heads3": LlamaConfig(vocab_size=len(tokenizer), **{**small, "hidden_size": 24,
+                                                                  "num_attention_heads": 3, "num_key_value_heads": 3}),
+            "kv2": LlamaConfig(vocab_size=len(tokenizer), **small),
+            "intermediate": LlamaConfig(vocab_size=len(tokenizer), **{**small, "intermediate_size": 66}),
+            "vocab": LlamaConfig(vocab_size=len(tokenizer) + 2, **small),
+            "gpt2": GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4),
+            "phi3": Phi3Config(vocab_size=len(tokenizer), pad_token_id=0, **small)}
+
+
+@pytest.mark.parametrize("overrides, nproc, message", [
+    (["parallel.tp_size=3"], 4, "parallel.tp_size: 3 does not divide the world size 4"),
+    (["parallel.tp_size=2", "parallel.cp_size=3"], 4, "parallel.cp_size: 3 x tp_size 2 does not divide the world "
+                                                        "size 4"),
+    (["parallel.tp_size=2", "parallel.dp_shard=4"], 4, "parallel.dp_shard: dp_replicate 1 x dp_shard 4 x cp_size 1 "
+                                                         "x tp_size 2 is not the world size 4"),
+    (["parallel.tp_size=2", "model.name_or_path={heads3}"], 2,
+     "parallel.tp_size: 2 does not divide the model's attention heads (3)"),
+    (["parallel.tp_size=4", "model.name_or_path={kv2}"], 4,
+     "parallel.tp_size: 4 does not divide the model's key/value heads (2)"),
+    (["parallel.tp_size=4", "model.name_or_path={intermediate}"], 4,
+     "parallel.tp_size: 4 does not divide the model's intermediate size (66)"),
+    (["parallel.tp_size=4", "model.name_or_path={vocab}"], 4,
+     "parallel.tp_size: 4 does not divide the model's vocabulary (258)"),
+    (["parallel.tp_size=2", "model.name_or_path={gpt2}"], 2,
+     "parallel.tp_size: gpt2 has no tensor-parallel plan in transformers"),
+    (["parallel.tp_size=2", "model.name_or_path={phi3}"], 2,
+     "parallel.tp_size: phi3's tensor-parallel plan uses colwise_gather_output, rowwise_split_input, which llmtune "
+     "does not lay"),
+    (["parallel.tp_size=2", "peft.method=lora"], 2, "parallel.tp_size: 2 with peft.method is not supported yet"),
+])
+def test_layouts_tp_cannot_lay_are_refused_up_front(overrides, nproc, message, bare_tokenizer, sft_file, tmp_path,
+                                                     capsys):
+    """Through the CLI's main in this process, which makes the refusal itself, exit 2 before any process starts
+    (tests/e2e/test_cli_errors.py checks what a bin/llmtune process adds)."""
+    folders = {}
+    for name, config in configs(bare_tokenizer).items():
+        folders[name] = tmp_path / name
+        config.save_pretrained(folders[name])
+        bare_tokenizer.save_pretrained(folders[name])
+    path = recipe(tmp_path, str(folders["kv2"]), sft_file, False)
+    assert cli_main(["sft", path, *[o.format(**folders) for o in overrides], "--nproc", str(nproc)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
