@@ -15,7 +15,9 @@ CausalLMForTraining, sharded any way) or from a plain transformers model (`llmtu
   before any filtering: what a training forward over the completion recomputes (grpo).
 - Over several ranks each rank generates every world-th prompt and all of them learn every completion. Under expert
   parallelism a forward is a collective (the tokens go to their experts' ranks): every rank then runs as many
-  batches and steps as the longest (transformers' synced_gpus).
+  batches and steps as the longest (transformers' synced_gpus). Under tensor parallelism it is one too, and the tp
+  peers compute one model together: they generate the same prompts (each group of peers every (world / tp)-th one),
+  with the logits gathered whole on each and the same generators, so the same tokens; the weights stay split.
 """
 
 from __future__ import annotations
@@ -144,11 +146,12 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, eos_ids: li
     its own). `state`: the processes' ParallelState, over which they share the prompts (None: one process). `seed`
     and `step` seed the completions with the prompts' indices in `prompts`. `images`: a vision-language model's,
     each prompt's image tensors (data/images.py's; empty for a prompt without), whose tokens its ids hold."""
-    world, rank = (state.world_size, state.rank) if state else (1, 0)
-    rows = [(p, s) for p in range(rank, len(prompts), world) for s in range(sampling.num_return_sequences)]
+    world, tp = (state.world_size, state.tp_size) if state else (1, 1)
+    groups, group = world // tp, (state.rank // tp if state else 0)
+    rows = [(p, s) for p in range(group, len(prompts), groups) for s in range(sampling.num_return_sequences)]
     rows.sort(key=lambda row: len(prompts[row[0]]))
     batches = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
-    collective = isinstance(model, CausalLMForTraining) and bool(split_experts(model.hf_model))
+    collective = isinstance(model, CausalLMForTraining) and (bool(split_experts(model.hf_model)) or tp > 1)
     if collective and world > 1:  # every rank runs as many batches (an idle one decodes a prompt and drops it)
         [count] = state.highest([len(batches)])
         batches += [[]] * (count - len(batches))
@@ -160,7 +163,8 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, eos_ids: li
                                    images=[images[p] for p, _ in batch] if images and batch else [])
             mine += made if batch else []
     if world > 1:
-        mine = [c for share in state.all_gather_object(mine) for c in share]
+        # Each group of tp peers made the same completions: one peer's of each.
+        mine = [c for share in state.all_gather_object(mine)[::tp] for c in share]
     return sorted(mine, key=lambda c: (c.prompt, c.sample))
 
 

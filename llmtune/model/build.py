@@ -36,7 +36,6 @@ from llmtune.tasks.registry import LM_HEAD, SCORE_HEAD
 from llmtune.model.pretrained import checkpoint_index, load_weights, weight_sources
 from llmtune.model.quantize import is_quantized
 from llmtune.model.state import saved_tensors
-from llmtune.model.tensor_parallel import decoder_output
 
 log = logging.getLogger(__name__)
 # The compute dtypes below fp32 (TrainConfig.half_precision): FSDP2 gathers the weights in them for compute.
@@ -164,12 +163,10 @@ class CausalLMForTraining(nn.Module):
         images encoded first, model/multimodal.py)."""
         if multimodal.is_multimodal(self.hf_model.config):
             return multimodal.decode(self.hf_model, input_ids, attention_mask, position_ids, model_kwargs)
-        outputs = self.hf_model.get_decoder()(
+        return self.hf_model.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
             **model_kwargs
         )
-        outputs.last_hidden_state = decoder_output(outputs.last_hidden_state)
-        return outputs
 
 
 def load_model_config(model_cfg, head: str = LM_HEAD, pad_id: int | None = None):

@@ -13,8 +13,8 @@ leaves out llmtune lays itself, as torchtitan does:
   modules holding the planned linears: attention, MLP) hold 1/tp of each row's tokens: a region's inputs are
   gathered as it starts, its outputs reduce-scattered where they end (torchtitan's SequenceParallel layout). The
   stream is a DTensor of the whole row's shape between them, so transformers' own code around the layers (masks,
-  positions, RoPE) reads the sizes it would read on one rank; the decoder's last hidden states are gathered whole
-  (decoder_output) for the heads and the features that read them.
+  positions, RoPE) reads the sizes it would read on one rank; the final norm's output, the decoder's last hidden
+  states, is gathered whole for the heads and the features that read them (in training and in generate).
 
 Each tp rank computes the same tokens, so the loss and every count are the same on the tp peers (ParallelState
 counts them once), and the gradient of the whole hidden states reaches each of them whole (the loss sums it over the
@@ -92,7 +92,9 @@ def apply_tensor_parallel(hf_model: nn.Module, layers: list[nn.Module], tp_mesh,
         in_layers = {id(module) for layer in layers for module in layer.modules()}
         for name, child in decoder.named_children():
             if id(child) not in in_layers and child is not embedding and any(True for _ in child.parameters(False)):
+                # The final norm: its output, the decoder's, gathered whole for every head that reads it.
                 parallelize_module(child, tp_mesh, SequenceParallel())
+                child.register_forward_hook(_whole_output)
     if head is not None:
         parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
         if tied:
@@ -126,11 +128,10 @@ def _replicated_inputs(module, args, kwargs):
     return pytree.tree_map(whole, args), pytree.tree_map(whole, kwargs)
 
 
-def decoder_output(hidden: torch.Tensor) -> torch.Tensor:
-    """The decoder's last hidden states as a plain tensor of the whole rows on every tp rank (the stream's tokens
-    gathered under sequence parallelism). Backward takes this rank's tokens of their gradient, which reaches every
-    tp rank whole (model/loss.py sums the vocabulary shards' parts)."""
-    return hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
+def _whole_output(module, args, output: DTensor) -> torch.Tensor:
+    """The stream's tokens gathered: a plain tensor of the whole rows on every tp rank. Backward takes this rank's
+    tokens of their gradient, which reaches every tp rank whole (model/loss.py sums the vocabulary shards' parts)."""
+    return output.full_tensor()
 
 
 def vocabulary_shard(weight: torch.Tensor):

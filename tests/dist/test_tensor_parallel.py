@@ -1,7 +1,9 @@
 """Tensor parallelism (fp32, one launch of 4 processes): tp 2 x dp 2 gives the per-step losses and gradient norms
 (1e-5 relative) and the step-1 gradients (1e-5 of the largest entry) of 1 process x accumulation, with sequence
 parallelism on and off, padded and packed rows, on a Llama (untied, with the loss's z-loss and label smoothing) and a
-Qwen3 (tied embeddings, q/k norms); tp 2 x cp 2 equals cp 1; a checkpoint saved at tp 2 x dp 2 resumes at tp 1 x dp
+Qwen3 (tied embeddings, q/k norms), for dpo (log-probabilities from the vocabulary shards) and for grpo (its
+completions generated on the split model, token for token the same, and a KL term against a reference copy split
+likewise); tp 2 x cp 2 equals cp 1; a checkpoint saved at tp 2 x dp 2 resumes at tp 1 x dp
 4 and at tp 4 on the straight run's curve, and at tp 2 x dp 2 bitwise; the export loads in transformers with the
 trained logits. Each refusal of a layout is made before any process starts."""
 
@@ -22,16 +24,21 @@ from tests.helpers import REPO, read_metrics, save_tiny_model
 STEPS, PROBE = 4, [5, 17, 42, 99, 7, 3, 64, 128]
 SAVED = "checkpoints/global_step_2"
 LOSS_OPTIONS = ["train.z_loss=0.001", "train.label_smoothing=0.1"]
-# name: (model, packing, the recipe's own overrides (the reference's too), the layout's)
+# grpo: rounds of 2 prompts x 4 completions of up to 6 tokens, rewards that differ within a group, a KL term against
+# a reference copy (split over the tp ranks too), a learning rate that moves the samples.
+GRPO = ["grpo.reward_funcs=[regex_match,numeric_match]", "grpo.regex=.*\\d", "grpo.num_generations=4",
+        "grpo.max_completion_length=6", "grpo.beta=0.1", "train.learning_rate=0.05"]
+# name: (task, model, data, packing, the recipe's own overrides (the reference's too), the layout's)
 CASES = {
-    "llama_tp2_padded": ("llama", False, LOSS_OPTIONS, ["parallel.tp_size=2"]),
-    "llama_tp2_no_sequence_parallel": ("llama", False, LOSS_OPTIONS,
+    "llama_tp2_padded": ("sft", "llama", "sft", False, LOSS_OPTIONS, ["parallel.tp_size=2"]),
+    "llama_tp2_no_sequence_parallel": ("sft", "llama", "sft", False, LOSS_OPTIONS,
                                        ["parallel.tp_size=2", "parallel.sequence_parallel=false"]),
-    "qwen3_tp2_packed": ("qwen3", True, [], ["parallel.tp_size=2"]),
-    "qwen3_tp2_cp2_packed": ("qwen3", True, [], ["parallel.tp_size=2", "parallel.cp_size=2"]),
-    "llama4_tp2_saved": ("llama4", False, ["checkpoint.save_steps=2", "checkpoint.export_hf=true",
-                                                   "checkpoint.export_dtype=fp32"],
-                         ["parallel.tp_size=2"]),
+    "qwen3_tp2_packed": ("sft", "qwen3", "sft", True, [], ["parallel.tp_size=2"]),
+    "qwen3_tp2_cp2_packed": ("sft", "qwen3", "sft", True, [], ["parallel.tp_size=2", "parallel.cp_size=2"]),
+    "llama4_tp2_saved": ("sft", "llama4", "sft", False, ["checkpoint.save_steps=2", "checkpoint.export_hf=true",
+                                                         "checkpoint.export_dtype=fp32"], ["parallel.tp_size=2"]),
+    "dpo_qwen3_tp2_packed": ("dpo", "qwen3", "pairs", True, [], ["parallel.tp_size=2"]),
+    "grpo_llama_tp2": ("grpo", "llama", "prompts", False, GRPO, ["parallel.tp_size=2"]),
 }
 # Resumed from llama4_tp2_saved's step-2 checkpoint: name: the layout's overrides.
 RESUMES = {"resumed_tp1_dp4": [], "resumed_tp4": ["parallel.tp_size=4"], "resumed_tp2_dp2": ["parallel.tp_size=2"]}
@@ -49,12 +56,12 @@ def models(bare_tokenizer, tmp_path_factory):
                                          num_key_value_heads=2, head_dim=16, tie_word_embeddings=True))}
 
 
-def recipe(root: Path, model: str, sft_file, packing: bool) -> str:
+def recipe(root: Path, model: str, data_file, packing: bool) -> str:
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump({
         "model": {"name_or_path": model, "attn_implementation": "sdpa"},
-        "data": {"train_files": [str(sft_file)], "chat_template": "basic", "packing": packing, "max_seq_len": 96},
-        # 8 samples a step on any layout; chunks of 16 tokens, so that the loss runs on several of them.
+        "data": {"train_files": [str(data_file)], "chat_template": "basic", "packing": packing, "max_seq_len": 96},
+        # 8 samples (grpo: completions) a step on any layout; chunks of 16 tokens, so that the loss runs on several.
         "train": {"output_dir": str(root / "out"), "max_steps": STEPS, "per_device_train_batch_size": 2,
                   "global_batch_size": 8, "logging_steps": 1, "learning_rate": 2e-3, "chunk_loss_size": 16},
         "checkpoint": {"export_hf": False},
@@ -63,13 +70,14 @@ def recipe(root: Path, model: str, sft_file, packing: bool) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(models, sft_file, tmp_path_factory):
+def runs(models, sft_file, pairs_file, grpo_prompts_file, tmp_path_factory):
+    data = {"sft": sft_file, "pairs": pairs_file, "prompts": grpo_prompts_file}
     cases, outs = [], {}
-    for name, (model, packing, own, layout) in CASES.items():
+    for name, (task, model, rows, packing, own, layout) in CASES.items():
         root = tmp_path_factory.mktemp(name)
         outs[name] = root / "out"
-        cases.append({"recipe": recipe(root, models[model], sft_file, packing), "overrides": own + layout,
-                      **({"probe": PROBE} if model == "llama4" else {})})
+        cases.append({"recipe": recipe(root, models[model], data[rows], packing), "task": task,
+                      "overrides": own + layout, **({"probe": PROBE} if model == "llama4" else {})})
     saved = outs["llama4_tp2_saved"]
     for name, layout in RESUMES.items():
         root = tmp_path_factory.mktemp(name)
@@ -84,20 +92,26 @@ def runs(models, sft_file, tmp_path_factory):
     try:
         # The one-process references train here while the launch runs.
         references = {}
-        for model, packing, own, _ in CASES.values():
-            if (model, packing) not in references:
-                root = tmp_path_factory.mktemp(f"ref_{model}_{packing}")
-                run_case(recipe(root, models[model], sft_file, packing), own, 1, probe=PROBE)
-                references[(model, packing)] = root / "out"
+        for task, model, rows, packing, own, _ in CASES.values():
+            key = (task, model, rows, packing)
+            if key not in references:
+                root = tmp_path_factory.mktemp(f"ref_{task}_{model}")
+                run_case(recipe(root, models[model], data[rows], packing), own, 1, task=task, probe=PROBE)
+                references[key] = root / "out"
         _, stderr = launch.communicate(timeout=900)
     finally:
         launch.kill()  # a no-op once it has ended; else a reference failed or it ran out of time
     assert launch.returncode == 0, stderr[-6000:]
-    return {"references": {name: references[case[:2]] for name, case in CASES.items()}, "outs": outs}
+    return {"references": {name: references[case[:4]] for name, case in CASES.items()}, "outs": outs}
 
 
 def curve(output_dir: Path) -> list[tuple[int, float, float]]:
-    return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(output_dir)]
+    return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(output_dir) if "loss" in m]
+
+
+def completions(output_dir: Path) -> list[tuple[int, list[int]]]:
+    return [(row["step"], row["completion_ids"]) for row in
+            map(json.loads, (output_dir / "completions.jsonl").read_text().splitlines())]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -108,6 +122,8 @@ def test_losses_gradient_norms_and_gradients_match_one_process(runs, name):
     for (_, loss, norm), (_, ref_loss, ref_norm) in zip(got, expected):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert norm == pytest.approx(ref_norm, rel=1e-5)
+    if (reference / "completions.jsonl").exists():  # grpo's, token for token
+        assert completions(out) == completions(reference)
     ref_grads, grads = torch.load(reference / "grads.pt"), torch.load(out / "grads.pt")
     assert grads.keys() == ref_grads.keys()
     for key, value in ref_grads.items():
