@@ -85,6 +85,12 @@ def case_config(model_dir: str, seq_len: int, overrides: list[str], world_size: 
 def measure(config, keep_process_group: bool = False) -> int:
     """Under torchrun (or one process): the peak bytes of this rank in one steady training step of `config`.
     keep_process_group: leave the process group for the next case (a torchrun worker cannot join a second)."""
+    return sum(measure_parts(config, keep_process_group))
+
+
+def measure_parts(config, keep_process_group: bool = False) -> tuple[int, int]:
+    """measure's two parts: (the bytes held before the step: parameters, buffers, optimizer state; the highest
+    total the step allocates on top of them)."""
     import torch
 
     from llmtune.data.collate import MicroBatch
@@ -133,7 +139,7 @@ def measure(config, keep_process_group: bool = False) -> int:
                  default=earlier) - earlier
     if not keep_process_group:
         state.close()
-    return sum(held.values()) + during
+    return sum(held.values()), during
 
 
 def profiled_memory(work) -> list[dict]:

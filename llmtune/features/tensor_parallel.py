@@ -22,6 +22,7 @@ NOT_YET = (
     ("model.quantize", lambda config: config.model.quantize != "none"),
     ("peft.method", lambda config: config.peft.method != "none"),
     ("train.fp8", lambda config: config.train.float8_scaling() is not None),
+    ("train.compile", lambda config: config.train.compile),
 )
 
 

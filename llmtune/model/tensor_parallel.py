@@ -68,6 +68,22 @@ def plan_problems(model_config, tp: int) -> list[str]:
     return problems
 
 
+def rank_share(model_config, tp: int):
+    """The config of the model one tp rank holds of `model_config` (whose sizes plan_problems accepted): its heads,
+    key/value heads, intermediate size and vocabulary divided by tp, the head size and hidden size kept, so that a
+    model built from it on the meta device has a rank's shapes (llmtune plan)."""
+    import copy
+
+    share = copy.deepcopy(model_config)
+    text = share.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    text.head_dim = head_dim
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if getattr(text, key, None):
+            setattr(text, key, getattr(text, key) // tp)
+    return share
+
+
 def apply_tensor_parallel(hf_model: nn.Module, layers: list[nn.Module], tp_mesh, sequence_parallel: bool) -> None:
     """Split `hf_model` (on the meta device or materialised) over `tp_mesh` in place; `layers`: its decoder layers."""
     plan = layer_plan(hf_model.config)

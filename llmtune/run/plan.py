@@ -46,15 +46,16 @@ class Layout:
     seq_len: int
     replicate: int = 1  # parallel.dp_replicate: HSDP's groups, each holding a whole sharded copy
     ep: int = 1  # parallel.expert_parallel: the ranks each MoE layer's experts are split over
+    tp: int = 1  # parallel.tp_size: the ranks each layer's weights, heads and the vocabulary are split over
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.cp
+        return self.world_size // (self.cp * self.tp)
 
     @property
     def shard(self) -> int:
-        """The ranks each parameter is sharded over."""
-        return self.world_size // self.replicate
+        """The ranks FSDP2 shards each parameter (a tp rank's share of it) over."""
+        return self.world_size // (self.replicate * self.tp)
 
     @property
     def efsdp(self) -> int:
@@ -481,6 +482,8 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     from llmtune.model.multimodal import is_multimodal
     from llmtune.model.quantize import dequantized_bytes, nf4_bytes, quantized_linears, storage_dtype
 
+    from llmtune.model.tensor_parallel import rank_share
+
     train = config.train
     half = train.half_precision()
     compute = 2 if half else 4
@@ -489,13 +492,24 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     # gpt-oss): None lets transformers make that pick, as it does for the run.
     backend = resolve_backend(config.model.attn_implementation, model_config, torch.cuda.is_available(),
                               half is not None)
-    hf_model = meta_model(model_config, config.model,
-                          attn_implementation="eager" if backend == "eager" else "sdpa" if backend else None,
-                          dtype=HALF_DTYPES[half] if half else torch.float32)
-    for feature in enabled_features(config).features:
-        # Only the features that decide which parameters exist and train change the plan's sizes.
-        if isinstance(feature, (Adapters, Freezing, MultimodalFreezing)):
-            feature.build(hf_model, None)
+
+    def built(shapes):
+        hf_model = meta_model(shapes, config.model,
+                              attn_implementation="eager" if backend == "eager" else "sdpa" if backend else None,
+                              dtype=HALF_DTYPES[half] if half else torch.float32)
+        for feature in enabled_features(config).features:
+            # Only the features that decide which parameters exist and train change the plan's sizes.
+            if isinstance(feature, (Adapters, Freezing, MultimodalFreezing)):
+                feature.build(hf_model, None)
+        return hf_model
+
+    whole = built(model_config)
+    # parallel.tp_size: every size below but the model's counts is a tp rank's, planned on the model of its shapes
+    # (tensor_parallel.rank_share). Its activations are counted as without sequence parallelism (which holds the
+    # norms' inputs 1/tp): an upper bound.
+    if config.parallel.tp_size > 1:
+        model_config = rank_share(model_config, config.parallel.tp_size)
+    hf_model = built(model_config) if config.parallel.tp_size > 1 else whole
     # Every FSDP unit build_model shards: the decoder layers and a vision-language model's vision blocks (the classes
     # of _no_split_modules), whose forward comes first and backward last. Resharded after their forward, the vision
     # blocks hold nothing gathered at the start of backward, the plan's peak, where the language model's layers are
@@ -517,7 +531,7 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
     parallel = config.parallel
     rows, row_tokens = config.micro_batch_shape()
     layout = Layout(world_size, parallel.cp_size, rows, train.gradient_accumulation_steps, row_tokens,
-                    parallel.dp_replicate, parallel.expert_parallel)
+                    parallel.dp_replicate, parallel.expert_parallel, parallel.tp_size)
     experts = experts_modules(hf_model)
     # parallel.expert_parallel: the experts modules' parameters split over the ep ranks (model/expert_parallel.py).
     split = {id(p) for module in experts for p in module.parameters(recurse=False)} if layout.ep > 1 else set()
@@ -561,7 +575,8 @@ def plan_memory(config, model_config, world_size: int) -> Plan:
         activations=activations[train.checkpointing()], activations_by_mode=activations,
         loss=loss_bytes(layout.micro_batch * tokens, hidden, head.shape[0], train.chunk_loss_size, compute,
                         head.requires_grad),
-        trainable=sum(p.numel() for p in trainable), total_params=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in whole.parameters() if p.requires_grad),
+        total_params=sum(p.numel() for p in whole.parameters()),
         averages=len(train.ema_decays()) * trained,
         # Every weight frozen, so stored in the compute dtype (model/build.py), the quantized ones in NF4; the shapes of
         # the policy's model (dpo.ref_model is another checkpoint of it).
@@ -586,7 +601,9 @@ def generation_phase(config, model_config, compute: int, world_size: int) -> dic
         batches.append((cfg.batch_size, cfg.max_new_tokens or DEFAULTS["max_new_tokens"], "eval_generation"))
     if TASKS[config.task].rows == PROMPTS:
         grpo, dp = config.grpo, config.dp_size(world_size)
-        rank_completions = -(-grpo.round_prompts(config.train, dp) // world_size) * grpo.num_generations
+        # Each group of tp peers generates its share of the prompts together.
+        groups = world_size // config.parallel.tp_size
+        rank_completions = -(-grpo.round_prompts(config.train, dp) // groups) * grpo.num_generations
         batches.append((min(BATCH_SIZE, rank_completions), grpo.max_completion_length, "grpo's rounds"))
     if not batches:
         return {}
@@ -614,10 +631,12 @@ def changes(config, world_size: int, model_config):
     to save collectives taken back, what costs no hardware and no accuracy (checkpointing, the chunked loss, and for
     a mixture of experts expert parallelism: each layer gathers 1/N of its experts, its tokens sent to them by
     all-to-all), then a smaller micro-batch (the global batch kept by accumulation), context parallelism (sequences
-    split over ranks), fewer HSDP replicas (each sharded over more ranks, its collectives wider), CPU offload (slower
+    split over ranks), tensor parallelism (each layer's weights split over ranks), fewer HSDP replicas (each
+    sharded over more ranks, its collectives wider), CPU offload (slower
     steps), more ranks, adapters, and adapters on a 4-bit base (where the model's linear weights can be quantized on
     these ranks)."""
     from llmtune.features.quantization import base_problems
+    from llmtune.features.tensor_parallel import TensorParallel
     from llmtune.model.build import meta_model
     from llmtune.model.expert_parallel import expert_parallel_problem, experts_modules
 
@@ -662,6 +681,15 @@ def changes(config, world_size: int, model_config):
                replace(config, parallel=replace(parallel, cp_size=cp),
                        train=replace(train, gradient_accumulation_steps=accumulation)), world_size)
         cp *= 2
+    tp = parallel.tp_size * 2
+    while replace(parallel, tp_size=tp).layout_problem(world_size) is None and not TensorParallel.check(
+            replace(config, parallel=replace(parallel, tp_size=tp)), model_config, world_size):
+        accumulation = train.gradient_accumulation_steps * tp // parallel.tp_size
+        yield (f"parallel.tp_size: {tp} (each rank holds 1/{tp} of every layer's weights, heads and the vocabulary; "
+               f"accumulation {accumulation})",
+               replace(config, parallel=replace(parallel, tp_size=tp),
+                       train=replace(train, gradient_accumulation_steps=accumulation)), world_size)
+        tp *= 2
     replicate = parallel.dp_replicate // 2
     while replicate >= 1 and parallel.dp_replicate % replicate == 0:
         shard = world_size // replicate

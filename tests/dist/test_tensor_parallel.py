@@ -190,6 +190,7 @@ def configs(tokenizer) -> dict:
      "parallel.tp_size: phi3's tensor-parallel plan uses colwise_gather_output, rowwise_split_input, which llmtune "
      "does not lay"),
     (["parallel.tp_size=2", "peft.method=lora"], 2, "parallel.tp_size: 2 with peft.method is not supported yet"),
+    (["parallel.tp_size=2", "train.compile=true"], 2, "parallel.tp_size: 2 with train.compile is not supported yet"),
 ])
 def test_layouts_tp_cannot_lay_are_refused_up_front(overrides, nproc, message, bare_tokenizer, sft_file, tmp_path,
                                                      capsys):

@@ -455,3 +455,30 @@ def test_grpo_plans_its_rows_of_completions_its_reference_and_its_rounds_generat
     out = capsys.readouterr().out
     assert "reference model (grpo.reference: model; frozen, fp32, sharded)" in out
     assert "generation (grpo's rounds, 16 completions a batch), per rank:" in out
+
+
+def test_tensor_parallelism_plans_a_tp_ranks_share_and_is_offered(plan_recipe, capsys):
+    """parallel.tp_size 2 on 4 ranks: a rank's weights of a layer, its root (embeddings, lm_head) and its loss's
+    vocabulary-sized buffers are half of FSDP alone's, the sharded state the same (split over 2 tp x 2 shard ranks,
+    as over 4), the tokens per step the global batch's; the whole model is still counted in
+    its parameters; and the advice offers tp where the micro-batch cannot shrink."""
+    plain = load_config(plan_recipe(), [], "pt", 4)
+    split = load_config(plan_recipe(), ["parallel.tp_size=2"], "pt", 4)
+    model_config = load_model_config(plain.model)
+    fsdp, tp = plan_memory(plain, model_config, 4), plan_memory(split, model_config, 4)
+    assert tp.largest_layer == pytest.approx(fsdp.largest_layer / 2, rel=0.02)
+    assert tp.root == pytest.approx(fsdp.root / 2, rel=0.02)
+    assert tp.params == pytest.approx(fsdp.params, rel=0.02)
+    assert tp.activations < fsdp.activations
+    # Loss parallel: every token of the micro-batch against half the vocabulary.
+    assert tp.loss == loss_bytes(4 * 512, 128, 128, split.train.chunk_loss_size, 4, True)
+    # train.global_batch_size kept: half the data-parallel ranks accumulate twice the micro-batches.
+    assert (tp.layout.tokens_per_step, tp.layout.accumulation) == (fsdp.layout.tokens_per_step,
+                                                                   2 * fsdp.layout.accumulation)
+    assert (tp.total_params, tp.trainable) == (fsdp.total_params, fsdp.trainable)
+    one_row = plan_recipe(per_device_train_batch_size=1)
+    offered = [change for change, _, _ in changes(load_config(one_row, [], "pt", 4), 4, model_config)]
+    assert any(change.startswith("parallel.tp_size: 2 (each rank holds 1/2") for change in offered)
+    assert cli.main(["plan", plan_recipe(), "--nproc", "4", "parallel.tp_size=2"]) == 0
+    assert "layout: 4 rank(s) = replicate 1 x shard 2 x cp 1 x tp 2; every parameter sharded over 2 rank(s); tp 2:" \
+        in capsys.readouterr().out
