@@ -2,6 +2,9 @@
 
     check(config, model_config, world_size)  the launcher, before any process starts (features/registry.py)
     build(hf_model, state)                   model.build_model, before activation checkpointing and sharding
+    distribute(hf_model, state)              model.build_model, once every feature has built: lay the parameters
+                                             out over ranks beyond FSDP (tensor parallelism splits the layers with
+                                             what the features added to them, adapters among them)
     pretrained_name(name)                    model.build_model: the pretrained checkpoint's name of a parameter the
                                              feature renamed, None for one it added
     weights_ready(hf_model)                  model.build_model, once the weights are loaded (or initialised) and
@@ -58,6 +61,9 @@ class Feature:
     def build(self, hf_model, state) -> None:
         """Change the HF model before it is sharded (wrap attention, add adapters)."""
 
+    def distribute(self, hf_model, state) -> None:
+        """Lay the HF model's parameters out over the ranks (as DTensors), once every feature has built."""
+
     def pretrained_name(self, name: str) -> str | None:
         """The name under which a pretrained checkpoint holds the model's parameter `name` (the feature may have
         wrapped its layer); None for a parameter the feature added, whose values weights_ready gives."""
@@ -103,6 +109,8 @@ class Features:
     def build(self, hf_model, state) -> None:
         for feature in self.features:
             feature.build(hf_model, state)
+        for feature in self.features:
+            feature.distribute(hf_model, state)
 
     def pretrained_tensors(self, hf_model) -> dict[str, torch.Tensor]:
         """The parameters and persistent buffers a pretrained checkpoint holds, by the checkpoint's names for them."""

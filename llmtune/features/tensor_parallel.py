@@ -1,8 +1,10 @@
-"""Tensor parallelism (parallel.tp_size; llmtune/model/tensor_parallel.py lays it): a feature acting at three points.
+"""Tensor parallelism (parallel.tp_size; llmtune/model/tensor_parallel.py lays it): a feature acting at four points.
 - check: the family has a plan llmtune lays, and tp divides its heads, key/value heads, intermediate size and
   vocabulary; what does not run with it yet is refused, one line each.
-- build: the model split over the tp ranks, first of every feature: context parallelism's attention, adapters and
-  the rest act on the split layers, then checkpointing, compile and FSDP2 over the data-parallel ranks.
+- distribute: the model split over the tp ranks once every feature has built (peft's adapters are made on the
+  whole layers, so that their initial values do not depend on the layout, then split as their base layers are),
+  before checkpointing, compile and FSDP2 over the data-parallel ranks.
+- build: how many tokens its rows are padded to a multiple of.
 - transform: under sequence parallelism, every micro-batch's rows padded to a multiple of cp x tp tokens, so that the
   stream splits evenly over the tp ranks of each cp slice (the pads carry no label: the losses are those of the rows
   unpadded).
@@ -16,13 +18,13 @@ from llmtune.model.build import decoder_layers
 from llmtune.model.multimodal import is_multimodal
 from llmtune.model.tensor_parallel import apply_tensor_parallel, plan_problems
 
-# What does not run with tp_size > 1 yet: (the recipe key that turns it on, whether it is on).
+# What does not run with tp_size > 1 yet: (what the recipe sets, whether it is set, the other setting that runs).
 NOT_YET = (
-    ("parallel.expert_parallel", lambda config: config.parallel.expert_parallel > 1),
-    ("model.quantize", lambda config: config.model.quantize != "none"),
-    ("peft.method", lambda config: config.peft.method != "none"),
-    ("train.fp8", lambda config: config.train.float8_scaling() is not None),
-    ("train.compile", lambda config: config.train.compile),
+    ("parallel.expert_parallel", lambda config: config.parallel.expert_parallel > 1, "parallel.expert_parallel: 1"),
+    ("model.quantize", lambda config: config.model.quantize != "none", "model.quantize: none"),
+    ("peft.method: dora", lambda config: config.peft.method == "dora", "peft.method: lora"),
+    ("train.fp8", lambda config: config.train.float8_scaling() is not None, "train.fp8: false"),
+    ("train.compile", lambda config: config.train.compile, "train.compile: false"),
 )
 
 
@@ -41,12 +43,14 @@ class TensorParallel(Feature):
         if is_multimodal(model_config):
             problems.append(f"parallel.tp_size: {model_config.model_type} is a vision-language model, which llmtune "
                             "does not split over tp ranks yet; set parallel.tp_size 1")
-        problems += [f"parallel.tp_size: {tp} with {key} is not supported yet; set parallel.tp_size 1 or turn "
-                     f"{key} off" for key, on in NOT_YET if on(config)]
+        problems += [f"parallel.tp_size: {tp} with {what} is not supported yet; set parallel.tp_size 1, or {fix}"
+                     for what, on, fix in NOT_YET if on(config)]
         return problems
 
     def build(self, hf_model, state) -> None:
         self.multiple = state.cp_size * state.tp_size if state.parallel.sequence_parallel else 1
+
+    def distribute(self, hf_model, state) -> None:
         apply_tensor_parallel(hf_model, decoder_layers(hf_model), state.tp_mesh, state.parallel.sequence_parallel)
 
     def transform(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

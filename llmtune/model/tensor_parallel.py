@@ -88,10 +88,12 @@ def apply_tensor_parallel(hf_model: nn.Module, layers: list[nn.Module], tp_mesh,
     """Split `hf_model` (on the meta device or materialised) over `tp_mesh` in place; `layers`: its decoder layers."""
     plan = layer_plan(hf_model.config)
     stream = Shard(SEQUENCE) if sequence_parallel else Replicate()
+    # torch's styles make new parameters, some of which (SequenceParallel's) would train whatever the old ones did.
+    frozen = {name for name, param in hf_model.named_parameters() if not param.requires_grad}
     for layer in layers:
-        styles = {path: _style(style, sequence_parallel) for path, style in plan.items()
-                  if _has(layer, path)}
-        parallelize_module(layer, tp_mesh, styles)
+        for path, style in plan.items():
+            if _has(layer, path):
+                _split(layer.get_submodule(path), style, tp_mesh, sequence_parallel)
         if sequence_parallel:
             regions = {path.rsplit(".", 1)[0] for path, style in plan.items() if style != REPLICATED}
             for name, child in layer.named_children():
@@ -115,6 +117,32 @@ def apply_tensor_parallel(hf_model: nn.Module, layers: list[nn.Module], tp_mesh,
         parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
         if tied:
             head.weight = embedding.weight
+    for name, param in hf_model.named_parameters():
+        param.requires_grad_(name not in frozen)
+
+
+def _split(module: nn.Module, style: str, tp_mesh, sequence_parallel: bool) -> None:
+    """One planned module split by its style; of a layer peft adapted (LoRA), its base layer so, and its adapters to
+    match: of a colwise base, lora_A whole and lora_B colwise (each rank its own output features of B A x, the
+    gradient of B's input summed over the ranks); of a rowwise base, lora_A rowwise (its output summed over the
+    ranks, or reduce-scattered into the stream) and lora_B whole (a replicated DTensor under sequence parallelism,
+    its gradient summed over the ranks' tokens)."""
+    base = getattr(module, "base_layer", module)
+    parallelize_module(base, tp_mesh, _style(style, sequence_parallel))
+    for name in getattr(module, "lora_A", {}):
+        lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+        if style == COLWISE:
+            lora_a.register_forward_pre_hook(_local_inputs)
+            parallelize_module(lora_b, tp_mesh, ColwiseParallel())
+        else:
+            parallelize_module(lora_a, tp_mesh, _style(ROWWISE, sequence_parallel))
+            if sequence_parallel:
+                parallelize_module(lora_b, tp_mesh, SequenceParallel())
+
+
+def _local_inputs(module, args):
+    """A whole (replicated) DTensor input as this rank's plain tensor, for a module whose weights are whole."""
+    return pytree.tree_map(lambda value: value.to_local() if isinstance(value, DTensor) else value, args)
 
 
 def _has(layer: nn.Module, path: str) -> bool:

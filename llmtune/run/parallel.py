@@ -75,18 +75,20 @@ class ParallelState:
         world_size = dist.get_world_size()
         replicate, cp, tp = parallel.dp_replicate, parallel.cp_size, parallel.tp_size
         shard = world_size // (replicate * cp * tp)
-        mesh = init_device_mesh(device.type, (replicate, shard, cp, tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
         # FSDP2 reads a 1-D mesh as plain FSDP and a 2-D one as HSDP (replicate, shard); cp peers are shard ranks.
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"] if replicate > 1 else mesh["dp_shard_cp"]
+        # The root holds FSDP2's dimensions as they are, and the cp peers are its shard dimension unflattened: a
+        # dimension flattened from the root would be sliced from it, which torch deprecates.
+        root = init_device_mesh(device.type, (replicate, shard * cp, tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"))
+        mesh = root._unflatten("dp_shard_cp", (shard, cp), ("dp_shard", "cp"))
+        fsdp_mesh = root["dp_replicate", "dp_shard_cp"] if replicate > 1 else root["dp_shard_cp"]
         ep = parallel.expert_parallel
         # Consecutive ep ranks (the innermost dimension), like cp peers: on a node they are its GPUs, over which
         # the all-to-alls run. One root mesh for both: FSDP2 shards a DTensor of its ep dimension over its efsdp one.
         expert_mesh = init_device_mesh(device.type, (replicate, shard // ep, ep),
                                        mesh_dim_names=("dp_replicate", "efsdp", "ep")) if ep > 1 else None
         wait_group = dist.new_group(backend="gloo", timeout=LONG_WAIT)
-        data_group = mesh["dp_replicate", "dp_shard", "cp"]._flatten("data").get_group() if tp > 1 else None
+        data_group = root["dp_replicate", "dp_shard_cp"]._flatten("data").get_group() if tp > 1 else None
         return cls(dist.get_rank(), world_size, local_rank, device, mesh, fsdp_mesh, wait_group, parallel,
                    expert_mesh, data_group)
 

@@ -5,7 +5,8 @@ Qwen3 (tied embeddings, q/k norms), for dpo (log-probabilities from the vocabula
 completions generated on the split model, token for token the same, and a KL term against a reference copy split
 likewise); tp 2 x cp 2 equals cp 1; a checkpoint saved at tp 2 x dp 2 resumes at tp 1 x dp
 4 and at tp 4 on the straight run's curve, and at tp 2 x dp 2 bitwise; the export loads in transformers with the
-trained logits. Each refusal of a layout is made before any process starts."""
+trained logits; LoRA on split linears trains as on one process, with and without sequence parallelism. Each refusal
+of a layout is made before any process starts."""
 
 import json
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, LlamaForCausalLM, Phi3Config, Qwen3ForCausalLM
 
 from llmtune.run.cli import main as cli_main
@@ -38,6 +40,14 @@ CASES = {
     "llama4_tp2_saved": ("sft", "llama4", "sft", False, ["checkpoint.save_steps=2", "checkpoint.export_hf=true",
                                                          "checkpoint.export_dtype=fp32"], ["parallel.tp_size=2"]),
     "dpo_qwen3_tp2_packed": ("dpo", "qwen3", "pairs", True, [], ["parallel.tp_size=2"]),
+    # LoRA on every linear, its adapters split as their base layers are, the lm_head trained in full.
+    "lora_llama_tp2": ("sft", "llama", "sft", False, ["peft.method=lora", "peft.r=4", "peft.modules_to_save=[lm_head]",
+                                                      "train.learning_rate=0.02", "checkpoint.export_hf=true",
+                                                      "checkpoint.export_dtype=fp32"], ["parallel.tp_size=2"]),
+    "lora_llama_tp2_no_sequence_parallel": ("sft", "llama", "sft", False,
+                                            ["peft.method=lora", "peft.r=4", "peft.modules_to_save=[lm_head]",
+                                             "train.learning_rate=0.02"],
+                                            ["parallel.tp_size=2", "parallel.sequence_parallel=false"]),
     "grpo_llama_tp2": ("grpo", "llama", "prompts", False, GRPO, ["parallel.tp_size=2"]),
 }
 # Resumed from llama4_tp2_saved's step-2 checkpoint: name: the layout's overrides.
@@ -92,17 +102,23 @@ def runs(models, sft_file, pairs_file, grpo_prompts_file, tmp_path_factory):
     try:
         # The one-process references train here while the launch runs.
         references = {}
-        for task, model, rows, packing, own, _ in CASES.values():
-            key = (task, model, rows, packing)
+        for name, (task, model, rows, packing, own, _) in CASES.items():
+            key = reference_key(CASES[name])
             if key not in references:
-                root = tmp_path_factory.mktemp(f"ref_{task}_{model}")
+                root = tmp_path_factory.mktemp(f"ref_{name}")
                 run_case(recipe(root, models[model], data[rows], packing), own, 1, task=task, probe=PROBE)
                 references[key] = root / "out"
         _, stderr = launch.communicate(timeout=900)
     finally:
         launch.kill()  # a no-op once it has ended; else a reference failed or it ran out of time
     assert launch.returncode == 0, stderr[-6000:]
-    return {"references": {name: references[case[:4]] for name, case in CASES.items()}, "outs": outs}
+    return {"references": {name: references[reference_key(case)] for name, case in CASES.items()}, "outs": outs}
+
+
+def reference_key(case: tuple) -> tuple:
+    """What a case's one-process reference is made of: the recipe and its own overrides, not the layout's."""
+    task, model, rows, packing, own, _ = case
+    return task, model, rows, packing, tuple(own)
 
 
 def curve(output_dir: Path) -> list[tuple[int, float, float]]:
@@ -126,9 +142,10 @@ def test_losses_gradient_norms_and_gradients_match_one_process(runs, name):
         assert completions(out) == completions(reference)
     ref_grads, grads = torch.load(reference / "grads.pt"), torch.load(out / "grads.pt")
     assert grads.keys() == ref_grads.keys()
+    assert any(value.abs().max() > 0 for value in ref_grads.values())
     for key, value in ref_grads.items():
+        # Relative to the largest entry; a gradient that is 0 (LoRA's A at step 1, its B starting at 0) exactly 0.
         scale = value.abs().max().item()
-        assert scale > 0, key
         torch.testing.assert_close(grads[key], value, rtol=0, atol=1e-5 * scale, msg=lambda m: f"{key}: {m}")
 
 
@@ -189,7 +206,8 @@ def configs(tokenizer) -> dict:
     (["parallel.tp_size=2", "model.name_or_path={phi3}"], 2,
      "parallel.tp_size: phi3's tensor-parallel plan uses colwise_gather_output, rowwise_split_input, which llmtune "
      "does not lay"),
-    (["parallel.tp_size=2", "peft.method=lora"], 2, "parallel.tp_size: 2 with peft.method is not supported yet"),
+    (["parallel.tp_size=2", "peft.method=dora"], 2, "parallel.tp_size: 2 with peft.method: dora is not supported "
+                                                      "yet; set parallel.tp_size 1, or peft.method: lora"),
     (["parallel.tp_size=2", "train.compile=true"], 2, "parallel.tp_size: 2 with train.compile is not supported yet"),
 ])
 def test_layouts_tp_cannot_lay_are_refused_up_front(overrides, nproc, message, bare_tokenizer, sft_file, tmp_path,
@@ -205,3 +223,14 @@ def test_layouts_tp_cannot_lay_are_refused_up_front(overrides, nproc, message, b
     assert cli_main(["sft", path, *[o.format(**folders) for o in overrides], "--nproc", str(nproc)]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_adapter_folder_of_a_tp_run_is_one_process_s(runs):
+    """The adapters made whole, split as their base layers are, trained and gathered again: the folder a single
+    process writes, key for key (4 steps at a learning rate of 0.02 apart by rounding)."""
+    name = "lora_llama_tp2"
+    got = load_file(runs["outs"][name] / "adapter" / "adapter_model.safetensors")
+    expected = load_file(runs["references"][name] / "adapter" / "adapter_model.safetensors")
+    assert got.keys() == expected.keys() and any("lora_B" in key for key in got)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=2e-4, msg=lambda m: f"{key}: {m}")
