@@ -1,7 +1,7 @@
 """`llmtune plan` against the run: the peak it predicts for a training step per rank is within 25% of the peak
 the step measures (tensor bytes, counted as benchmarks/plan_accuracy.py counts them; its table in docs/plan.md has
-more layouts), on 1 and 2 ranks, with checkpointing, with context parallelism, with the layers kept gathered
-after forward or between micro-batches, and for a mixture of experts split over 2 ranks by expert parallelism."""
+more layouts), on 1 and 2 ranks, with checkpointing, with context parallelism, with tensor parallelism, with the
+layers kept gathered after forward or between micro-batches, and for a mixture of experts split over 2 ranks by expert parallelism."""
 
 import pytest
 
@@ -10,7 +10,8 @@ from benchmarks.plan_accuracy import EXPERTS, case_config, measure_cases, predic
 SEQ_LEN = 512
 # (overrides, ranks)
 CASES = [([], 1), (["train.gradient_checkpointing=true"], 2), (["parallel.cp_size=2"], 2),
-         (["parallel.reshard_after_forward=false"], 2), (["parallel.reshard_between_micro_batches=false"], 2)]
+         (["parallel.reshard_after_forward=false"], 2), (["parallel.reshard_between_micro_batches=false"], 2),
+         (["parallel.tp_size=2"], 2)]
 
 
 @pytest.fixture(scope="module")
