@@ -585,8 +585,9 @@ class ParallelConfig:
                                            "all-gathers); false keeps them whole on every tp rank.")
     expert_parallel: int = _field(1, "MoE models: ranks each routed expert layer's experts are split over (each "
                                      "rank holds experts / n of them, tokens sent to their expert's rank by "
-                                     "all-to-all); n consecutive dp_shard ranks; n divides dp_shard and the expert "
-                                     "count; 1 = off.")
+                                     "all-to-all); n consecutive dp_shard ranks (with tp_size, of dp_shard x "
+                                     "tp_size, each tp rank routing its 1/tp of the tokens); n divides them and the "
+                                     "expert count; 1 = off.")
     reshard_after_forward: bool | int = _field(True, "After a decoder layer's forward: true frees its gathered "
                                                      "weights (gathered again for backward), false keeps them until "
                                                      "its backward (one all-gather less, every layer's weights whole "
@@ -671,8 +672,9 @@ class ParallelConfig:
         if self.prefetch_layers != 1:
             words.append(f"{self.prefetch_layers} layer(s) prefetched (parallel.prefetch_layers)")
         if self.expert_parallel > 1:
-            words.append(f"ep {self.expert_parallel}: experts split over {self.expert_parallel} consecutive shard "
-                         "ranks (parallel.expert_parallel)")
+            ranks = "ranks, tp peers among them," if self.tp_size > 1 else "shard ranks"
+            words.append(f"ep {self.expert_parallel}: experts split over {self.expert_parallel} consecutive {ranks} "
+                         "(parallel.expert_parallel)")
         return "; ".join(words)
 
     def layout_problem(self, world_size: int) -> str | None:
@@ -693,9 +695,10 @@ class ParallelConfig:
             return (f"parallel.dp_shard: dp_replicate {replicate} x dp_shard {self.dp_shard} x cp_size {cp}"
                     f"{f' x tp_size {tp}' if tp > 1 else ''} is not the world size {world_size}; set dp_shard: "
                     f"{shard}, or -1 for the ranks left")
-        if shard % self.expert_parallel:
-            return (f"parallel.expert_parallel: {self.expert_parallel} does not divide dp_shard {shard}; choose a "
-                    f"divisor of {shard}")
+        if shard * tp % self.expert_parallel:
+            ranks = f"dp_shard {shard}{f' x tp_size {tp}' if tp > 1 else ''}"
+            return (f"parallel.expert_parallel: {self.expert_parallel} does not divide {ranks}; choose a divisor of "
+                    f"{shard * tp}")
         size, after = shard * cp, self.reshard_after_forward
         if not isinstance(after, bool) and (size % after or after >= size):
             return (f"parallel.reshard_after_forward: {after} must divide the {size} ranks a copy of the model is "

@@ -314,16 +314,32 @@ def misfit_copy(model: Path, folder: Path) -> dict:
 
 
 def launch_cases(cases: list[dict], folder: Path, nproc: int = 2, timeout: int = 900) -> None:
-    """Train `cases` (tests/dist/case_worker.py's) one after another in one torchrun launch of `nproc` processes,
-    their list written to folder/cases.json; fails the test with the launch's last error lines. The repository is on
-    the workers' path, as pytest's is, for the callbacks a case's recipe names from tests/."""
+    """Train `cases` (tests/dist/case_worker.py's) one after another in one torchrun launch of `nproc` processes;
+    fails the test with the launch's last error lines."""
+    with cases_launched(cases, folder, nproc, timeout):
+        pass
+
+
+@contextlib.contextmanager
+def cases_launched(cases: list[dict], folder: Path, nproc: int = 2, timeout: int = 900):
+    """launch_cases' launch, running while the body of the with block does (the one-process references train in
+    this process meanwhile), waited for as the block ends. Its list is written to folder/cases.json, its output to a
+    file (a pipe nobody reads until the end would stop its workers once full). The repository is on the workers'
+    path, as pytest's is, for the callbacks a case's recipe names from tests/."""
     spec = folder / "cases.json"
     spec.write_text(json.dumps(cases))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                             str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-4000:]
+    log = folder / "launch.log"
+    with log.open("w") as output:
+        launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   f"--nproc-per-node={nproc}", str(REPO / "tests" / "dist" / "case_worker.py"),
+                                   str(spec)], cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+        try:
+            yield
+            launch.wait(timeout=timeout)
+        finally:
+            launch.kill()  # a no-op once it has ended; else the body failed or the launch ran out of time
+    assert launch.returncode == 0, log.read_text()[-6000:]
 
 
 def saved_state(folder: Path, tmp_path: Path) -> dict:

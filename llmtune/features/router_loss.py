@@ -13,7 +13,10 @@ parts' losses), and under context parallelism each rank's slice is one part.
 metrics.jsonl gets, for every training step: aux_loss, that token-weighted mean before the coefficient;
 expert_load/layer_<i>, for each mixture-of-experts decoder layer i the tokens routed to its busiest expert over the
 mean per expert (1: balanced; at worst experts / experts per token); and expert_load, that of the least balanced
-layer.
+layer. The loss and the loads leave out the pads where the rows say which they are (an attention mask, a preference
+task's sequence ids), those a layout adds among them (packed sft rows say nothing: their pads count). Under tensor
+parallelism each tp rank routes 1/tp of a micro-batch's tokens (model/tensor_parallel.py): both read every token's
+router logits, gathered over the tp ranks.
 
 The router logits are recorded by hooks of this feature on the modules the model's own recorder names
 (`_can_record_outputs["router_logits"]`), not by asking the model for them (output_router_logits): transformers'
@@ -31,6 +34,7 @@ from llmtune.features.base import Feature
 from llmtune.model.build import decoder_layers
 from llmtune.model.expert_parallel import experts_modules
 from llmtune.model.loss import IGNORE_INDEX
+from llmtune.model.tensor_parallel import gathered_tokens
 
 
 class RouterLoss(Feature):
@@ -68,6 +72,8 @@ class RouterLoss(Feature):
             # family may keep dense layers among them, as Qwen3-MoE's mlp_only_layers).
             self.moe_layers = [i for i, layer in enumerate(decoder_layers(hf_model)) if experts_modules(layer)]
             self.loss_function = lambda logits, mask: function(logits, self.experts, self.top_k, mask)
+            # Under tensor parallelism each rank routes 1/tp of the tokens: the loss reads every token's logits.
+            self.tp_mesh = state.tp_mesh if state.tp_size > 1 else None
             self._record(hf_model)
 
     def _record(self, hf_model) -> None:
@@ -92,20 +98,25 @@ class RouterLoss(Feature):
     def loss_terms(self, outputs, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
         if not self.loss_function:
             return None
-        aux = self.loss_function(self._logits(), inputs.get("attention_mask"))
+        logits, mask = self._logits(inputs["shift_labels"].shape), _real_tokens(inputs)
+        aux = self.loss_function(logits, mask)
         tokens = (inputs["shift_labels"] != IGNORE_INDEX).sum()
         if torch.is_grad_enabled():  # a training micro-batch; evaluation runs without gradients
             with torch.no_grad():
                 self.weighted_aux += aux.detach().double() * tokens
                 self.tokens += tokens.double()
-                # The experts each token goes to, as the model routes it: top-k of the router's logits.
-                self.routed += torch.stack([torch.bincount(logits.topk(self.top_k, dim=-1).indices.flatten(),
+                # The experts each token goes to, as the model routes it: top-k of the router's logits; of the
+                # rows' tokens, not of their pads where the micro-batch says which are pads (a layout's among them).
+                real = slice(None) if mask is None else mask.flatten().bool()
+                self.routed += torch.stack([torch.bincount(each.topk(self.top_k, dim=-1).indices[real].flatten(),
                                                            minlength=self.experts)
-                                            for logits in self._logits()]).double()
+                                            for each in logits]).double()
         return self.coef * aux * tokens
 
-    def _logits(self) -> tuple[torch.Tensor, ...]:
-        return tuple(record.logits for record in self.routers)
+    def _logits(self, rows: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        """Every router's logits [rows' tokens, experts] of the forward under way."""
+        logits = tuple(record.logits for record in self.routers)
+        return tuple(gathered_tokens(each, rows, self.tp_mesh) for each in logits) if self.tp_mesh else logits
 
     def step_metrics(self, state) -> dict[str, float]:
         if not self.loss_function:
@@ -116,6 +127,15 @@ class RouterLoss(Feature):
         loads = (routed.max(dim=1).values / routed.mean(dim=1).clamp(min=1e-9)).tolist()
         return {"aux_loss": (totals[0] / totals[1].clamp(min=1)).item(), "expert_load": max(loads),
                 **{f"expert_load/layer_{layer}": load for layer, load in zip(self.moe_layers, loads, strict=True)}}
+
+
+def _real_tokens(inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Which tokens of the rows are not pads, where the micro-batch says: its attention mask, or a preference task's
+    sequence ids (-1: a pad, of the batch or of a layout); None where neither is there (packed sft rows)."""
+    if inputs.get("attention_mask") is not None:
+        return inputs["attention_mask"]
+    sequences = inputs.get("sequence_ids")
+    return None if sequences is None else (sequences >= 0).long()
 
 
 class RouterOutput:

@@ -20,7 +20,6 @@ from llmtune.model.tensor_parallel import apply_tensor_parallel, plan_problems
 
 # What does not run with tp_size > 1 yet: (what the recipe sets, whether it is set, the other setting that runs).
 NOT_YET = (
-    ("parallel.expert_parallel", lambda config: config.parallel.expert_parallel > 1, "parallel.expert_parallel: 1"),
     ("model.quantize", lambda config: config.model.quantize != "none", "model.quantize: none"),
     ("peft.method: dora", lambda config: config.peft.method == "dora", "peft.method: lora"),
     ("train.fp8", lambda config: config.train.float8_scaling() is not None, "train.fp8: false"),

@@ -340,11 +340,12 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
         fully_shard(experts, mp_policy=policy,
                     **{**options, **state.shard_options(experts=True), **(kept if experts in last else {})})
         # An expert's gradient holds the tokens the ep ranks sent it, those of every data-parallel rank: averaged
-        # over all of them, as a dense weight's is, not over its efsdp ranks alone. Where a reduce-scatter runs,
+        # over all of them (not over tp peers, whose tokens are parts of one micro-batch), as a dense weight's is,
+        # not over its efsdp ranks alone. Where a reduce-scatter runs,
         # summed and then divided, since gloo lacks the premultiplied sum another factor would use; over one efsdp
         # rank FSDP2 divides its copy of the gradient by the factor, and would divide it again after a summed
         # reduction.
-        experts.set_gradient_divide_factor(state.world_size)
+        experts.set_gradient_divide_factor(state.fsdp_group_size)
         experts.set_force_sum_reduction_for_comms(state.expert_mesh["efsdp"].size() > 1)
     for layer in layers:
         fully_shard(layer, mp_policy=policy, **{**options, **(kept if layer is layers[-1] else {})})

@@ -105,7 +105,8 @@ def expert_parallel_forward(module, hidden_states: torch.Tensor, top_k_index: to
     experts = torch.arange(local, device=rows.device).repeat(ranks).repeat_interleave(received_per_expert.flatten())
     outputs = _run_local_experts(module, rows, experts[:, None])
     back = _exchange(outputs, sent, received, group)
-    unsorted = torch.empty_like(back).index_copy(0, order, back).view(tokens, top_k, -1)
+    # The hidden size named: a rank may hold no token (a tp rank's share of one decoded position).
+    unsorted = torch.empty_like(back).index_copy(0, order, back).view(tokens, top_k, back.shape[-1])
     return (unsorted * top_k_weights[..., None]).sum(dim=1).to(hidden_states.dtype)
 
 

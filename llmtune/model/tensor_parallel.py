@@ -15,6 +15,11 @@ leaves out llmtune lays itself, as torchtitan does:
   stream is a DTensor of the whole row's shape between them, so transformers' own code around the layers (masks,
   positions, RoPE) reads the sizes it would read on one rank; the final norm's output, the decoder's last hidden
   states, is gathered whole for the heads and the features that read them (in training and in generate).
+- a mixture-of-experts block (the layer's module holding an experts module: Qwen3-MoE's mlp) is not split by
+  columns: it runs whole on 1/tp of each row's tokens per rank (torchtitan's expert tensor parallel degree 1), its
+  experts split over the ep ranks where parallel.expert_parallel is set (model/expert_parallel.py: the ep groups
+  take in tp peers, each with tokens of its own), its router the same on every tp rank with its gradient summed
+  over them; the plan's styles for the experts (packed_colwise, moe_tp_experts, shared experts) are not laid.
 
 Each tp rank computes the same tokens, so the loss and every count are the same on the tp peers (ParallelState
 counts them once), and the gradient of the whole hidden states reaches each of them whole (the loss sums it over the
@@ -23,9 +28,11 @@ vocabulary shards).
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.utils import _pytree as pytree
+
+from llmtune.model.expert_parallel import experts_modules
 
 # The styles of transformers' plans that llmtune lays with torch's, by the plan's name for them.
 COLWISE, ROWWISE, REPLICATED = "colwise", "rowwise", "replicated_with_grad_allreduce"
@@ -43,6 +50,12 @@ def layer_plan(model_config) -> dict[str, str]:
     return {key.split("layers.*.", 1)[1]: style for key, style in plan.items() if key.startswith("layers.*.")}
 
 
+def _for_experts(path: str) -> bool:
+    """Whether a planned path is inside a mixture-of-experts block (its experts, shared experts), which runs whole
+    over the rank's tokens rather than split by the plan."""
+    return any("expert" in part for part in path.split("."))
+
+
 def plan_problems(model_config, tp: int) -> list[str]:
     """What stops this model from being split over tp ranks, one line each: a family without a plan or with styles
     llmtune does not lay, heads, key/value heads, the intermediate size or the vocabulary that tp does not divide."""
@@ -52,7 +65,7 @@ def plan_problems(model_config, tp: int) -> list[str]:
     if not plan:
         return [f"parallel.tp_size: {name} has no tensor-parallel plan in transformers (config.base_model_tp_plan); "
                 "set parallel.tp_size 1"]
-    others = sorted({style for style in plan.values() if style not in STYLES})
+    others = sorted({style for path, style in plan.items() if style not in STYLES and not _for_experts(path)})
     if others:
         return [f"parallel.tp_size: {name}'s tensor-parallel plan uses {', '.join(others)}, which llmtune does not "
                 f"lay (it lays {', '.join(STYLES)}); set parallel.tp_size 1"]
@@ -91,16 +104,20 @@ def apply_tensor_parallel(hf_model: nn.Module, layers: list[nn.Module], tp_mesh,
     # torch's styles make new parameters, some of which (SequenceParallel's) would train whatever the old ones did.
     frozen = {name for name, param in hf_model.named_parameters() if not param.requires_grad}
     for layer in layers:
-        for path, style in plan.items():
-            if _has(layer, path):
-                _split(layer.get_submodule(path), style, tp_mesh, sequence_parallel)
-        if sequence_parallel:
-            regions = {path.rsplit(".", 1)[0] for path, style in plan.items() if style != REPLICATED}
-            for name, child in layer.named_children():
-                if name in regions:
+        blocks = {name for name, child in layer.named_children() if experts_modules(child)}
+        laid = {path: style for path, style in plan.items()
+                if _has(layer, path) and path.split(".", 1)[0] not in blocks}
+        for path, style in laid.items():
+            _split(layer.get_submodule(path), style, tp_mesh, sequence_parallel)
+        regions = {path.split(".", 1)[0] for path, style in laid.items() if style != REPLICATED}
+        for name, child in layer.named_children():
+            if name in blocks:
+                _over_tokens(child, tp_mesh, sequence_parallel)
+            elif name in regions:
+                if sequence_parallel:
                     child.register_forward_pre_hook(_replicated_inputs, with_kwargs=True)
-                elif any(True for _ in child.parameters()):
-                    parallelize_module(child, tp_mesh, SequenceParallel())
+            elif sequence_parallel and any(True for _ in child.parameters()):
+                parallelize_module(child, tp_mesh, SequenceParallel())
     decoder = hf_model.get_decoder()
     embedding, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
@@ -138,6 +155,53 @@ def _split(module: nn.Module, style: str, tp_mesh, sequence_parallel: bool) -> N
             parallelize_module(lora_a, tp_mesh, _style(ROWWISE, sequence_parallel))
             if sequence_parallel:
                 parallelize_module(lora_b, tp_mesh, SequenceParallel())
+
+
+def _over_tokens(block: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """A mixture-of-experts block run on this rank's 1/tp of each row's tokens (the stream's sequence shard, or its
+    slice of the whole stream without sequence parallelism), its output given back in the stream's layout. Its
+    parameters not split already (the router; the experts themselves where ep is 1) become DTensors replicated over
+    the tp ranks, computed on as plain tensors whose gradients, of each rank's tokens, are summed over them (a
+    Partial gradient, which FSDP2 reduces to the parameter's Replicate before its own reduce-scatter)."""
+    whole = [(module, name) for module in block.modules() if not hasattr(module, "expert_parallel_group")
+             for name, param in module.named_parameters(recurse=False) if not isinstance(param, DTensor)]
+    for module, name in whole:
+        param = getattr(module, name)
+        replicated = distribute_tensor(param.detach(), tp_mesh, [Replicate()], src_data_rank=None)
+        setattr(module, name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+    # Of the forward under way: the stream it was called on, and the parameters (FSDP2's, gathered) it swapped out.
+    under_way = []
+
+    def enter(module, args, kwargs):
+        stream = args[0] if isinstance(args[0], DTensor) \
+            else DTensor.from_local(args[0], tp_mesh, [Replicate()], run_check=False)
+        params = [owner._parameters[name] for owner, name in whole]
+        under_way.append((stream, params))
+        for (owner, name), param in zip(whole, params):
+            owner._parameters[name] = param.to_local(grad_placements=[Partial()])
+        return (stream.redistribute(placements=[Shard(SEQUENCE)]).to_local(), *args[1:]), kwargs
+
+    def leave(module, args, kwargs, output):
+        stream, params = under_way.pop()
+        for (owner, name), param in zip(whole, params):
+            owner._parameters[name] = param
+        tokens = DTensor.from_local(output, tp_mesh, [Shard(SEQUENCE)], run_check=False, shape=stream.shape,
+                                    stride=stream.stride())
+        return tokens if sequence_parallel else tokens.full_tensor()
+
+    block.register_forward_pre_hook(enter, with_kwargs=True)
+    block.register_forward_hook(leave, with_kwargs=True)
+
+
+def gathered_tokens(local: torch.Tensor, rows: tuple[int, int], tp_mesh) -> torch.Tensor:
+    """Values a mixture-of-experts block computed per token of this rank's share (local: [b x s/tp, ...], the
+    order _over_tokens gives them), for every token of the rows ([b x s, ...], the rows' order) on every tp rank;
+    backward keeps this rank's part of a gradient that is the same on every tp rank."""
+    batch, length = rows
+    shape = (batch, length, *local.shape[1:])
+    whole = DTensor.from_local(local.reshape(batch, -1, *local.shape[1:]), tp_mesh, [Shard(SEQUENCE)],
+                               run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
+    return whole.full_tensor().reshape(batch * length, *local.shape[1:])
 
 
 def _local_inputs(module, args):

@@ -85,7 +85,8 @@ class ParallelState:
         ep = parallel.expert_parallel
         # Consecutive ep ranks (the innermost dimension), like cp peers: on a node they are its GPUs, over which
         # the all-to-alls run. One root mesh for both: FSDP2 shards a DTensor of its ep dimension over its efsdp one.
-        expert_mesh = init_device_mesh(device.type, (replicate, shard // ep, ep),
+        # Under tp the ep groups take in tp peers, which route tokens of their own (model/tensor_parallel.py).
+        expert_mesh = init_device_mesh(device.type, (replicate, shard * tp // ep, ep),
                                        mesh_dim_names=("dp_replicate", "efsdp", "ep")) if ep > 1 else None
         wait_group = dist.new_group(backend="gloo", timeout=LONG_WAIT)
         data_group = root["dp_replicate", "dp_shard_cp"]._flatten("data").get_group() if tp > 1 else None

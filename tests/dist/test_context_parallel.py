@@ -5,9 +5,6 @@ that are not a multiple of cp, with sdpa and eager, and with packed sequences at
 span by document span; dp=2,cp=1 and dp=1,cp=2 agree on the same global batch. Invalid layouts are
 refused before anything starts."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ from transformers import GptOssConfig, LlamaConfig, LlamaForCausalLM
 
 from llmtune.run.cli import main as cli_main
 from tests.dist.case_worker import run_case
-from tests.helpers import REPO, read_metrics, save_tiny_model
+from tests.helpers import cases_launched, read_metrics, save_tiny_model
 
 # name: (model, packing, attention backend, extra overrides of the 2-process run, tokens per attention call in
 # the cp run: 0 for the default, which these short sequences never reach)
@@ -56,24 +53,15 @@ def runs(models, sft_file, tmp_path_factory):
         root = tmp_path_factory.mktemp(name)
         cases.append({"recipe": recipe(root, models[model], sft_file, packing, attention), "overrides": overrides,
                       "out": str(root / "out"), "document_window": window})
-    spec = tmp_path_factory.mktemp("cases") / "cases.json"
-    spec.write_text(json.dumps(cases))
     # The one-rank references train in this process while the 2-process launch runs: most of the launch is its
     # workers' start-up (importing torch, transformers, datasets).
-    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                               str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with cases_launched(cases, tmp_path_factory.mktemp("cases")):
         for model, packing, attention, _, _ in CASES.values():
             key = (model, packing, attention)
             if key not in references:
                 ref_root = tmp_path_factory.mktemp(f"ref_{model}_{packing}_{attention}")
                 run_case(recipe(ref_root, models[model], sft_file, packing, attention), [], 1)
                 references[key] = ref_root / "out"
-        _, stderr = launch.communicate(timeout=900)
-    finally:
-        launch.kill()  # a no-op once it has ended; else a reference failed or it ran out of time
-    assert launch.returncode == 0, stderr[-4000:]
     return {name: (references[(model, packing, attention)], case["out"])
             for (name, (model, packing, attention, _, _)), case in zip(CASES.items(), cases)}
 

@@ -1,27 +1,26 @@
 """Tensor parallelism (fp32, one launch of 4 processes): tp 2 x dp 2 gives the per-step losses and gradient norms
 (1e-5 relative) and the step-1 gradients (1e-5 of the largest entry) of 1 process x accumulation, with sequence
-parallelism on and off, padded and packed rows, on a Llama (untied, with the loss's z-loss and label smoothing) and a
-Qwen3 (tied embeddings, q/k norms), for dpo (log-probabilities from the vocabulary shards) and for grpo (its
-completions generated on the split model, token for token the same, and a KL term against a reference copy split
-likewise); tp 2 x cp 2 equals cp 1; a checkpoint saved at tp 2 x dp 2 resumes at tp 1 x dp
-4 and at tp 4 on the straight run's curve, and at tp 2 x dp 2 bitwise; the export loads in transformers with the
-trained logits; LoRA on split linears trains as on one process, with and without sequence parallelism. Each refusal
-of a layout is made before any process starts."""
+parallelism on and off, padded and packed rows, on a Llama (untied, with the loss's z-loss and label smoothing), a
+Qwen3 (tied embeddings, q/k norms) and a Qwen3-MoE (its experts over ep ranks of tp peers, its router loss and
+experts' loads too), for dpo (log-probabilities from the vocabulary shards) and for grpo (its completions generated
+on the split model, token for token the same, and a KL term against a reference copy split likewise); tp 2 x cp 2
+equals cp 1; a checkpoint saved at tp 2 x dp 2 resumes at tp 1 x dp 4 and at tp 4 on the straight run's curve, and
+at tp 2 x dp 2 bitwise; the export loads in transformers with the trained logits; LoRA on split linears trains as on
+one process, with and without sequence parallelism. Each refusal of a layout is made before any process starts."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, LlamaForCausalLM, Phi3Config, Qwen3ForCausalLM
+from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, LlamaForCausalLM, Phi3Config, Qwen3ForCausalLM,
+                          Qwen3MoeForCausalLM)
 
 from llmtune.run.cli import main as cli_main
 from tests.dist.case_worker import run_case
-from tests.helpers import REPO, read_metrics, save_tiny_model
+from tests.helpers import cases_launched, read_metrics, save_tiny_model
 
 STEPS, PROBE = 4, [5, 17, 42, 99, 7, 3, 64, 128]
 SAVED = "checkpoints/global_step_2"
@@ -49,6 +48,14 @@ CASES = {
                                              "train.learning_rate=0.02"],
                                             ["parallel.tp_size=2", "parallel.sequence_parallel=false"]),
     "grpo_llama_tp2": ("grpo", "llama", "prompts", False, GRPO, ["parallel.tp_size=2"]),
+    # The experts over 2 ranks of tp peers, each routing its half of the tokens; a dense layer among the MoE ones.
+    "qwen3_moe_tp2_ep2": ("sft", "qwen3_moe", "sft", False, [], ["parallel.tp_size=2", "parallel.expert_parallel=2"]),
+    "qwen3_moe_tp2_ep2_no_sequence_parallel": ("sft", "qwen3_moe", "sft", False, [],
+                                               ["parallel.tp_size=2", "parallel.expert_parallel=2",
+                                                "parallel.sequence_parallel=false"]),
+    # Packed pairs: no attention mask, the pads (sequence parallelism's among them) known by their sequence ids.
+    "dpo_qwen3_moe_tp2_ep2_packed": ("dpo", "qwen3_moe", "pairs", True, [],
+                                     ["parallel.tp_size=2", "parallel.expert_parallel=2"]),
 }
 # Resumed from llama4_tp2_saved's step-2 checkpoint: name: the layout's overrides.
 RESUMES = {"resumed_tp1_dp4": [], "resumed_tp4": ["parallel.tp_size=4"], "resumed_tp2_dp2": ["parallel.tp_size=2"]}
@@ -56,14 +63,21 @@ RESUMES = {"resumed_tp1_dp4": [], "resumed_tp4": ["parallel.tp_size=4"], "resume
 
 @pytest.fixture(scope="module")
 def models(bare_tokenizer, tmp_path_factory):
-    """A Llama, another with as many key/value heads as heads (4, for tp 4), and a Qwen3 with tied embeddings."""
+    """A Llama, another with as many key/value heads as heads (4, for tp 4), a Qwen3 with tied embeddings and a
+    Qwen3-MoE with a router loss."""
     root = tmp_path_factory.mktemp("tp_models")
     return {"llama": str(save_tiny_model(root / "llama", LlamaForCausalLM, bare_tokenizer, num_key_value_heads=2,
                                          tie_word_embeddings=False)),
             "llama4": str(save_tiny_model(root / "llama4", LlamaForCausalLM, bare_tokenizer, seed=3,
                                           num_key_value_heads=4, tie_word_embeddings=False)),
             "qwen3": str(save_tiny_model(root / "qwen3", Qwen3ForCausalLM, bare_tokenizer, seed=1,
-                                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True))}
+                                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+            "qwen3_moe": str(save_tiny_model(root / "qwen3_moe", Qwen3MoeForCausalLM, bare_tokenizer, seed=2,
+                                             hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                             num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                                             num_key_value_heads=2, head_dim=8, num_hidden_layers=3,
+                                             mlp_only_layers=[1], router_aux_loss_coef=0.3,
+                                             tie_word_embeddings=False))}
 
 
 def recipe(root: Path, model: str, data_file, packing: bool) -> str:
@@ -94,24 +108,15 @@ def runs(models, sft_file, pairs_file, grpo_prompts_file, tmp_path_factory):
         outs[name] = root / "out"
         cases.append({"recipe": recipe(root, models["llama4"], sft_file, False),
                       "overrides": [f"checkpoint.resume_from_checkpoint={saved / SAVED}", *layout]})
-    spec = tmp_path_factory.mktemp("cases") / "cases.json"
-    spec.write_text(json.dumps(cases))
-    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                               str(REPO / "tests" / "dist" / "case_worker.py"), str(spec)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        # The one-process references train here while the launch runs.
-        references = {}
+    # The one-process references train here while the launch runs.
+    references = {}
+    with cases_launched(cases, tmp_path_factory.mktemp("cases"), nproc=4):
         for name, (task, model, rows, packing, own, _) in CASES.items():
             key = reference_key(CASES[name])
             if key not in references:
                 root = tmp_path_factory.mktemp(f"ref_{name}")
                 run_case(recipe(root, models[model], data[rows], packing), own, 1, task=task, probe=PROBE)
                 references[key] = root / "out"
-        _, stderr = launch.communicate(timeout=900)
-    finally:
-        launch.kill()  # a no-op once it has ended; else a reference failed or it ran out of time
-    assert launch.returncode == 0, stderr[-6000:]
     return {"references": {name: references[reference_key(case)] for name, case in CASES.items()}, "outs": outs}
 
 
@@ -138,6 +143,10 @@ def test_losses_gradient_norms_and_gradients_match_one_process(runs, name):
     for (_, loss, norm), (_, ref_loss, ref_norm) in zip(got, expected):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert norm == pytest.approx(ref_norm, rel=1e-5)
+    if CASES[name][1] == "qwen3_moe":  # the router loss of every token, and the experts' loads, as one process's
+        for key in ("aux_loss", "expert_load"):
+            assert [m[key] for m in read_metrics(out)] == pytest.approx([m[key] for m in read_metrics(reference)],
+                                                                       rel=1e-5)
     if (reference / "completions.jsonl").exists():  # grpo's, token for token
         assert completions(out) == completions(reference)
     ref_grads, grads = torch.load(reference / "grads.pt"), torch.load(out / "grads.pt")
@@ -208,6 +217,8 @@ def configs(tokenizer) -> dict:
      "does not lay"),
     (["parallel.tp_size=2", "peft.method=dora"], 2, "parallel.tp_size: 2 with peft.method: dora is not supported "
                                                       "yet; set parallel.tp_size 1, or peft.method: lora"),
+    (["parallel.tp_size=2", "parallel.expert_parallel=4"], 2, "parallel.expert_parallel: 4 does not divide dp_shard 1 "
+                                                                "x tp_size 2"),
     (["parallel.tp_size=2", "train.compile=true"], 2, "parallel.tp_size: 2 with train.compile is not supported yet"),
 ])
 def test_layouts_tp_cannot_lay_are_refused_up_front(overrides, nproc, message, bare_tokenizer, sft_file, tmp_path,
