@@ -123,6 +123,7 @@ def apply_tensor_parallel(hf_model: nn.Module, layers: list[nn.Module], tp_mesh,
     tied = head is not None and head.weight is embedding.weight
     parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=stream,
                                                            use_local_output=not sequence_parallel))
+    embedding.register_forward_hook(_settled)
     if sequence_parallel:
         in_layers = {id(module) for layer in layers for module in layer.modules()}
         for name, child in decoder.named_children():
@@ -234,6 +235,14 @@ def _replicated_inputs(module, args, kwargs):
     def whole(value):
         return value.redistribute(placements=[Replicate()]) if isinstance(value, DTensor) else value
     return pytree.tree_map(whole, args), pytree.tree_map(whole, kwargs)
+
+
+def _settled(module, args, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output, the sum of the ranks' lookups, as a tensor that holds it: torch's collective leaves a
+    pending result (an AsyncCollectiveTensor, alone or inside the stream's DTensor), which a compiled first layer
+    took as its input wrongly (train.compile: its gradient lost, or AOT autograd failing on its symbolic sizes). A
+    copy waits for the collective, as the first op on it would."""
+    return output.clone()
 
 
 def _whole_output(module, args, output: DTensor) -> torch.Tensor:

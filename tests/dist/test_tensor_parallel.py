@@ -1,12 +1,13 @@
-"""Tensor parallelism (fp32, one launch of 4 processes): tp 2 x dp 2 gives the per-step losses and gradient norms
-(1e-5 relative) and the step-1 gradients (1e-5 of the largest entry) of 1 process x accumulation, with sequence
+"""Tensor parallelism (fp32, one launch of 4 processes): tp 2 x dp 2 gives the per-step losses and gradient norms (1e-5
+relative) and the step-1 gradients (1e-5 of the largest entry) of 1 process x accumulation, with sequence
 parallelism on and off, padded and packed rows, on a Llama (untied, with the loss's z-loss and label smoothing), a
 Qwen3 (tied embeddings, q/k norms) and a Qwen3-MoE (its experts over ep ranks of tp peers, its router loss and
 experts' loads too), for dpo (log-probabilities from the vocabulary shards) and for grpo (its completions generated
 on the split model, token for token the same, and a KL term against a reference copy split likewise); tp 2 x cp 2
-equals cp 1; a checkpoint saved at tp 2 x dp 2 resumes at tp 1 x dp 4 and at tp 4 on the straight run's curve, and
-at tp 2 x dp 2 bitwise; the export loads in transformers with the trained logits; LoRA on split linears trains as on
-one process, with and without sequence parallelism. Each refusal of a layout is made before any process starts."""
+equals cp 1; compiled decoder layers (sequence parallelism) equal one process in eager; a checkpoint saved at tp 2 x
+dp 2 resumes at tp 1 x dp 4 and at tp 4 on the straight run's curve, and at tp 2 x dp 2 bitwise; the export loads in
+transformers with the trained logits; LoRA on split linears trains as on one process, with and without sequence
+parallelism. Each refusal of a layout is made before any process starts."""
 
 import json
 from pathlib import Path
@@ -36,6 +37,8 @@ CASES = {
                                        ["parallel.tp_size=2", "parallel.sequence_parallel=false"]),
     "qwen3_tp2_packed": ("sft", "qwen3", "sft", True, [], ["parallel.tp_size=2"]),
     "qwen3_tp2_cp2_packed": ("sft", "qwen3", "sft", True, [], ["parallel.tp_size=2", "parallel.cp_size=2"]),
+    # Each decoder layer compiled (rows of changing lengths: symbolic sizes), against one process in eager.
+    "qwen3_tp2_packed_compiled": ("sft", "qwen3", "sft", True, [], ["parallel.tp_size=2", "train.compile=true"]),
     "llama4_tp2_saved": ("sft", "llama4", "sft", False, ["checkpoint.save_steps=2", "checkpoint.export_hf=true",
                                                          "checkpoint.export_dtype=fp32"], ["parallel.tp_size=2"]),
     "dpo_qwen3_tp2_packed": ("dpo", "qwen3", "pairs", True, [], ["parallel.tp_size=2"]),
@@ -219,7 +222,9 @@ def configs(tokenizer) -> dict:
                                                       "yet; set parallel.tp_size 1, or peft.method: lora"),
     (["parallel.tp_size=2", "parallel.expert_parallel=4"], 2, "parallel.expert_parallel: 4 does not divide dp_shard 1 "
                                                                 "x tp_size 2"),
-    (["parallel.tp_size=2", "train.compile=true"], 2, "parallel.tp_size: 2 with train.compile is not supported yet"),
+    (["parallel.tp_size=2", "train.compile=true", "parallel.sequence_parallel=false"], 2,
+     "parallel.tp_size: 2 with train.compile without parallel.sequence_parallel is not supported yet; set "
+     "parallel.tp_size 1, or parallel.sequence_parallel: true"),
 ])
 def test_layouts_tp_cannot_lay_are_refused_up_front(overrides, nproc, message, bare_tokenizer, sft_file, tmp_path,
                                                      capsys):
