@@ -672,7 +672,7 @@ class ParallelConfig:
         if self.prefetch_layers != 1:
             words.append(f"{self.prefetch_layers} layer(s) prefetched (parallel.prefetch_layers)")
         if self.expert_parallel > 1:
-            ranks = "ranks, tp peers among them," if self.tp_size > 1 else "shard ranks"
+            ranks = "ranks, tp peers among them" if self.tp_size > 1 else "shard ranks"
             words.append(f"ep {self.expert_parallel}: experts split over {self.expert_parallel} consecutive {ranks} "
                          "(parallel.expert_parallel)")
         return "; ".join(words)
