@@ -37,9 +37,10 @@ def write_model(folder: Path, layers: int, seq_len: int) -> None:
                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq_len).save_pretrained(folder)
 
 
-def loss_peak(tp: int, tokens: int, chunk: int) -> int:
+def loss_peak(tp: int, rows: int, seq_len: int, chunk: int) -> int:
     """Under torchrun: the peak bytes the chunked loss (forward, which computes its gradients, and backward)
-    allocates on this rank for `tokens` tokens, the lm_head split over `tp` ranks (whole at 1)."""
+    allocates on this rank for `rows` rows of `seq_len` tokens, the lm_head split over `tp` ranks (whole at 1) and
+    the hidden states over the sequence as sequence parallelism leaves them (each rank's 1/tp of each row's tokens)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -48,11 +49,13 @@ def loss_peak(tp: int, tokens: int, chunk: int) -> int:
 
     mesh = init_device_mesh("cpu", (RANKS // tp, tp), mesh_dim_names=("dp", "tp"))
     generator = torch.Generator().manual_seed(0)
-    weight = (torch.randn(VOCAB, HIDDEN, generator=generator) * 0.02).requires_grad_()
+    weight = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.02
+    hidden = torch.randn(rows, seq_len, HIDDEN, generator=generator)
     if tp > 1:
-        weight = distribute_tensor(weight.detach(), mesh["tp"], [Shard(0)]).requires_grad_()
-    hidden = torch.randn(tokens, HIDDEN, generator=generator).requires_grad_()
-    labels = torch.randint(0, VOCAB, (tokens,), generator=generator)
+        weight = distribute_tensor(weight, mesh["tp"], [Shard(0)])
+        hidden = distribute_tensor(hidden, mesh["tp"], [Shard(1)])
+    weight, hidden = weight.requires_grad_(), hidden.requires_grad_()
+    labels = torch.randint(0, VOCAB, (rows, seq_len), generator=generator)
 
     def step():
         cross_entropy_sum(hidden, weight, None, labels, LossOptions(chunk_size=chunk)).backward()
@@ -73,9 +76,8 @@ def worker(model_dir: str, seq_len: int, out: str) -> None:
         with open(out, "a") as f:
             f.write(json.dumps({"case": number, "held": held, "during": during}) + "\n")
     config = case_config(model_dir, seq_len, [], world)
-    tokens = config.train.per_device_train_batch_size * seq_len
     for tp in LOSS_TP:
-        peak = loss_peak(tp, tokens, config.train.chunk_loss_size)
+        peak = loss_peak(tp, config.train.per_device_train_batch_size, seq_len, config.train.chunk_loss_size)
         with open(out, "a") as f:
             f.write(json.dumps({"loss_tp": tp, "peak": peak}) + "\n")
     dist.destroy_process_group()

@@ -36,6 +36,7 @@ from llmtune.tasks.registry import LM_HEAD, SCORE_HEAD
 from llmtune.model.pretrained import checkpoint_index, load_weights, weight_sources
 from llmtune.model.quantize import is_quantized
 from llmtune.model.state import saved_tensors
+from llmtune.model.tensor_parallel import whole_tokens
 
 log = logging.getLogger(__name__)
 # The compute dtypes below fp32 (TrainConfig.half_precision): FSDP2 gathers the weights in them for compute.
@@ -143,7 +144,7 @@ class CausalLMForTraining(nn.Module):
         ([b, S, 1], a dot product each) and the marked ones are summed by sequence: no index sized by the values,
         which the host would wait for. A fourth forward method, registered with FSDP."""
         outputs = self._decode(input_ids, attention_mask, position_ids, model_kwargs)
-        token_scores = self.hf_model.get_submodule(SCORE)(outputs.last_hidden_state).float().squeeze(-1)
+        token_scores = self.hf_model.get_submodule(SCORE)(whole_tokens(outputs.last_hidden_state)).float().squeeze(-1)
         marks = scored.to(token_scores.dtype) * (sequence_ids >= 0)
         # A filler micro-batch (MicroBatch.emptied) has no sequence: one slot, dropped, takes its zeros. Cloned: FSDP
         # warns of a view returned by a forward method.

@@ -96,16 +96,29 @@ def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                       labelled: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 sum of the per-token losses over the labels != IGNORE_INDEX; hidden [..., H], labels [...]; labelled:
     labelled_positions(shifted_labels), if known (None: computed here)."""
-    hidden = hidden.reshape(-1, hidden.size(-1))
     shifted_labels = shifted_labels.reshape(-1)
-    shard = VocabShard.of(weight, bias) if options.chunk_size and not options.fused else None
-    weight, bias = (shard.weight, shard.bias) if shard else _whole(weight, bias)
+    hidden, weight, bias, shard, tokens = _split_inputs(hidden, weight, bias, options.chunk_size and not options.fused)
     if options.fused:
         return _fused_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
     if options.chunk_size:
         labelled = labelled_positions(shifted_labels) if labelled is None else labelled
-        return _chunked_cross_entropy_sum(hidden, weight, bias, shifted_labels, labelled, options, shard)
+        return _chunked_cross_entropy_sum(hidden, weight, bias, shifted_labels, labelled, options, shard, tokens)
     return _full_logits_cross_entropy_sum(hidden, weight, bias, shifted_labels, options)
+
+
+def _split_inputs(hidden, weight, bias, chunked: bool):
+    """(the hidden states the loss computes on, [tokens, H]: this rank's under sequence parallelism, `tokens`; the
+    head's weight and bias: this rank's vocabulary shard under loss parallel, `shard`; shard; tokens). The chunked
+    paths take the shards as they are; the reference and fused paths, which compute every token and vocabulary id in
+    one block, take them gathered whole."""
+    shard = VocabShard.of(weight, bias) if chunked else None
+    tokens = TokenShard.of(hidden) if shard else None
+    if tokens:
+        hidden = hidden.to_local().reshape(-1, hidden.size(-1))
+    else:
+        hidden = _whole(hidden).reshape(-1, hidden.size(-1))
+    weight, bias = (shard.weight, shard.bias) if shard else (_whole(weight), _whole(bias))
+    return hidden, weight, bias, shard, tokens
 
 
 @dataclass(frozen=True)
@@ -161,14 +174,60 @@ class VocabShard:
         return values
 
 
-def _whole(weight, bias):
-    """A head split over the vocabulary, gathered whole (the reference and fused paths, which compute every
-    vocabulary id in one block); a whole one as it is."""
+@dataclass(frozen=True)
+class TokenShard:
+    """Sequence parallelism: the decoder's last hidden states as this tensor-parallel rank holds them, each row's
+    tokens [rank x S / tp, (rank + 1) x S / tp) (the stream's split, model/tensor_parallel.py), which the chunked paths
+    compute on without gathering them: each chunk's rows are put together on every tp rank (each fills the rows it
+    holds, one all-reduce of [chunk, H]), and their gradient, summed over the vocabulary shards in a second one, is
+    kept by the rank holding each row. A rank's gradient of the hidden states is then [its tokens, H], 1/tp of the
+    whole one, and each chunk is chunk_size / tp tokens (chunk_rows), so that every buffer of the loss is 1/tp of a
+    whole model's (benchmarks/tensor_parallel.py measures it)."""
+
+    group: object  # the tp ranks' process group
+    rank: int
+    ranks: int
+    length: int  # the rows' whole length S, which the ranks split evenly
+
+    @classmethod
+    def of(cls, hidden) -> "TokenShard | None":
+        from llmtune.model.tensor_parallel import sequence_shard
+
+        found = sequence_shard(hidden)
+        return None if found is None else cls(*found, hidden.shape[1])
+
+    def chunk_rows(self, chunk_size: int) -> int:
+        return max(1, chunk_size // self.ranks)
+
+    def rows(self, hidden: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+        """The hidden states [len(chunk), H] of the flat positions `chunk` of the whole rows, from this rank's
+        `hidden` [its tokens, H] and its peers'."""
+        held, index = self._held(chunk)
+        rows = hidden.index_select(0, index).masked_fill_(~held[:, None], 0)
+        dist.all_reduce(rows, group=self.group)
+        return rows
+
+    def add_grad(self, grad: torch.Tensor, chunk: torch.Tensor, parts: torch.Tensor) -> None:
+        """grad [its tokens, H] += the rows it holds of the gradient of `chunk`'s rows, `parts` (this vocabulary
+        shard's part of it, summed over the shards here, in place)."""
+        dist.all_reduce(parts, group=self.group)
+        held, index = self._held(chunk)
+        grad.index_add_(0, index, parts.masked_fill_(~held[:, None], 0))
+
+    def _held(self, chunk: torch.Tensor):
+        """(whether this rank holds each flat position of `chunk`, its row in the rank's tokens there, else 0)."""
+        share = self.length // self.ranks
+        row, offset = chunk // self.length, chunk % self.length - self.rank * share
+        held = (offset >= 0) & (offset < share)
+        return held, (row * share + offset).where(held, 0)
+
+
+def _whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor split over the tp ranks (a head over the vocabulary, hidden states over the sequence), gathered whole;
+    a whole one (or None) as it is."""
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(weight, DTensor):
-        return weight, bias
-    return weight.full_tensor(), None if bias is None else bias.full_tensor()
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _full_logits(hidden, weight, bias, options: LossOptions) -> torch.Tensor:
@@ -217,22 +276,23 @@ def _fused_cross_entropy_sum(hidden, weight, bias, labels, options: LossOptions)
 
 def _chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                labels: torch.Tensor, labelled: torch.Tensor, options: LossOptions,
-                               shard: VocabShard | None = None) -> torch.Tensor:
+                               shard: VocabShard | None = None, tokens: TokenShard | None = None) -> torch.Tensor:
     """fp32 sum of the per-token losses over labels != IGNORE_INDEX, whose flat indices are `labelled`; hidden
-    [T, H], weight [V, H] (this rank's [V / tp, H] under loss parallel, `shard`), labels [T]."""
+    [T, H] (this rank's tokens under sequence parallelism, `tokens`), weight [V, H] (this rank's [V / tp, H] under
+    loss parallel, `shard`), labels [T]."""
     # Decided here, not in forward: there grad mode is always off, and ctx.needs_input_grad
     # ignores torch.no_grad().
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, labelled, options, shard)
-    loss, *_ = _loss_and_grads(hidden, weight, bias, labels, labelled, options, (False, False, False), shard)
+        return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, labelled, options, shard, tokens)
+    loss, *_ = _loss_and_grads(hidden, weight, bias, labels, labelled, options, (False, False, False), shard, tokens)
     return loss
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, labelled, options, shard):
+    def forward(ctx, hidden, weight, bias, labels, labelled, options, shard, tokens):
         loss, *grads = _loss_and_grads(hidden, weight, bias, labels, labelled, options, ctx.needs_input_grad[:3],
-                                       shard)
+                                       shard, tokens)
         ctx.grads = grads
         return loss
 
@@ -243,25 +303,35 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                                "use LossOptions(chunk_size=0) to backward through the loss more than once")
         grads, ctx.grads = ctx.grads, None
         # Scaled in place: a scaled copy would add a second [V, H] buffer at the peak.
-        return *(None if g is None else g.mul_(grad_output) for g in grads), None, None, None, None
+        return *(None if g is None else g.mul_(grad_output) for g in grads), None, None, None, None, None
 
 
-def _loss_and_grads(hidden, weight, bias, labels, labelled, options, needs, shard: VocabShard | None):
+def _loss_and_grads(hidden, weight, bias, labels, labelled, options, needs, shard: VocabShard | None,
+                    tokens: TokenShard | None):
     """The summed loss and the gradients of it w.r.t. (hidden, weight, bias) flagged in `needs` (else None)."""
     grads = _grad_accumulators(hidden, weight, bias, needs)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    chunks = labelled.split(options.chunk_size)
+    chunks = _chunks(labelled, options, tokens)
     blocks = _Blocks.for_chunks(chunks, weight)
     for chunk in chunks:
-        loss += _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks, shard)
-    _hidden_grad_summed(grads, shard)
+        loss += _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks, shard, tokens)
+    _hidden_grad_summed(grads, shard, tokens)
     return loss, *_in_input_dtypes(grads, weight, bias)
 
 
-def _hidden_grad_summed(grads, shard: VocabShard | None) -> None:
-    """Under loss parallel, the hidden states' gradient summed over the vocabulary shards: each rank's holds the
-    part of its own logits."""
-    if shard is not None and grads[0] is not None:
+def _chunks(labelled: torch.Tensor, options: LossOptions, tokens: TokenShard | None) -> tuple[torch.Tensor, ...]:
+    return labelled.split(tokens.chunk_rows(options.chunk_size) if tokens else options.chunk_size)
+
+
+def _chunk_hidden(hidden, chunk, tokens: TokenShard | None) -> torch.Tensor:
+    """The hidden states of the flat positions `chunk`, a tensor of their own."""
+    return tokens.rows(hidden, chunk) if tokens else hidden.index_select(0, chunk)
+
+
+def _hidden_grad_summed(grads, shard: VocabShard | None, tokens: TokenShard | None) -> None:
+    """Under loss parallel with whole hidden states, their gradient summed over the vocabulary shards: each rank's
+    holds the part of its own logits (with this rank's tokens, each chunk's is summed as it is made: TokenShard)."""
+    if shard is not None and tokens is None and grads[0] is not None:
         shard.sum(grads[0])
 
 
@@ -308,28 +378,34 @@ class _Blocks:
 
 
 def _add_chunk(hidden, weight, bias, labels, chunk, options, grads, blocks: _Blocks,
-               shard: VocabShard | None) -> torch.Tensor:
-    """Loss of the tokens at row indices `chunk`; their gradients are added to `grads` (None: not needed)."""
-    chunk_hidden = hidden.index_select(0, chunk)
+               shard: VocabShard | None, tokens: TokenShard | None) -> torch.Tensor:
+    """Loss of the tokens at flat positions `chunk`; their gradients are added to `grads` (None: not needed)."""
+    chunk_hidden = _chunk_hidden(hidden, chunk, tokens)
     logits = blocks.logits(chunk_hidden, weight, bias)
     loss, grad_logits = _cross_entropy_and_grad(logits, labels.index_select(0, chunk), options,
                                                 need_grad=any(g is not None for g in grads), shard=shard)
     if grad_logits is not None:
-        _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks)
+        _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks, tokens)
     return loss
 
 
-def _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks: _Blocks) -> None:
+def _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks: _Blocks, tokens: TokenShard | None) -> None:
     """Back from the fp32 gradient of the chunk's logits (in a block) through the lm_head: into the rows `chunk` of
-    the hidden states' gradient, and added to the weight's and bias's (None: not needed)."""
+    the hidden states' gradient (those this rank holds, with `tokens`), and added to the weight's and bias's (None:
+    not needed). The chunk's hidden states are written over by their gradient: no second [chunk, H] buffer."""
     grad_hidden, grad_weight, grad_bias = grads
     if grad_bias is not None:
         grad_bias += grad_logits.sum(0)
     grad_logits = blocks.in_weight_dtype(grad_logits)
-    if grad_hidden is not None:
-        grad_hidden.index_copy_(0, chunk, grad_logits @ weight)
     if grad_weight is not None:
         _add_matmul(grad_weight, grad_logits.T, chunk_hidden)
+    if grad_hidden is None:
+        return
+    parts = torch.mm(grad_logits, weight, out=chunk_hidden)
+    if tokens:
+        tokens.add_grad(grad_hidden, chunk, parts)
+    else:
+        grad_hidden.index_copy_(0, chunk, parts)
 
 
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -418,9 +494,7 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     labelled_positions(shifted_labels), if known (None: computed here).
     """
     labels = shifted_labels.reshape(-1)
-    hidden = hidden.reshape(-1, hidden.size(-1))
-    shard = VocabShard.of(weight, bias) if options.chunk_size else None
-    weight, bias = (shard.weight, shard.bias) if shard else _whole(weight, bias)
+    hidden, weight, bias, shard, tokens = _split_inputs(hidden, weight, bias, bool(options.chunk_size))
     if options.chunk_size:
         labelled = labelled_positions(labels) if labelled is None else labelled
     if not options.chunk_size:
@@ -428,10 +502,10 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     # Decided here, not in forward: there grad mode is always off (as in _chunked_cross_entropy_sum).
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         logps, entropy = _ChunkedTokenLogps.apply(hidden, weight, bias, labels, labelled, options, with_entropy,
-                                                  shard)
+                                                  shard, tokens)
     else:
         logps, _, entropy = _chunked_token_logps(hidden, weight, bias, labels, labelled, options, with_entropy,
-                                                 shard)
+                                                 shard, tokens)
     logps = logps.view(shifted_labels.shape)
     return (logps, entropy.view(shifted_labels.shape)) if with_entropy else logps
 
@@ -445,17 +519,17 @@ def _full_logits_token_logps(hidden, weight, bias, labels, options: LossOptions,
 
 
 def _chunked_token_logps(hidden, weight, bias, labels, labelled, options: LossOptions, with_entropy: bool = False,
-                         shard: VocabShard | None = None):
+                         shard: VocabShard | None = None, tokens: TokenShard | None = None):
     """(fp32 log-probs [T], 0 where ignored; the logsumexp of each labelled token's (tempered) logits, in the order
     of `labelled`; with_entropy: each labelled token's entropy [T], 0 elsewhere, else None), one [chunk, V] block at a
-    time (of this rank's [chunk, V / tp] under loss parallel, `shard`)."""
+    time (of this rank's [chunk, V / tp] under loss parallel, `shard`; of every tp rank's tokens, `tokens`)."""
     logps = torch.zeros(len(labels), dtype=torch.float32, device=hidden.device)
     entropy = torch.zeros_like(logps) if with_entropy else None
-    chunks = labelled.split(options.chunk_size)
+    chunks = _chunks(labelled, options, tokens)
     blocks = _Blocks.for_chunks(chunks, weight)
     lse = []
     for chunk in chunks:
-        logits = blocks.logits(hidden.index_select(0, chunk), weight, bias)
+        logits = blocks.logits(_chunk_hidden(hidden, chunk, tokens), weight, bias)
         logits, _ = _softcap_(logits, options.logit_softcap, need_slope=False)
         if options.temperature != 1.0:
             logits.div_(options.temperature)
@@ -482,11 +556,11 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     vocabulary."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, labelled, options, with_entropy, shard):
+    def forward(ctx, hidden, weight, bias, labels, labelled, options, with_entropy, shard, tokens):
         logps, lse, entropy = _chunked_token_logps(hidden, weight, bias, labels, labelled, options, with_entropy,
-                                                   shard)
+                                                   shard, tokens)
         ctx.save_for_backward(hidden, weight, bias, labels, labelled, lse)
-        ctx.options, ctx.shard = options, shard
+        ctx.options, ctx.shard, ctx.tokens = options, shard, tokens
         if entropy is not None:
             ctx.mark_non_differentiable(entropy)
         return logps, entropy
@@ -494,12 +568,12 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, _):
         hidden, weight, bias, labels, labelled, lse = ctx.saved_tensors
-        options, shard = ctx.options, ctx.shard
+        options, shard, tokens = ctx.options, ctx.shard, ctx.tokens
         grads = _grad_accumulators(hidden, weight, bias, ctx.needs_input_grad[:3])
-        chunks = labelled.split(options.chunk_size)
+        chunks = _chunks(labelled, options, tokens)
         blocks = _Blocks.for_chunks(chunks, weight)
-        for chunk, chunk_lse in zip(chunks, lse.split(options.chunk_size)):
-            chunk_hidden = hidden.index_select(0, chunk)
+        for chunk, chunk_lse in zip(chunks, lse.split([len(chunk) for chunk in chunks])):
+            chunk_hidden = _chunk_hidden(hidden, chunk, tokens)
             logits = blocks.logits(chunk_hidden, weight, bias)
             logits, tanh_slope = _softcap_(logits, options.logit_softcap, need_slope=True)
             if options.temperature != 1.0:
@@ -516,6 +590,6 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 grad_logits /= options.temperature
             if tanh_slope is not None:
                 grad_logits *= tanh_slope
-            _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks)
-        _hidden_grad_summed(grads, shard)
-        return *_in_input_dtypes(grads, weight, bias), None, None, None, None, None
+            _add_grads(grads, grad_logits, chunk, chunk_hidden, weight, blocks, tokens)
+        _hidden_grad_summed(grads, shard, tokens)
+        return *_in_input_dtypes(grads, weight, bias), None, None, None, None, None, None

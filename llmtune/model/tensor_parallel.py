@@ -13,8 +13,10 @@ leaves out llmtune lays itself, as torchtitan does:
   modules holding the planned linears: attention, MLP) hold 1/tp of each row's tokens: a region's inputs are
   gathered as it starts, its outputs reduce-scattered where they end (torchtitan's SequenceParallel layout). The
   stream is a DTensor of the whole row's shape between them, so transformers' own code around the layers (masks,
-  positions, RoPE) reads the sizes it would read on one rank; the final norm's output, the decoder's last hidden
-  states, is gathered whole for the heads and the features that read them (in training and in generate).
+  positions, RoPE) reads the sizes it would read on one rank. The final norm's output, the decoder's last hidden
+  states, stays split so: the loss computes on each rank's tokens (model/loss.py TokenShard: its hidden-state
+  gradient 1/tp of the whole), and what reads them whole gathers them (the lm_head's own forward, in generate; a
+  sequence classifier's score head, whole_tokens).
 - a mixture-of-experts block (the layer's module holding an experts module: Qwen3-MoE's mlp) is not split by
   columns: it runs whole on 1/tp of each row's tokens per rank (torchtitan's expert tensor parallel degree 1), its
   experts split over the ep ranks where parallel.expert_parallel is set (model/expert_parallel.py: the ep groups
@@ -128,11 +130,10 @@ def apply_tensor_parallel(hf_model: nn.Module, layers: list[nn.Module], tp_mesh,
         in_layers = {id(module) for layer in layers for module in layer.modules()}
         for name, child in decoder.named_children():
             if id(child) not in in_layers and child is not embedding and any(True for _ in child.parameters(False)):
-                # The final norm: its output, the decoder's, gathered whole for every head that reads it.
+                # The final norm: its output, the decoder's, split over the sequence as the stream is.
                 parallelize_module(child, tp_mesh, SequenceParallel())
-                child.register_forward_hook(_whole_output)
     if head is not None:
-        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=stream, output_layouts=Replicate()))
         if tied:
             head.weight = embedding.weight
     for name, param in hf_model.named_parameters():
@@ -245,10 +246,23 @@ def _settled(module, args, output: torch.Tensor) -> torch.Tensor:
     return output.clone()
 
 
-def _whole_output(module, args, output: DTensor) -> torch.Tensor:
-    """The stream's tokens gathered: a plain tensor of the whole rows on every tp rank. Backward takes this rank's
-    tokens of their gradient, which reaches every tp rank whole (model/loss.py sums the vocabulary shards' parts)."""
-    return output.full_tensor()
+def whole_tokens(hidden: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states as a plain tensor of the whole rows on every tp rank: gathered where sequence
+    parallelism splits them (backward keeps this rank's tokens of their gradient, the same on every tp rank)."""
+    return hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
+
+
+def sequence_shard(hidden: torch.Tensor):
+    """(the process group of the tp ranks, this rank's index among them, their number) for the decoder's last hidden
+    states [b, S, H] split over the sequence by sequence parallelism, S a multiple of the ranks (the rows padded so
+    in training: features/tensor_parallel.py); None for hidden states whole on this rank or split unevenly (a decode
+    step's single token)."""
+    if not isinstance(hidden, DTensor) or hidden.placements != (Shard(SEQUENCE),):
+        return None
+    mesh = hidden.device_mesh
+    if hidden.shape[SEQUENCE] % mesh.size():
+        return None
+    return mesh.get_group(), mesh.get_local_rank(), mesh.size()
 
 
 def vocabulary_shard(weight: torch.Tensor):
