@@ -2,7 +2,8 @@
 (parameters, buffers and AdamW's state) and allocates on top of it (gathered weights, activations, the loss, the
 gradients) at tp 2 and tp 4 against FSDP alone over the 4 ranks, each with the same micro-batch per rank, next to
 `llmtune plan`'s figures; then the chunked loss alone, the peak it allocates per rank on one micro-batch's tokens
-with the lm_head split over 1, 2 and 4 ranks (loss parallel).
+with the lm_head split over 1, 2 and 4 ranks (loss parallel) and its hidden states over the sequence as sequence
+parallelism leaves them.
 
     python -m benchmarks.tensor_parallel [--seq-len 1024] [--layers 4]
 
