@@ -4,12 +4,15 @@ during a generation, which the engine makes once per sharded unit for the whole 
 
     python benchmarks/generation.py [--prompts 64] [--batch_size 32] [--max_new_tokens 32] [--repeats 5]
                                     [--warmup 1] [--nproc 1|2 ...] [--threads N] [--do_sample]
+                                    [--groups G] [--prompt_lengths 16 96]
                                     [--gather_tokens 8 32] [--quick] [--out results.json]
 
 Model and prompts. A Llama of hidden 256, 4 layers, MLP 688, 8 heads (no GQA), the demo's tokenizer and vocabulary
 of 256 (llmtune.demo.assets; the demo's own config scaled up), tied embeddings, fp32, its weights the seeded
 initialisation llmtune's worker gives it (train.seed 0; nothing is trained): 3.2M parameters. --prompts prompts cut
-from the demo's pre-training corpus, their lengths drawn uniform in [16, 96] tokens (seeded). Every completion runs
+from the demo's pre-training corpus, their lengths drawn uniform in --prompt_lengths (default [16, 96]) tokens
+(seeded), each with --groups completions (num_return_sequences; 1 by default, 8 for GRPO's groups: the engine
+prefills a prompt once for its group, transformers once per completion). Every completion runs
 exactly --max_new_tokens tokens: the EOS id handed to both sides is the vocabulary's size, an id no logit stands for
 (the engine's eos_ids=[256], transformers' eos_token_id=[256]), so that both stop at the same length and do the same
 work, the same stopping check included.
@@ -21,12 +24,13 @@ trainer.model is the sharded CausalLMForTraining; nothing trained) and then:
   AutoModelForCausalLM.from_pretrained, fp32, on the same device. The engine (generation.engine.generate on
   trainer.model, greedy unless --do_sample) and transformers' generate on the HF model take turns, each first in
   every other round, --warmup untimed rounds then --repeats timed ones, each a whole pass over the prompts. The HF
-  side is given the batches the engine makes (prompts sorted by length, --batch_size per batch, left-padded), the
-  same max_new_tokens and sampling keys, and turns its output into lists of token ids as the engine does. Each
-  side's completions/s is the prompts over its median time; the ratio engine / HF is taken in each round and its
-  median reported (goal: >= 1), beside the ratio of the median CPU seconds of a pass (time.process_time), which a
-  machine shared with other processes moves less. With greedy decoding the two must choose the same tokens: the
-  share of completions that agree is printed.
+  side is given the batches the engine makes (prompts sorted by length, --batch_size completions per batch, whole
+  groups, left-padded; each prompt's row repeated for its samples, as TRL does), the same max_new_tokens and
+  sampling keys, and turns its output into lists of token ids as the engine does. Each side's completions/s is the
+  completions over its median time; the ratio engine / HF is taken in each round and its median reported (goal:
+  >= 1; >= 1.5 with --groups 8 on 200-token prompts), beside the ratio of the median CPU seconds of a pass
+  (time.process_time), which a machine shared with other processes moves less. With greedy decoding the two must
+  choose the same tokens: the share of completions that agree is printed.
 - 2 processes: the engine alone, each rank generating every 2nd prompt (one batch of --prompts / 2 where
   --batch_size allows), all ranks learning every completion (ParallelState.all_gather_object); timed on rank 0 from
   a barrier to the engine's return.
@@ -112,26 +116,32 @@ def sync(device) -> None:
 
 def hf_generate(model, prompts: list[list[int]], sampling, never: int, pad_id: int, batch_size: int,
                 device) -> list[list[int]]:
-    """transformers' generate of `model` over the prompts in the engine's batches (sorted by length, left-padded):
-    each prompt's new token ids, in prompt order."""
+    """transformers' generate of `model` over the prompts in the engine's batches (sorted by length, whole groups
+    of num_return_sequences, left-padded), each prompt's row repeated for its samples as TRL's GRPOTrainer repeats
+    them (transformers' greedy decoding refuses num_return_sequences > 1): each completion's new token ids, in
+    prompt then sample order."""
     import torch
 
+    samples = sampling.num_return_sequences
     order = sorted(range(len(prompts)), key=lambda p: len(prompts[p]))
-    out: list[list[int] | None] = [None] * len(prompts)
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
+    out: list[list[list[int]] | None] = [None] * len(prompts)
+    per_batch = max(1, batch_size // samples)
+    for start in range(0, len(order), per_batch):
+        batch = order[start:start + per_batch]
         length = max(len(prompts[p]) for p in batch)
-        input_ids = torch.tensor([[pad_id] * (length - len(prompts[p])) + prompts[p] for p in batch], device=device)
-        attention_mask = torch.tensor([[0] * (length - len(prompts[p])) + [1] * len(prompts[p]) for p in batch],
-                                      device=device)
+        input_ids = torch.tensor([[pad_id] * (length - len(prompts[p])) + prompts[p] for p in batch
+                                  for _ in range(samples)], device=device)
+        attention_mask = torch.tensor([[0] * (length - len(prompts[p])) + [1] * len(prompts[p]) for p in batch
+                                       for _ in range(samples)], device=device)
         keys = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p) \
             if sampling.do_sample else {}
         made = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=sampling.do_sample,
                               num_beams=1, max_new_tokens=sampling.max_new_tokens, eos_token_id=[never],
                               pad_token_id=pad_id, **keys)
-        for p, ids in zip(batch, made[:, length:].tolist()):
-            out[p] = ids
-    return out
+        rows = made[:, length:].tolist()
+        for i, p in enumerate(batch):
+            out[p] = rows[i * samples:(i + 1) * samples]
+    return [ids for group in out for ids in group]
 
 
 def timed(call, device, barrier=None) -> tuple[float, float, object]:
@@ -177,13 +187,15 @@ def worker(root: Path) -> None:
         trainer, tokenizer = build_trainer(config, state)
         model, device, pad_id = trainer.model, state.device, tokenizer.pad_token_id
         never = model.hf_model.config.vocab_size  # an id no logit stands for: every completion runs its full length
-        sampling = Sampling(max_new_tokens=settings["max_new_tokens"], do_sample=settings["do_sample"])
+        sampling = Sampling(max_new_tokens=settings["max_new_tokens"], do_sample=settings["do_sample"],
+                            num_return_sequences=settings["groups"])
 
         def engine(sampling=sampling):
             return generate(model, prompts, sampling, eos_ids=[never], pad_id=pad_id, device=device, seed=0,
                             step=0, batch_size=settings["batch_size"], state=state)
 
         result = {"world": world, "threads": torch.get_num_threads(), "device": str(device),
+                  "groups": settings["groups"],
                   "sharded_units": sharded_units(model)}
         hf = None
         if world == 1:
@@ -216,14 +228,15 @@ def worker(root: Path) -> None:
             result["hf_seconds"], result["hf_cpu_seconds"] = times["hf"], cpu_times["hf"]
             assert all(len(ids) == sampling.max_new_tokens for ids in hf_made), "an HF completion stopped early"
             if not sampling.do_sample:  # sampled, each side draws from generators of its own
-                result["same_tokens"] = sum(c.ids == ids for c, ids in zip(engine_made, hf_made)) / len(prompts)
+                result["same_tokens"] = sum(c.ids == ids for c, ids in zip(engine_made, hf_made)) / len(hf_made)
 
         gathers = {}
         for tokens in settings["gather_tokens"]:
             with counting_all_gathers() as count:
-                engine(Sampling(max_new_tokens=tokens, do_sample=settings["do_sample"]))
+                engine(Sampling(max_new_tokens=tokens, do_sample=settings["do_sample"],
+                                num_return_sequences=settings["groups"]))
             gathers[str(tokens)] = {"all_gathers": count["all_gathers"], "tokens_this_rank":
-                                    len(range(state.rank, len(prompts), world)) * tokens}
+                                    len(range(state.rank, len(prompts), world)) * settings["groups"] * tokens}
         result["gathers"] = gathers
         if state.is_main:
             print(RESULT + json.dumps(result), flush=True)
@@ -281,24 +294,24 @@ def launch(root: Path, nproc: int) -> dict:
     return json.loads(lines[-1][len(RESULT):])
 
 
-def figures(results: dict[int, dict], prompts: int) -> dict:
+def figures(results: dict[int, dict], completions: int) -> dict:
     """The figures of each case: completions/s (prompts over the median time), the ratios, the all-gathers."""
     out = {}
     if 1 in results:
         r = results[1]
         engine, hf = statistics.median(r["engine_seconds"]), statistics.median(r["hf_seconds"])
         out["one_process"] = {
-            "engine_completions_per_s": prompts / engine, "hf_completions_per_s": prompts / hf,
+            "engine_completions_per_s": completions / engine, "hf_completions_per_s": completions / hf,
             "engine_over_hf": statistics.median(h / e for e, h in zip(r["engine_seconds"], r["hf_seconds"])),
             "engine_over_hf_each_round": [h / e for e, h in zip(r["engine_seconds"], r["hf_seconds"])],
             "engine_cpu_s": statistics.median(r["engine_cpu_seconds"]),
             "hf_cpu_s": statistics.median(r["hf_cpu_seconds"]),
             "engine_over_hf_cpu": statistics.median(r["hf_cpu_seconds"]) / statistics.median(r["engine_cpu_seconds"]),
             "same_tokens": r.get("same_tokens"), "threads": r["threads"], "attention": r["attention"],
-            "goal": ">= 1"}
+            "goal": ">= 1.5" if r["groups"] > 1 else ">= 1"}
     if 2 in results:
         r = results[2]
-        out["two_processes"] = {"engine_completions_per_s": prompts / statistics.median(r["engine_seconds"]),
+        out["two_processes"] = {"engine_completions_per_s": completions / statistics.median(r["engine_seconds"]),
                                 "engine_cpu_s_rank0": statistics.median(r["engine_cpu_seconds"]),
                                 "threads_per_process": r["threads"]}
         if 1 in results:
@@ -322,7 +335,8 @@ def print_table(setup: dict, results: dict[int, dict], figs: dict) -> None:
     print(f"Llama {setup['params'] / 1e6:.2f}M parameters (hidden {shape['hidden_size']}, {shape['num_hidden_layers']}"
           f" layers, MLP {shape['intermediate_size']}, {shape['num_attention_heads']} heads, vocab "
           f"{shape['vocab_size']}), fp32, on {next(iter(results.values()))['device']}; {setup['prompts']} prompts of "
-          f"{min(setup['prompt_tokens'])}-{max(setup['prompt_tokens'])} tokens, batch {setup['batch_size']}, "
+          f"{min(setup['prompt_tokens'])}-{max(setup['prompt_tokens'])} tokens, {setup['groups']} completion(s) each, "
+          f"batch {setup['batch_size']}, "
           f"{setup['max_new_tokens']} new tokens each ({'sampling' if setup['do_sample'] else 'greedy'}; EOS never "
           f"drawn), {setup['repeats']} timed round(s) after {setup['warmup']}")
     if "one_process" in figs:
@@ -356,7 +370,12 @@ def print_table(setup: dict, results: dict[int, dict], figs: dict) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=64, help="Prompts per pass (each one completion).")
+    parser.add_argument("--prompts", type=int, default=64, help="Prompts per pass (each --groups completions).")
+    parser.add_argument("--groups", type=int, default=1,
+                        help="Completions of each prompt (num_return_sequences): the engine prefills a prompt once "
+                             "for them.")
+    parser.add_argument("--prompt_lengths", type=int, nargs=2, default=list(PROMPT_LENGTHS), metavar=("LO", "HI"),
+                        help="The prompts' lengths in tokens, drawn uniform in [LO, HI].")
     parser.add_argument("--batch_size", type=int, default=32, help="Completions decoded together (both sides).")
     parser.add_argument("--max_new_tokens", type=int, default=32,
                         help="Tokens of every completion (no EOS is ever drawn: each runs its full length).")
@@ -391,13 +410,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         setup = prepare(root, QUICK_SHAPE if args.quick else SHAPE, args.prompts,
-                        QUICK_PROMPT_LENGTHS if args.quick else PROMPT_LENGTHS)
+                        QUICK_PROMPT_LENGTHS if args.quick else tuple(args.prompt_lengths))
         settings = {key: getattr(args, key) for key in ("batch_size", "max_new_tokens", "repeats", "warmup",
-                                                         "do_sample", "gather_tokens", "threads")}
+                                                         "do_sample", "gather_tokens", "threads", "groups")}
         (root / "settings.json").write_text(json.dumps(settings))
         setup.update(settings)
         results = {nproc: launch(root, nproc) for nproc in sorted(set(args.nproc))}
-    figs = figures(results, args.prompts)
+    figs = figures(results, args.prompts * args.groups)
     print_table(setup, results, figs)
     if args.out:
         args.out.write_text(json.dumps({"setup": setup, "figures": figs,

@@ -80,7 +80,7 @@ def collate(rows: list[dict], pad_id: int, document_mask: bool = True, two_seque
     where it has none.
     """
     if share_prefixes:
-        rows = [share_prefix(row) for row in rows]
+        rows = [share_prefix(row, scored) for row in rows]
     if pack:
         rows = pack_units(rows, sum(len(row["input_ids"]) for row in rows))
     length = max(len(row["input_ids"]) for row in rows)
@@ -131,19 +131,26 @@ def image_inputs(blobs: list[bytes], blank_image: bytes) -> dict:
     return images.merged(blobs)
 
 
-def share_prefix(unit: dict) -> dict:
-    """A unit of two sequences (an rm pair: its chosen sequence, then its rejected one) -> the same unit without the
-    tokens the second begins with as the first does: the second's remaining tokens keep their positions, a branch
-    of the first (model/attention.document_starts) whose attention sees the first's tokens before them, as it would
-    see its own. Each sequence computes as it does alone, and the shared beginning (a pair's prompt, at least) is
-    computed once. The second keeps its last token, where it is scored, and starts at the first's last position at
-    the latest, so that its positions jump back: a branch, not the first's continuation. Its first token is labelled
-    -100: no token before it in the row predicts it."""
+def share_prefix(unit: dict, scored: bool) -> dict:
+    """A unit of two sequences (an rm or dpo pair: its chosen sequence, then its rejected one; a kto example and its
+    KL sequence) -> the same unit without the tokens the second begins with as the first does, as far as the
+    objective reads none of the second's: the second's remaining tokens keep their positions, a branch of the first
+    (model/attention.document_starts) whose attention sees the first's tokens before them, as it would see its own.
+    Each sequence computes as it does alone, and the shared beginning (a pair's prompt) is computed once.
+
+    What the objective reads of the second decides where its branch begins at the latest: `scored` (rm), its last
+    token, where it is scored; else (log-probabilities) the token before its first labelled one, which predicts it:
+    that one token of the prompt is computed twice, so that the branch holds every prediction of its labels. The
+    branch also starts at the first's last position at the latest, so that its positions jump back: a branch, not
+    the first's continuation; and past position 0, which would begin a document. Its first token is labelled -100:
+    no token before it in the row predicts it."""
     positions = unit["position_ids"]
     split = positions.index(0, 1)
     first, second = unit["input_ids"][:split], unit["input_ids"][split:]
+    labelled = next((i for i, label in enumerate(unit["labels"][split:]) if label != IGNORE_INDEX), len(second))
+    read = len(second) - 1 if scored else labelled - 1
     shared = 0
-    while shared < min(len(first), len(second)) - 1 and first[shared] == second[shared]:
+    while shared < min(len(first) - 1, read) and first[shared] == second[shared]:
         shared += 1
     if not shared:
         return unit

@@ -29,6 +29,9 @@ class MultimodalPositions(Feature):
         return True
 
     def build(self, hf_model, state) -> None:
+        if is_multimodal(hf_model.config):
+            # A branch would leave out its prompt's image tokens, whose images the row holds for each sequence.
+            self.keeps_shared_prefixes = False
         if is_multimodal(hf_model.config) and hasattr(hf_model.base_model, "get_rope_index"):
             self.rope_index = hf_model.base_model.get_rope_index
             self.image_token_id = hf_model.config.image_token_id

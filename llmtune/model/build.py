@@ -159,6 +159,11 @@ class CausalLMForTraining(nn.Module):
         that the root's own weights (embeddings, lm_head) are gathered around it (generation/engine.py)."""
         return self.hf_model.generate(**kwargs)
 
+    def prefill(self, **kwargs) -> None:
+        """The decoder over prompts, filling the KV cache in kwargs (generation/engine.py's prefill shared by a
+        prompt's samples): a forward method of the FSDP root, like generate."""
+        self.hf_model.get_decoder()(**kwargs)
+
     def _decode(self, input_ids, attention_mask, position_ids, model_kwargs: dict):
         """The decoder's outputs, the one call of it for forward and sequence_logps (a vision-language model's: its
         images encoded first, model/multimodal.py)."""
@@ -358,6 +363,7 @@ def build_model(model_config, model_cfg, train_cfg, state, features) -> CausalLM
     register_fsdp_forward_method(module, "token_logps")
     register_fsdp_forward_method(module, "sequence_scores")
     register_fsdp_forward_method(module, "generate")
+    register_fsdp_forward_method(module, "prefill")
     if pretrained:
         buffers = {name: buffer.clone() for name, buffer in module.named_buffers()}
         module.to_empty(device=state.parameter_device)

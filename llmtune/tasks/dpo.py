@@ -35,8 +35,8 @@ class DPO(PreferenceObjective):
     samples = unit = "pairs"
     shown = ("rewards/margins", "rewards/accuracies")
 
-    def __init__(self, dpo_cfg, reference, state, precompute=None):
-        super().__init__(dpo_cfg, reference, state, precompute)
+    def __init__(self, dpo_cfg, reference, state, precompute=None, shares_prefixes: bool = False):
+        super().__init__(dpo_cfg, reference, state, precompute, shares_prefixes)
         weights = dpo_cfg.loss_weights or [1.0] * len(dpo_cfg.loss_type)
         # ORPO's loss is its odds-ratio term plus the chosen responses' NLL, both at its weight.
         self.nll_weight = dpo_cfg.sft_weight + sum(w for loss, w in zip(dpo_cfg.loss_type, weights) if loss == "orpo")

@@ -11,7 +11,10 @@ Each optimizer step is one generation round (`rollout`, before the step's counts
 3. The round's completions, in (prompt, sample) order, are cut as the data of any other task is: data-parallel rank r
    takes the r-th run of per_device_train_batch_size x gradient_accumulation_steps of them, in micro-batches of
    per_device_train_batch_size consecutive completions, each micro-batch one packed row of its prompt + completion
-   sequences (the documents kept apart as in every packed row), the completion's tokens labelled.
+   sequences (the documents kept apart as in every packed row), the completion's tokens labelled. A prompt is
+   computed once for its completions in the micro-batch: the first follows it, each other is a branch of it (the
+   prompt's last token, which predicts the completion's first, then its tokens) that attends to the prompt as it
+   would alone, where the features' attention allows (Features.keep_shared_prefixes).
 
 The loss of a micro-batch recomputes the completions' log-probabilities with the training forward at the sampling
 temperature (the sampler's are not used: the ratio is then exactly 1 on the first iteration, as the old policy is the
@@ -76,8 +79,11 @@ class GRPO(Objective):
     rows_called = "prompts"
 
     def __init__(self, cfg, state, tokenizer, generation_config, seed: int, output_dir: Path, batch_size: int,
-                 document_mask: bool, logging_steps: int, round_steps: int = 1, reference=None):
+                 document_mask: bool, logging_steps: int, round_steps: int = 1, reference=None,
+                 shares_prompts: bool = False):
         self.cfg, self.state, self.tokenizer, self.seed, self.reference = cfg, state, tokenizer, seed, reference
+        # A micro-batch's completions of one prompt share it: computed once, the others branches of the first.
+        self.shares_prompts = shares_prompts
         self.divisors = (DIVISORS[cfg.loss_type], "label_tokens")
         clipped = "label_tokens" if cfg.importance_sampling_level == "token" else "completions"
         # TRL's names; kl where there is a KL term.
@@ -104,7 +110,9 @@ class GRPO(Objective):
             if config.grpo.needs_reference() else None
         return cls(config.grpo, state, tokenizer, model.hf_model.generation_config, config.train.seed,
                    Path(config.train.output_dir), config.train.per_device_train_batch_size, config.data.document_mask,
-                   config.train.logging_steps, config.grpo.round_steps(config.train, state.dp_size), reference)
+                   config.train.logging_steps, config.grpo.round_steps(config.train, state.dp_size), reference,
+                   # Rows attended across their documents (data.document_mask false) would attend across branches too.
+                   features.keep_shared_prefixes() and config.data.document_mask)
 
     @classmethod
     def check(cls, config) -> None:
@@ -279,23 +287,30 @@ class GRPO(Objective):
         mine = step_order[self.state.dp_rank * per_rank:(self.state.dp_rank + 1) * per_rank]
         batches, owned = [], []
         for first in range(0, len(mine), self.micro_batch):
-            indices = mine[first:first + self.micro_batch]
+            # A prompt's completions side by side: each after its first a branch of it.
+            indices = sorted(mine[first:first + self.micro_batch], key=lambda index: found.completions[index][0])
             row = {"input_ids": [], "labels": [], "position_ids": [], "advantage": [], "loss_tokens": []}
             if found.old is not None:
                 row["old_logps"] = []
+            previous = None
             for index in indices:
                 prompt_index, _, ids, truncated = found.completions[index]
                 prompt = rows[prompt_index]["input_ids"]
+                # A branch holds the prompt's last token alone (computed again: it predicts the completion's first)
+                # and attends to the prompt its group's first completion follows (model/attention.document_starts).
+                head = prompt[-1:] if self.shares_prompts and prompt_index == previous and len(prompt) > 1 \
+                    else prompt
+                previous = prompt_index
                 trained = not (self.cfg.mask_truncated_completions and truncated)
-                row["input_ids"] += list(prompt) + list(ids)
-                row["labels"] += [IGNORE_INDEX] * len(prompt) + (list(ids) if trained else [IGNORE_INDEX] * len(ids))
-                row["position_ids"] += list(range(len(prompt) + len(ids)))
+                row["input_ids"] += list(head) + list(ids)
+                row["labels"] += [IGNORE_INDEX] * len(head) + (list(ids) if trained else [IGNORE_INDEX] * len(ids))
+                row["position_ids"] += list(range(len(prompt) - len(head), len(prompt) + len(ids)))
                 row["advantage"].append(found.advantages[index])
                 row["loss_tokens"].append(float(len(ids) if trained else 0))
                 if found.old is not None:
                     # In line with the shifted labels: the value of position t is that of token t + 1.
                     old = found.old[index] if trained else [0.0] * len(ids)
-                    row["old_logps"] += [0.0] * (len(prompt) - 1) + old + [0.0]
+                    row["old_logps"] += [0.0] * (len(head) - 1) + old + [0.0]
             batches.append(collate([row], self.pad_id, self.document_mask, two_sequences=True))
             owned.append(indices)
         return batches, owned

@@ -43,8 +43,8 @@ class KTO(PreferenceObjective):
     samples = unit = "examples"
     shown = ("rewards/chosen", "rewards/rejected", "kl")
 
-    def __init__(self, cfg, reference, state, precompute=None):
-        super().__init__(cfg, reference, state, precompute)
+    def __init__(self, cfg, reference, state, precompute=None, shares_prefixes: bool = False):
+        super().__init__(cfg, reference, state, precompute, shares_prefixes)
         self.z0 = torch.zeros((), dtype=torch.float64)
         self.references: list[torch.Tensor] = []  # the reference's values of the micro-batches `begin` saw, in order
 

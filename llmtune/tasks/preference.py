@@ -52,13 +52,16 @@ class PreferenceObjective(Objective):
     """A preference task's objective: its section of the recipe, its reference (None: its losses need none), the
     precompute hook of reference: precomputed."""
 
-    def __init__(self, cfg, reference, state, precompute=None):
+    def __init__(self, cfg, reference, state, precompute=None, shares_prefixes: bool = False):
         self.cfg, self.reference, self.state, self.precompute = cfg, reference, state, precompute
+        # A row's second sequence leaves the prompt to its first (data/collate.share_prefix): computed once, by the
+        # policy and the reference alike.
+        self.shares_prefixes = shares_prefixes
 
     @classmethod
     def build(cls, config, local, model_config, model, features, state, **parts) -> "PreferenceObjective":
         reference, precompute = _preference_parts(config, local, model_config, model, features, state)
-        return cls(config.preference(), reference, state, precompute)
+        return cls(config.preference(), reference, state, precompute, features.keep_shared_prefixes())
 
     def annotate(self, splits: dict, collate) -> dict:
         """reference: precomputed: the reference's log-probabilities added to every row, once."""

@@ -1,7 +1,9 @@
 """llmtune dpo and kto on 2 processes: under context parallelism (cp=2) every reference mode still gives rewards of
 exactly 0 and the sigmoid loss ln 2 at step 0, where the policy is its reference; and the per-step losses of 2
 data-parallel processes, and of 2 cp peers, equal those of 1 process accumulating the same micro-batches (1e-5
-relative); kto's too (its reference point over the whole step), its step 0 a loss of 1/2 per example. Every
+relative), and those of 1 process with every sequence whole (data/collate.share_prefix off: the 2-process runs
+compute each pair's prompt once); kto's too (its reference point over the whole step), its step 0 a loss of 1/2 per
+example. Every
 2-process run trains in one launch; the 1-process references in pytest's own process."""
 
 import json
@@ -11,6 +13,7 @@ import pytest
 import yaml
 
 import llmtune
+from llmtune.features.base import Features
 from tests.helpers import launch_cases, near, read_metrics, write_pairs
 
 REFERENCES = [("model", "none"), ("adapter_off", "lora"), ("precomputed", "none")]
@@ -72,7 +75,13 @@ def runs(tiny_model, pairs_file, examples_file, tmp_path_factory) -> dict[str, l
                   for task, values in two.values()], root)
     llmtune.train("dpo", recipes["dpo"], **settings(root / "one", 3))
     llmtune.train("kto", recipes["kto"], **settings(root / "kto_one", 3, **KTO))
-    return {name: [r for r in read_metrics(root / name) if "loss" in r] for name in [*two, "one", "kto_one"]}
+    # And with every sequence whole (no prompt computed once, data/collate.share_prefix): the 2-process runs share.
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(Features, "keep_shared_prefixes", lambda self: False)
+        llmtune.train("dpo", recipes["dpo"], **settings(root / "one_whole", 3))
+        llmtune.train("kto", recipes["kto"], **settings(root / "kto_one_whole", 3, **KTO))
+    ones = ["one", "kto_one", "one_whole", "kto_one_whole"]
+    return {name: [r for r in read_metrics(root / name) if "loss" in r] for name in [*two, *ones]}
 
 
 @pytest.mark.parametrize("reference, peft", REFERENCES)
@@ -83,11 +92,12 @@ def test_every_reference_gives_no_reward_at_step_zero_under_context_parallelism(
     assert first["rewards/accuracies"] == 0.5
 
 
+@pytest.mark.parametrize("one_process", ["one", "one_whole"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_two_processes_give_the_losses_of_one(runs, layout):
-    two, one = runs[layout], runs["one"]
+def test_two_processes_give_the_losses_of_one(runs, layout, one_process):
+    two, one = runs[layout], runs[one_process]
     assert len(one) == len(two) == 3
-    for key in ("loss", "logps/chosen"):
+    for key in ("loss", "grad_norm", "logps/chosen"):
         assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5, abs=1e-7), key
     # A margin, beta x a difference of log-ratios of sums ~100, can be near 0 (-0.012 at step 2) and keeps their
     # rounding: 9.5e-8 seen with AVX-512 kernels (beta x one ulp of one sequence's sum over the step's 4 pairs), 4.8e-7
@@ -97,8 +107,9 @@ def test_two_processes_give_the_losses_of_one(runs, layout):
     assert [r["rewards/margins"] for r in two] == near(margins, BETA * logps_scale(one)), "rewards/margins"
 
 
-def test_kto_on_two_context_parallel_processes_gives_the_losses_of_one(runs):
-    two, one = runs["kto_cp2"], runs["kto_one"]
+@pytest.mark.parametrize("one_process", ["kto_one", "kto_one_whole"])
+def test_kto_on_two_context_parallel_processes_gives_the_losses_of_one(runs, one_process):
+    two, one = runs["kto_cp2"], runs[one_process]
     assert one[0]["loss"] == pytest.approx(0.5, abs=1e-7) and one[-1]["kl"] > 0
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5, abs=1e-7), "loss"
     # kl, a mean log-ratio of sums ~60, is 0 at step 0 and can stay near it: absolute on the sums' scale (near's

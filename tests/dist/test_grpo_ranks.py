@@ -1,10 +1,11 @@
 """llmtune grpo over layouts: for every loss_type, for GSPO's sequence-level ratio with a KL term against a reference
 copy, and for rounds of completions trained over 2 steps twice (ratios against the old policy, clipped), 1 process
 accumulating 4 micro-batches, 1 process with the step in one micro-batch, 2 data-parallel processes accumulating 2
-and 2 context-parallel peers give the same per-step losses and gradient norms (1e-5 relative) and sample the same
-completions, token for token (the later rounds' from the weights the earlier steps trained); and a 2-process run
-killed inside a round resumes bitwise: the same losses, completions and final weights. Every 2-process run but the
-killed one trains in one launch; the 1-process runs in pytest's own process."""
+and 2 context-parallel peers, each computing a prompt once for its completions in a micro-batch, and 1 process with
+every completion after its prompt in full give the same per-step losses and gradient norms (1e-5 relative) and
+sample the same completions, token for token (the later rounds' from the weights the earlier steps trained); and a
+2-process run killed inside a round resumes bitwise: the same losses, completions and final weights. Every 2-process
+run but the killed one trains in one launch; the 1-process runs in pytest's own process."""
 
 import json
 import shutil
@@ -16,6 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 import llmtune
+from llmtune.features.base import Features
 from tests.dist.test_resume import logged_steps, signal_tree, wait_for
 from tests.helpers import kill_tree, launch_cases, near, read_metrics, run_cli, start_cli
 
@@ -69,6 +71,10 @@ def runs(tiny_model, grpo_prompts_file, tmp_path_factory):
     for variant, values in VARIANTS.items():
         llmtune.train("grpo", str(recipe), **settings(root / f"{variant}_one", **values))
         llmtune.train("grpo", str(recipe), **settings(root / f"{variant}_whole", **values, **WHOLE))
+        # Every completion after its prompt in full, none a branch of another (the features' vote off).
+        with pytest.MonkeyPatch.context() as patched:
+            patched.setattr(Features, "keep_shared_prefixes", lambda self: False)
+            llmtune.train("grpo", str(recipe), **settings(root / f"{variant}_unshared", **values))
 
     # Stopped once step 3's checkpoint is written, its folder copied (what a SIGKILL leaves then), then killed.
     killed, resumed = root / "killed", root / "resumed"
@@ -96,7 +102,7 @@ def completions(folder) -> list[tuple[int, list[int]]]:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("layout", [*LAYOUTS, "whole"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "whole", "unshared"])
 def test_every_layout_gives_the_losses_gradients_and_completions_of_one_process(runs, variant, layout):
     one, other = records(runs / f"{variant}_one"), records(runs / f"{variant}_{layout}")
     assert [r["step"] for r in other] == [r["step"] for r in one] == list(range(1, STEPS + 1))

@@ -94,3 +94,21 @@ def test_an_eos_ends_a_completion(model, prompts):
     first = greedy.ids.index(eos)
     assert stopped.ids == greedy.ids[:first + 1] and not stopped.truncated
     assert len(stopped.logprobs) == len(stopped.ids)
+
+
+def test_the_batched_draw_follows_each_rows_distribution():
+    # One draw for the whole batch: 20000 completions of one distribution, at two positions.
+    from llmtune.generation.engine import _Chooser
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    rows = [(0, s) for s in range(20000)]
+    chooser = _Chooser(rows, Sampling(do_sample=True, top_k=0), seed=1, step=0, prompt_length=3)
+    chosen = []
+    for position in (0, 1):
+        scores = chooser(torch.zeros(len(rows), 3 + position, dtype=torch.long), probs.log().repeat(len(rows), 1))
+        chosen.append(scores.argmax(dim=-1))
+    for drawn in chosen:
+        counts = torch.bincount(drawn, minlength=4) / len(rows)
+        torch.testing.assert_close(counts, probs, rtol=0, atol=0.015)  # 1.5%: over 5 standard deviations
+    # The positions' draws are independent: the pair frequencies multiply.
+    pairs = torch.bincount(chosen[0] * 4 + chosen[1], minlength=16).view(4, 4) / len(rows)
+    torch.testing.assert_close(pairs, probs[:, None] * probs[None, :], rtol=0, atol=0.015)
