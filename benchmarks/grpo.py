@@ -2,8 +2,8 @@
 the same model, prompts, reward function and generation settings.
 
     pip install -e '.[bench]'    # TRL, for this benchmark only: llmtune never imports it
-    python benchmarks/grpo.py [--prompts 64] [--batch 8] [--accumulation 2] [--generations 8]
-                              [--completion-length 128] [--steps 10] [--warmup 2] [--repeats 1]
+    python benchmarks/grpo.py [--workload short|gsm8k-shaped] [--prompts 64] [--batch 8] [--accumulation 2]
+                              [--generations 8] [--completion-length N] [--steps 10] [--warmup 2] [--repeats 1]
                               [--contenders NAME ...] [--out results.json]
 
 Workload. --prompts questions in TRL's prompt-only conversational form (a `prompt` column holding one user message,
@@ -19,6 +19,12 @@ reward (`digits`, TRL's signature, named to llmtune as grpo.reward_funcs: [grpo:
 the share of a completion's characters that are digits, plus 1 where its last number is the solution; it differs
 within groups, so that the advantages are not all 0.
 
+--workload gsm8k-shaped is a real GRPO run's shape: a system message (a fixed one of 105 of those words) before each
+question (a context of 25-110 words), prompts of about 150-250 tokens, 8 completions each of up to 256 tokens
+(--completion-length's default there), and a Llama of 8 layers, hidden 512, MLP 1376, 8 heads (25.4M parameters),
+so that matmuls, not Python, take the step. A group's prompt is then a large share of its rows: what llmtune computes
+once (in the generation's prefill and in the training forward) and TRL once per completion.
+
 Settings, the same on both by TRL's names (llmtune grpo's keys are GRPOConfig's): num_generations --generations,
 max_completion_length --completion-length, temperature 1.0, top_p 1.0, top_k 0, loss_type dapo, beta 0 (no
 reference model), epsilon 0.2, num_iterations 1; per_device_train_batch_size --batch completions (both count
@@ -30,9 +36,10 @@ off on both: GRPOConfig turns it on by default, llmtune's default is off, and th
 bf16 off (its CPU default, autocast to bf16, is another computation), its own prompt order (RepeatSampler, shuffled),
 each generation round one left-padded batch through transformers' generate, the round's prompts and completions
 then padded to the round's longest (each micro-batch of --batch completions as long as the longest prompt + the
-longest completion of the round). llmtune: its defaults, the engine's generation (generation/engine.py,
-transformers' generate in batches sorted by prompt length, each completion drawn by its own seeded generator), each
-micro-batch one packed row of its prompt + completion sequences.
+longest completion of the round). llmtune: its defaults, the engine's generation (generation/engine.py: each
+prompt prefilled once for its group into a static KV cache, transformers' generate decoding, one seeded draw for
+the batch a step), each micro-batch one packed row of its prompt + completion sequences, a prompt computed once
+for its completions there.
 
 Speed. This machine is shared (benchmarks.md): TRL and llmtune take turns in one process, step by step, and see the
 same machine, as preference.py does: after each of TRL's optimizer steps (a callback at on_step_end) one of llmtune
@@ -43,9 +50,10 @@ side's generation round is timed too, with its completions' mean length (medians
 from metrics.jsonl (generation/time_s, logged every step: with the round's completions.jsonl lines about 3 ms a
 step), TRL's around its _generate_single_turn (transformers' generate and the cut after EOS); the rest of a step
 (its time less its generation's: scoring, the loss's forwards and backwards, the optimizer) is printed beside
-them. The ratio is taken in each process, then its median over --repeats. Goal: llmtune grpo / TRL GRPOTrainer
->= 2 (completions/s). llmtune's trainer is built after TRL's, so TRL's steps run under llmtune's setting of glibc's
-malloc (run/cpu_memory.py), as in preference.py.
+them. The ratio is taken in each process, then its median over --repeats. Goal (issue 65): llmtune grpo / TRL
+GRPOTrainer >= 1.2 completions/s on the short workload, >= 1.6 on gsm8k-shaped. llmtune's trainer is built
+after TRL's, so TRL's steps run under llmtune's setting of glibc's malloc (run/cpu_memory.py), as in
+preference.py.
 
 Memory (and the speed of each alone): each alone in a fresh process, as preference.py measures: its peak RSS
 (ru_maxrss: every page it held, its libraries included), its RSS once its libraries are imported (torch,
@@ -85,7 +93,14 @@ PROMPTS_FILE, SETTINGS_FILE = "prompts.jsonl", "grpo.json"
 TRL, LLMTUNE = "TRL GRPOTrainer", "llmtune grpo"
 # Contender (what one fresh process runs) -> its runners: both taking turns, or one alone.
 CONTENDERS = {"in turn": (TRL, LLMTUNE), f"{TRL} alone": (TRL,), f"{LLMTUNE} alone": (LLMTUNE,)}
-SPEED_GOAL = ">= 2"  # llmtune grpo / TRL GRPOTrainer, completions/s taking turns
+# --workload: its model shape (on top of throughput.py's MODEL), system message words, question words, completions'
+# length, and the goal of llmtune grpo / TRL GRPOTrainer, completions/s taking turns (issue 65's).
+WORKLOADS = {
+    "short": dict(model={}, system_words=0, question_words=None, completion_length=128, goal=">= 1.2"),
+    "gsm8k-shaped": dict(model=dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                                    num_attention_heads=8, num_key_value_heads=8),
+                         system_words=105, question_words=(25, 110), completion_length=256, goal=">= 1.6"),
+}
 
 
 def digits(prompts, completions, completion_ids, solution, **kwargs) -> list[float]:
@@ -100,17 +115,24 @@ def digits(prompts, completions, completion_ids, solution, **kwargs) -> list[flo
     return rewards
 
 
-def grpo_prompts(count: int, seed: int = 0) -> list[dict]:
+def grpo_prompts(count: int, workload: dict, seed: int = 0) -> list[dict]:
     """`count` rows in TRL's prompt-only conversational form: a user's question after a context of LENGTHS' word
-    count, and its `solution`."""
+    count (or of the workload's question_words, uniform), after the workload's system message where it has one, and
+    its `solution`."""
     rng = random.Random(seed)
+    system = [{"role": "system", "content": " ".join(rng.choice(WORDS) for _ in range(workload["system_words"]))}] \
+        if workload["system_words"] else []
     rows = []
     for _ in range(count):
-        drawn = rng.lognormvariate(LENGTHS["mu"], LENGTHS["sigma"])
-        context = " ".join(rng.choice(WORDS) for _ in range(round(min(max(drawn, LENGTHS["shortest"]),
-                                                                          LENGTHS["longest"]))))
+        if workload["question_words"]:
+            words = rng.randint(*workload["question_words"])
+        else:
+            words = round(min(max(rng.lognormvariate(LENGTHS["mu"], LENGTHS["sigma"]), LENGTHS["shortest"]),
+                              LENGTHS["longest"]))
+        context = " ".join(rng.choice(WORDS) for _ in range(words))
         a, b = rng.randint(*OPERANDS), rng.randint(*OPERANDS)
-        rows.append({"prompt": [{"role": "user", "content": f"{context}. What is {a} + {b}?"}], "solution": str(a + b)})
+        rows.append({"prompt": [*system, {"role": "user", "content": f"{context}. What is {a} + {b}?"}],
+                     "solution": str(a + b)})
     return rows
 
 
@@ -239,15 +261,16 @@ def worker(name: str, root: Path) -> None:
 # --- in the parent: the data, the model, the runs, the table
 
 
-def write_policy(folder: Path, vocab_size: int, max_positions: int) -> int:
-    """throughput.py's Llama with the tokenizer's vocabulary, its seeded initial weights (preference.write_weights):
-    what both sides load. Returns its parameter count."""
+def write_policy(folder: Path, vocab_size: int, max_positions: int, shape: dict) -> int:
+    """throughput.py's Llama with the tokenizer's vocabulary and the workload's `shape`, its seeded initial weights
+    (preference.write_weights): what both sides load. Returns its parameter count."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     write_model(folder, max_positions)
     config = AutoConfig.from_pretrained(str(folder))
-    config.vocab_size = vocab_size
+    for key, value in {**shape, "vocab_size": vocab_size}.items():
+        setattr(config, key, value)
     config.save_pretrained(str(folder))
     write_weights(folder)
     return sum(tensor.numel() for tensor in load_file(str(folder / "model.safetensors")).values())
@@ -277,31 +300,36 @@ def prepare(root: Path, args) -> tuple[Workload, dict]:
     workload and the setup, for the JSON."""
     from llmtune.demo.assets import VOCAB_SIZE
 
+    shape = WORKLOADS[args.workload]
+    completion_length = args.completion_length or shape["completion_length"]
     per_step = args.batch * args.accumulation
     if per_step % args.generations:
         raise SystemExit(f"--batch x --accumulation = {per_step} completions a step: not a whole number of groups of "
                          f"--generations {args.generations}")
     tokenizer = write_tokenizer(root)
-    rows = grpo_prompts(args.prompts)
+    rows = grpo_prompts(args.prompts, shape)
     write_jsonl(root / PROMPTS_FILE, rows)
     lengths = prompt_lengths(tokenizer, rows)
-    params = write_policy(root / "model", VOCAB_SIZE, max(lengths) + args.completion_length)
-    settings = {"grpo": {"num_generations": args.generations, "max_completion_length": args.completion_length,
+    params = write_policy(root / "model", VOCAB_SIZE, max(lengths) + completion_length, shape["model"])
+    settings = {"grpo": {"num_generations": args.generations, "max_completion_length": completion_length,
                          **SAMPLING},
                 "accumulation": args.accumulation}
     (root / SETTINGS_FILE).write_text(json.dumps(settings))
-    setup = {"params": params, "prompts": len(rows), "prompt_tokens": lengths, "completions_per_step": per_step,
+    setup = {"workload": args.workload, "goal": shape["goal"], "params": params, "prompts": len(rows),
+             "prompt_tokens": lengths, "completions_per_step": per_step,
              "prompts_per_step": per_step // args.generations, "per_device_train_batch_size": args.batch,
              "gradient_accumulation_steps": args.accumulation, **settings["grpo"], "learning_rate": LEARNING_RATE,
              "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
-    print(f"Llama {params / 1e6:.1f}M parameters ({MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, "
-          f"vocab {VOCAB_SIZE}), fp32, one process; {args.steps} steps timed after {args.warmup}, "
-          f"{args.repeats} repeat(s)")
+    model = {**MODEL, **shape["model"]}
+    print(f"{args.workload} workload: Llama {params / 1e6:.1f}M parameters ({model['num_hidden_layers']} layers, "
+          f"hidden {model['hidden_size']}, vocab {VOCAB_SIZE}), fp32, one process; {args.steps} steps timed after "
+          f"{args.warmup}, {args.repeats} repeat(s)")
     print(f"{len(rows)} prompts of {spread(lengths)} tokens; a step: {per_step // args.generations} prompts x "
-          f"{args.generations} generations = {per_step} completions of at most {args.completion_length} tokens, "
-          f"micro-batches of {args.batch} completions, {args.accumulation} per step")
+          f"{args.generations} generations = {per_step} completions of at most {completion_length} tokens, "
+          f"micro-batches of {args.batch} completions, {args.accumulation} per step; goal: {LLMTUNE} / {TRL} "
+          f"{shape['goal']} completions/s taking turns")
     workload = Workload(task="grpo", model=str(root / "model"), tokenizer=str(tokenizer),
-                        data=str(root / PROMPTS_FILE), seq=max(lengths) + args.completion_length, batch=args.batch,
+                        data=str(root / PROMPTS_FILE), seq=max(lengths) + completion_length, batch=args.batch,
                         llmtune_batch=args.batch, llmtune_data={"train_files": [str(root / PROMPTS_FILE)]},
                         steps=args.steps, warmup=args.warmup, learning_rate=LEARNING_RATE)
     return workload, setup
@@ -327,7 +355,7 @@ def speed_table(runs: dict[str, list[dict]]) -> dict:
         return {}
     each = [speed(a) / speed(b) for a, b in zip(runs[LLMTUNE], runs[TRL])]
     return {TRL: summary(runs[TRL]), LLMTUNE: summary(runs[LLMTUNE]),
-            "ratio": statistics.median(each), "each_repeat": each, "goal": SPEED_GOAL}
+            "ratio": statistics.median(each), "each_repeat": each}
 
 
 def alone_table(runs: dict[str, list[dict]]) -> dict:
@@ -353,7 +381,7 @@ def print_tables(speeds: dict, alone: dict) -> None:
             print(f"{name:{width}}{row['completions_per_s']:>13.2f}  {row['step_s']:>6.2f}s  "
                   f"{row['generation_s']:>9.2f}s  {row['rest_s']:>6.2f}s  {row['completion_length']:>10.1f}  "
                   + " ".join(f"{s:.2f}" for s in row["each_repeat"]))
-        print(f"{LLMTUNE} / {TRL}: {speeds['ratio']:.2f}x completions/s (goal {speeds['goal']}), each repeat "
+        print(f"{LLMTUNE} / {TRL}: {speeds['ratio']:.2f}x completions/s, each repeat "
               + " ".join(f"{r:.2f}" for r in speeds["each_repeat"]))
     if alone:
         width = max(map(len, alone)) + 2
@@ -379,8 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--accumulation", type=int, default=2,
                         help="gradient_accumulation_steps: micro-batches per optimizer step (one generation round).")
     parser.add_argument("--generations", type=int, default=8, help="num_generations: completions per prompt.")
-    parser.add_argument("--completion-length", type=int, default=128,
-                        help="max_completion_length: the most tokens of a completion.")
+    parser.add_argument("--completion-length", type=int, default=None,
+                        help="max_completion_length: the most tokens of a completion (default: the workload's, 128 "
+                             "or 256).")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="short",
+                        help="short: 45-token prompts, a 3.3M model (the default); gsm8k-shaped: a system message and "
+                             "a question of 150-250 tokens, a 25M model, completions of up to 256 tokens.")
     contender_options(parser, CONTENDERS)
     return parser
 

@@ -21,22 +21,28 @@ def test_help_documents_every_option():
     assert not undocumented_options(SCRIPT)
 
 
-def test_prompts_are_deterministic_and_conversational(benchmark):
-    rows = benchmark.grpo_prompts(32, seed=3)
-    assert rows == benchmark.grpo_prompts(32, seed=3)
-    assert rows != benchmark.grpo_prompts(32, seed=4)
+@pytest.mark.parametrize("workload, roles", [("short", ("user",)), ("gsm8k-shaped", ("system", "user"))])
+def test_prompts_are_deterministic_and_conversational(benchmark, workload, roles):
+    shape = benchmark.WORKLOADS[workload]
+    rows = benchmark.grpo_prompts(32, shape, seed=3)
+    assert rows == benchmark.grpo_prompts(32, shape, seed=3)
+    assert rows != benchmark.grpo_prompts(32, shape, seed=4)
     assert {tuple(row) for row in rows} == {("prompt", "solution")}
-    assert {tuple(m["role"] for m in row["prompt"]) for row in rows} == {("user",)}
+    assert {tuple(m["role"] for m in row["prompt"]) for row in rows} == {roles}
+    # One system message for every question: the prompts of a real run share it.
+    assert len({row["prompt"][0]["content"] for row in rows}) == (1 if "system" in roles else len(rows))
 
 
-def test_each_solution_is_the_sum_asked_for(benchmark):
+@pytest.mark.parametrize("workload", ["short", "gsm8k-shaped"])
+def test_each_solution_is_the_sum_asked_for(benchmark, workload):
     low, high = benchmark.OPERANDS
-    lengths = benchmark.LENGTHS
-    for row in benchmark.grpo_prompts(64):
-        context, a, b = re.fullmatch(r"(.+)\. What is (\d+) \+ (\d+)\?", row["prompt"][0]["content"]).groups()
+    shape = benchmark.WORKLOADS[workload]
+    shortest, longest = shape["question_words"] or (benchmark.LENGTHS["shortest"], benchmark.LENGTHS["longest"])
+    for row in benchmark.grpo_prompts(64, shape):
+        context, a, b = re.fullmatch(r"(.+)\. What is (\d+) \+ (\d+)\?", row["prompt"][-1]["content"]).groups()
         assert low <= int(a) <= high and low <= int(b) <= high
         assert row["solution"] == str(int(a) + int(b))
-        assert lengths["shortest"] <= len(context.split()) <= lengths["longest"]
+        assert shortest <= len(context.split()) <= longest
 
 
 def test_reward_counts_digits_and_the_solution(benchmark):
