@@ -16,7 +16,8 @@ gets its own tokenized-data cache, warmed by its first repeat like any other run
     pt-compile    throughput.py "llmtune compile"    the same, train.compile (fp32)
     sft           throughput.py "llmtune defaults"   sft: skewed lengths (throughput.py --sft), packed, masked
     sft-unmasked  throughput.py "llmtune unmasked"   the same packing without document masks
-    dpo           preference.py "llmtune dpo"        dpo on preference.py's pairs (commits that have it)
+    dpo           preference.py "llmtune dpo"        dpo on preference.py's pairs (commits that have it); with
+                                                     --pairs-file, --tokenizer and --pair-seq, on a real file's
 
 Method. A repeat runs every bench once for each commit, each run in a fresh process, the two commits back to back
 (A, B, then B, A at the next repeat, so that neither always runs first); the machine's slow drift then falls on
@@ -80,7 +81,8 @@ def prepare(kind: str, root: Path, args) -> None:
         import preference
 
         options = argparse.Namespace(pairs=128, batch=8, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-                                     seq=1024, length_scale=1.0)
+                                     seq=args.pair_seq, length_scale=1.0, pairs_file=args.pairs_file,
+                                     tokenizer=args.tokenizer)
         workload, _ = preference.prepare(root, options)
     else:
         options = argparse.Namespace(sft=kind == "sft", seq=512, batch=8, steps=args.steps, warmup=args.warmup,
@@ -156,7 +158,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps run before the timed ones")
     parser.add_argument("--json", type=Path, help="also write the figures and every run's speed here")
+    parser.add_argument("--pairs-file", type=Path, help="dpo: preference.py --pairs-file (dpo_en_demo.json's pairs)")
+    parser.add_argument("--tokenizer", type=Path, help="dpo: preference.py --tokenizer, which --pairs-file needs")
+    parser.add_argument("--pair-seq", type=int, default=1024, help="dpo: preference.py --seq (a packed row's tokens)")
     args = parser.parse_args()
+    if args.pairs_file and not args.tokenizer:
+        parser.error("--pairs-file needs --tokenizer (preference.py's)")
     labels = ("A", "B")
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as trees:
         tmp = Path(tmp)

@@ -126,6 +126,31 @@ def preference_pairs(count: int, seed: int = 0, scale: float = 1.0) -> list[dict
              "rejected": [{"role": "assistant", "content": text()}]} for _ in range(count)]
 
 
+def ranking_pairs(path: Path) -> list[dict]:
+    """The pairs of a LLaMA-Factory ranking file in sharegpt form (dpo_en_demo.json: conversations, chosen, rejected)
+    in TRL's conversational form, every turn before the answers the prompt: data the benchmark's words do not draw,
+    real prompts and answers as long as users' are."""
+    from llmtune.data.formats import SHAREGPT_TAGS, TAG_ROLES
+
+    roles = {SHAREGPT_TAGS[tag]: role for tag, role in TAG_ROLES.items()}
+
+    def turn(message: dict) -> dict:
+        return {"role": roles[message["from"]], "content": message["value"]}
+
+    return [{"prompt": [turn(m) for m in row["conversations"]], "chosen": [turn(row["chosen"])],
+             "rejected": [turn(row["rejected"])]} for row in json.loads(path.read_text())]
+
+
+def fitting_pairs(pairs: list[dict], tokenizer_path: Path, longest: int) -> list[dict]:
+    """The pairs whose prompt + answer are at most `longest` tokens both (dpo.max_length): none is cut, by either
+    side's truncation; the others are left out, and counted."""
+    sequences = sequence_lengths(tokenizer_path, [pair["prompt"] + pair[answer] for pair in pairs
+                                                  for answer in ("chosen", "rejected")])
+    kept = [pair for pair, a, b in zip(pairs, sequences[0::2], sequences[1::2]) if max(a, b) <= longest]
+    print(f"{len(kept)} of the file's {len(pairs)} pairs hold at most {longest} tokens (--seq / 2) in each sequence")
+    return kept
+
+
 def sft_samples(pairs: list[dict]) -> list[dict]:
     """The pairs' sequences as sft conversations: prompt + chosen, then prompt + rejected, of each pair."""
     return [{"messages": pair["prompt"] + pair[answer]} for pair in pairs for answer in ("chosen", "rejected")]
@@ -242,18 +267,34 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def write_tokenizer(root: Path) -> Path:
-    """The demo's tokenizer with llmtune's basic chat template, which TRL reads from the tokenizer."""
+def write_tokenizer(root: Path, source: Path | None = None) -> Path:
+    """The demo's tokenizer with llmtune's basic chat template, which TRL reads from the tokenizer; or the tokenizer
+    folder `source` with its own chat template."""
     from transformers import AutoTokenizer
 
     from llmtune.data.templates import BUILTIN_TEMPLATES
     from llmtune.demo.assets import write_demo_assets
 
-    write_demo_assets(root / "assets")
-    tokenizer = AutoTokenizer.from_pretrained(str(root / "assets" / "tokenizer"))
-    tokenizer.chat_template = BUILTIN_TEMPLATES["basic"]
+    if source is None:
+        write_demo_assets(root / "assets")
+        tokenizer = AutoTokenizer.from_pretrained(str(root / "assets" / "tokenizer"))
+        tokenizer.chat_template = BUILTIN_TEMPLATES["basic"]
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        if len(tokenizer) > MODEL["vocab_size"] or not tokenizer.chat_template:
+            raise SystemExit(f"--tokenizer {source}: {len(tokenizer)} tokens, chat template "
+                             f"{'present' if tokenizer.chat_template else 'absent'}; the benchmark's model needs at "
+                             f"most {MODEL['vocab_size']} and a chat template (Mistral-7B-Instruct-v0.2's has both)")
     tokenizer.save_pretrained(str(root / "tokenizer"))
     return root / "tokenizer"
+
+
+def special_ids(tokenizer_path: Path) -> tuple:
+    """(bos, eos, pad) of the tokenizer, for the model's config."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    return tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
 
 
 def write_weights(folder: Path) -> None:
@@ -284,10 +325,13 @@ def prepare(root: Path, args) -> tuple[Workload, dict]:
     workload and the setup, for the JSON."""
     import numpy as np
 
-    tokenizer = write_tokenizer(root)
-    params = write_model(root / "model", args.seq)
+    tokenizer = write_tokenizer(root, args.tokenizer)
+    params = write_model(root / "model", args.seq, args.tokenizer and special_ids(tokenizer))
     write_weights(root / "model")
-    pairs = preference_pairs(args.pairs, scale=args.length_scale)
+    if args.pairs_file:
+        pairs = fitting_pairs(ranking_pairs(args.pairs_file), tokenizer, args.seq // 2)[:args.pairs]
+    else:
+        pairs = preference_pairs(args.pairs, scale=args.length_scale)
     write_jsonl(root / PAIRS_FILE, pairs)
     samples = sft_samples(pairs)
     write_jsonl(root / SFT_FILE, samples)
@@ -299,6 +343,7 @@ def prepare(root: Path, args) -> tuple[Workload, dict]:
     if lengths.max() > args.seq // 2:
         raise SystemExit(f"--seq {args.seq}: a sequence of {lengths.max()} tokens would be cut by dpo.max_length "
                          f"(--seq / 2); raise --seq")
+    shared = (pair_tokens - np.array(prompts)).sum() / pair_tokens.sum()
     setup = {"params": params, "pairs": len(pairs), "pairs_per_step": args.batch, "llmtune_sft_rows_per_step": rows,
              "row_tokens": args.seq, "pair_tokens_mean": float(pair_tokens.mean()), "steps": args.steps,
              "warmup": args.warmup, "repeats": args.repeats, "learning_rate": LEARNING_RATE, "beta": BETA}
@@ -307,6 +352,7 @@ def prepare(root: Path, args) -> tuple[Workload, dict]:
           f"{args.repeats} repeat(s)")
     print(f"{len(pairs)} pairs; tokens: prompt {spread(prompts)}; prompt + answer {spread(lengths.tolist())}; "
           f"pair (both sequences) mean {pair_tokens.mean():.0f}, {spread(pair_tokens.tolist())}")
+    print(f"with the prompt once: {shared:.0%} of those tokens (llmtune since issue 65)")
     print(f"TRL and llmtune dpo: {args.batch} pairs per step (llmtune's packed into one row); llmtune sft: {rows} "
           f"row(s) of {args.seq} tokens per step ({sft_rows} rows hold the samples, "
           f"{lengths.sum() / sft_rows / args.seq:.0%} full), about as many tokens")
@@ -391,8 +437,17 @@ def pair_options(parser: argparse.ArgumentParser, section: str) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     pair_options(parser, "dpo")
+    parser.add_argument("--pairs-file", type=Path,
+                        help="A LLaMA-Factory ranking file in sharegpt form (dpo_en_demo.json): its first --pairs "
+                             "pairs that fit --seq / 2, instead of drawn ones; needs --tokenizer.")
+    parser.add_argument("--tokenizer", type=Path,
+                        help="A tokenizer folder with a chat template and at most 32,000 tokens "
+                             "(Mistral-7B-Instruct-v0.2's) instead of the demo's.")
     contender_options(parser, CONTENDERS)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.pairs_file and not args.tokenizer:
+        parser.error("--pairs-file needs --tokenizer: the demo's tokenizer holds the benchmark's words, not real text")
+    return args
 
 
 def main() -> None:

@@ -302,15 +302,17 @@ def worker(name: str, root: Path) -> None:
 # --- in the parent: the workload, the runs, the table
 
 
-def write_model(folder: Path, max_positions: int) -> int:
-    """The benchmark's Llama config in `folder`; returns its parameter count."""
+def write_model(folder: Path, max_positions: int, special_ids: tuple | None = None) -> int:
+    """The benchmark's Llama config in `folder`, its (bos, eos, pad) ids `special_ids` (the demo tokenizer's by
+    default); returns its parameter count."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from llmtune.demo.assets import BOS_ID, EOS_ID, PAD_ID
 
-    config = LlamaConfig(**MODEL, max_position_embeddings=max_positions, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-                         pad_token_id=PAD_ID)
+    bos, eos, pad = special_ids or (BOS_ID, EOS_ID, PAD_ID)
+    config = LlamaConfig(**MODEL, max_position_embeddings=max_positions, bos_token_id=bos, eos_token_id=eos,
+                         pad_token_id=pad)
     config.save_pretrained(str(folder))
     with torch.device("meta"):
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
