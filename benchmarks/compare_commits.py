@@ -18,6 +18,7 @@ gets its own tokenized-data cache, warmed by its first repeat like any other run
     sft-unmasked  throughput.py "llmtune unmasked"   the same packing without document masks
     dpo           preference.py "llmtune dpo"        dpo on preference.py's pairs (commits that have it); with
                                                      --pairs-file, --tokenizer and --pair-seq, on a real file's
+                                                     pairs (dpo_en_demo.json), preference.py's options
 
 Method. A repeat runs every bench once for each commit, each run in a fresh process, the two commits back to back
 (A, B, then B, A at the next repeat, so that neither always runs first); the machine's slow drift then falls on
