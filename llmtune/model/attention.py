@@ -146,8 +146,9 @@ def varlen_kwargs(positions: torch.Tensor) -> dict:
 
 
 # What document_spans holds where a span starts (0 elsewhere): the span needs a mask (it holds several documents,
-# a branch or an image attended both ways), or one document's causal attention is all it takes.
-SPAN_OF_SEVERAL, SPAN_OF_ONE = 1, 2
+# a branch or an image attended both ways), one document's causal attention is all it takes, or it is a fork of the
+# stem span before it (`fork_cuts`): its tokens attend to the whole stem, then causally to themselves.
+SPAN_OF_SEVERAL, SPAN_OF_ONE, SPAN_OF_FORK = 1, 2, 3
 
 
 def document_spans(positions: torch.Tensor, window: int | None = None,
@@ -168,18 +169,41 @@ def document_spans(positions: torch.Tensor, window: int | None = None,
         return spans
     for row, row_positions in enumerate(positions):
         for start, end in document_windows(row_positions, window):
+            # A span longer than the window holds one document: one with branches is cut into its stem and forks.
+            forks = fork_cuts(row_positions[start:end]) if end - start > window and not images[row, start:end].any() \
+                else []
+            if forks:
+                spans[row, start] = SPAN_OF_ONE
+                spans[row, [start + cut for cut in forks]] = SPAN_OF_FORK
+                continue
             masked = starts[row, start + 1:end].any() or images[row, start:end].any()
             spans[row, start] = SPAN_OF_SEVERAL if masked else SPAN_OF_ONE
     return spans
 
 
-def _cut(spans: torch.Tensor) -> list[list[tuple[int, int, bool]]]:
-    """Row by row, the (start, end, holds one document) of each span of a document_spans tensor."""
+def fork_cuts(positions: torch.Tensor) -> list[int]:
+    """Where one document's [s] positions (host values) are cut into a stem and its forks, [] where they are not: a
+    document whose branches all go on from one position p (a grpo group's completions, a dpo pair's answers) is the
+    first segment's tokens below p (the stem, causal alone), then each fork: the first segment's rest and every
+    branch, each attending to the whole stem and causally to itself. Each fork's attention then costs its length x
+    (the stem's + its own) instead of a share of the document's square under one mask. Branches from several
+    positions keep the mask."""
+    segments = segment_starts(positions[None])[0].nonzero().flatten().tolist()
+    if len(segments) < 2 or len({int(positions[start]) for start in segments[1:]}) > 1:
+        return []
+    stem = int(positions[segments[1]]) - int(positions[0])  # the first segment's tokens below the branches' position
+    if not 0 < stem <= segments[1]:
+        return []
+    return [stem] * (stem < segments[1]) + segments[1:]
+
+
+def _cut(spans: torch.Tensor) -> list[list[tuple[int, int, int]]]:
+    """Row by row, the (start, end, kind) of each span of a document_spans tensor."""
     rows = [[] for _ in range(spans.shape[0])]
     for (row, start), kind in zip(spans.nonzero().tolist(), spans[spans != 0].tolist()):
-        rows[row].append((start, kind == SPAN_OF_ONE))
+        rows[row].append((start, kind))
     ends = ([start for start, _ in row[1:]] + [spans.shape[1]] for row in rows)
-    return [[(start, end, one) for (start, one), end in zip(row, row_ends)] for row, row_ends in zip(rows, ends)]
+    return [[(start, end, kind) for (start, kind), end in zip(row, row_ends)] for row, row_ends in zip(rows, ends)]
 
 
 def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtype: torch.dtype, single: bool,
@@ -209,13 +233,25 @@ def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtyp
     allowed = (index[None, :, None] >= index[None, None, :]) & (document[:, :, None] == document[:, None, :]) & seen
     if image_blocks is not None:
         allowed |= (image_blocks[:, :, None] == image_blocks[:, None, :]) & (image_blocks[:, :, None] >= 0)
+    return _finished(allowed, positions, positions, sliding_window, eager, dtype)
+
+
+def _fork_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None, eager: bool,
+               dtype: torch.dtype):
+    """The mask of a fork's tokens ([1, f] positions) over its stem's and its own ([1, s + f]), which go on from each
+    other in positions: causal in positions, within the sliding window."""
+    allowed = key_positions[:, None, :] <= query_positions[:, :, None]
+    return _finished(allowed, query_positions, key_positions, sliding_window, eager, dtype)
+
+
+def _finished(allowed: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+              sliding_window: int | None, eager: bool, dtype: torch.dtype):
+    """A [b, q, k] boolean mask within the sliding window (counted in positions), with its head dimension, additive
+    for eager attention."""
     if sliding_window:
-        allowed &= (positions[:, :, None] - positions[:, None, :]) < sliding_window
+        allowed &= (query_positions[:, :, None] - key_positions[:, None, :]) < sliding_window
     allowed = allowed[:, None]
-    if eager:
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
-                                                                                          torch.finfo(dtype).min)
-    return allowed
+    return _additive(allowed, dtype) if eager else allowed
 
 
 def document_windows(positions: torch.Tensor, window: int) -> list[tuple[int, int]]:
@@ -265,7 +301,7 @@ def attend(attention, module, query, key, value, positions, sliding_window: int 
     cut = _cut(spans)
     if all(len(row) == 1 for row in cut):
         # Longer than the window, a row that is one span holds one document: no mask is larger than the window's.
-        single = all(one for ((_, _, one),) in cut)
+        single = all(kind == SPAN_OF_ONE for ((_, _, kind),) in cut)
         return attention(module, query, key, value,
                          _mask(positions, sliding_window, eager, query.dtype, single, image_blocks), **kwargs)[0]
     rows = []
@@ -275,9 +311,15 @@ def attend(attention, module, query, key, value, positions, sliding_window: int 
         lengths = [end - start for start, end, _ in row_spans]
         blocks = [None] * len(lengths) if image_blocks is None else image_blocks[row:row + 1].split(lengths, dim=1)
         pieces = zip(*(t.split(lengths, dim=1) for t in tensors), row_positions.split(lengths), blocks, row_spans)
-        rows.append(torch.cat([attention(module, q[None], k[None], v[None],
-                                         _mask(p[None], sliding_window, eager, query.dtype, one, b), **kwargs)[0]
-                               for q, k, v, p, b, (_, _, one) in pieces], dim=1))
+        outputs, stem = [], None
+        for q, k, v, p, b, (_, _, kind) in pieces:
+            if kind == SPAN_OF_FORK:  # after the stem's keys and values
+                k, v, mask = (torch.cat([stem[0], k], dim=1), torch.cat([stem[1], v], dim=1),
+                              _fork_mask(p[None], torch.cat([stem[2], p])[None], sliding_window, eager, query.dtype))
+            else:
+                stem, mask = (k, v, p), _mask(p[None], sliding_window, eager, query.dtype, kind == SPAN_OF_ONE, b)
+            outputs.append(attention(module, q[None], k[None], v[None], mask, **kwargs)[0])
+        rows.append(torch.cat(outputs, dim=1))
     return torch.cat(rows)
 
 
@@ -292,18 +334,30 @@ class AttentionHeads:
         self.num_key_value_groups, self.training, self.config = num_key_value_groups, training, config
 
 
-def _pieces(positions, spans, sliding_window, image_blocks, dtype) -> list[tuple[slice, int, int, torch.Tensor | None]]:
-    """How document_sdpa cuts [b, S] rows as `attend` does: (rows, start, end, additive mask) of each kernel call, the
-    mask None where the causal kernel is all it takes."""
+def _pieces(positions, spans, sliding_window, image_blocks, dtype) -> list[tuple]:
+    """How document_sdpa cuts [b, S] rows as `attend` does: (rows, its queries' columns, the columns of the stem its
+    keys and values come after (a fork's; else None), additive mask) of each kernel call, the mask None where the
+    causal kernel is all it takes."""
     cut = _cut(spans)
     if all(len(row) == 1 for row in cut):  # every row one span: one call
-        single = all(one for ((_, _, one),) in cut)
-        return [(slice(None), 0, positions.shape[1],
-                 _additive(_mask(positions, sliding_window, False, dtype, single, image_blocks), dtype))]
-    return [(slice(row, row + 1), start, end,
-             _additive(_mask(positions[row:row + 1, start:end], sliding_window, False, dtype, one,
-                             None if image_blocks is None else image_blocks[row:row + 1, start:end]), dtype))
-            for row, row_spans in enumerate(cut) for start, end, one in row_spans]
+        single = all(kind == SPAN_OF_ONE for ((_, _, kind),) in cut)
+        mask = _mask(positions, sliding_window, False, dtype, single, image_blocks)
+        return [(slice(None), slice(None), None, _additive(mask, dtype))]
+    pieces = []
+    for row, row_spans in enumerate(cut):
+        row_positions = positions[row:row + 1]
+        for start, end, kind in row_spans:
+            if kind == SPAN_OF_FORK:
+                mask = _fork_mask(row_positions[:, start:end], torch.cat([row_positions[:, stem],
+                                                                          row_positions[:, start:end]], dim=1),
+                                  sliding_window, False, dtype)
+            else:
+                stem = slice(start, end)
+                mask = _mask(row_positions[:, start:end], sliding_window, False, dtype, kind == SPAN_OF_ONE,
+                             None if image_blocks is None else image_blocks[row:row + 1, start:end])
+            pieces.append((slice(row, row + 1), slice(start, end), stem if kind == SPAN_OF_FORK else None,
+                           _additive(mask, dtype)))
+    return pieces
 
 
 def _additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -356,10 +410,17 @@ def _spans_forward(query, key, value, positions, spans, scaling, sliding_window,
     """document_sdpa's (output [b, S, h, d], logsumexp [b, h, S]), span by span."""
     out = query.new_empty(query.shape)
     lse = query.new_empty(query.shape[:3], dtype=torch.float32)
-    for rows, start, end, mask in _pieces(positions, spans, sliding_window, image_blocks, query.dtype):
-        at = (rows, slice(None), slice(start, end))
-        out[at], lse[at] = _span_forward(query[at], key[at], value[at], mask, scaling)
+    for rows, columns, stem, mask in _pieces(positions, spans, sliding_window, image_blocks, query.dtype):
+        at = (rows, slice(None), columns)
+        out[at], lse[at] = _span_forward(query[at], *_after_stem(key, value, rows, columns, stem), mask, scaling)
     return out.transpose(1, 2).contiguous(), lse
+
+
+def _after_stem(key, value, rows: slice, columns: slice, stem: slice | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel call's keys and values: its columns', after its stem's (a fork's)."""
+    if stem is None:
+        return key[rows, :, columns], value[rows, :, columns]
+    return tuple(torch.cat([t[rows, :, stem], t[rows, :, columns]], dim=2) for t in (key, value))
 
 
 @torch.library.custom_op("llmtune::document_sdpa", mutates_args=())
@@ -388,13 +449,20 @@ def _document_sdpa_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.
     """document_sdpa's gradients, span by span from its output and logsumexp (an operator runs below autograd,
     where torch.autograd would record nothing). Contiguous, as the fake below says: compiled code relies on an
     operator's strides being the fake's."""
-    gradients = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value)]
+    # A stem's keys and values also get their forks' gradients: summed into zeros.
+    gradients = [torch.empty_like(query, memory_format=torch.contiguous_format),
+                 *(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (key, value))]
     grad, out = grad.transpose(1, 2), out.transpose(1, 2)
-    for rows, start, end, mask in _pieces(positions, spans, sliding_window, image_blocks, query.dtype):
-        at = (rows, slice(None), slice(start, end))
-        for gradient, part in zip(gradients, _span_backward(grad[at], query[at], key[at], value[at], out[at],
-                                                           lse[at], mask, scaling)):
-            gradient[at] = part
+    for rows, columns, stem, mask in _pieces(positions, spans, sliding_window, image_blocks, query.dtype):
+        at = (rows, slice(None), columns)
+        part_q, *parts = _span_backward(grad[at], query[at], *_after_stem(key, value, rows, columns, stem), out[at],
+                                        lse[at], mask, scaling)
+        gradients[0][at] = part_q
+        for gradient, part in zip(gradients[1:], parts):
+            if stem is not None:
+                gradient[rows, :, stem] += part[:, :, :stem.stop - stem.start]
+                part = part[:, :, stem.stop - stem.start:]
+            gradient[at] += part
     return tuple(gradients)
 
 

@@ -7,6 +7,9 @@ grads.pt, every parameter's full gradient at step 1, taken just before the optim
 with a `probe` (token ids), logits.pt, the trained model's logits on it. A `resave` case trains nothing: it saves
 again at once the checkpoint it resumed from, as its own layout holds it after the load. A `float8` case trains
 with float8 matmuls on the CPU: torch's emulation, the weights all-gathered in float8 over gloo (tests/helpers.py).
+A case with a `compile_backend` compiles its layers (train.compile) with that torch.compile backend, e.g. aot_eager:
+the graphs inductor would get, forward and backward, run by eager kernels, without inductor's C++ builds in every
+process.
 """
 
 import contextlib
@@ -75,6 +78,12 @@ def main(spec: str) -> None:
 
                 stack.enter_context(emulated_float8_matmul())
                 stack.enter_context(gloo_float8_all_gather())
+            if case.get("compile_backend"):
+                import pytest
+
+                from tests.helpers import compile_with_backend
+
+                compile_with_backend(stack.enter_context(pytest.MonkeyPatch.context()), case["compile_backend"])
             run_case(case["recipe"], case["overrides"], int(os.environ["WORLD_SIZE"]),
                      keep_process_group=number < len(cases), task=case.get("task", "sft"), probe=case.get("probe"),
                      resave=case.get("resave", False))

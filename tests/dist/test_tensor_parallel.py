@@ -1,13 +1,14 @@
 """Tensor parallelism (fp32, one launch of 4 processes): tp 2 x dp 2 gives the per-step losses and gradient norms (1e-5
 relative) and the step-1 gradients (1e-5 of the largest entry) of 1 process x accumulation, with sequence
-parallelism on and off, padded and packed rows, on a Llama (untied, with the loss's z-loss and label smoothing), a
-Qwen3 (tied embeddings, q/k norms) and a Qwen3-MoE (its experts over ep ranks of tp peers, its router loss and
-experts' loads too), for dpo (log-probabilities from the vocabulary shards), for rm (a score head) and for grpo (its completions generated
-on the split model, token for token the same, and a KL term against a reference copy split likewise); tp 2 x cp 2
-equals cp 1; compiled decoder layers (sequence parallelism) equal one process in eager; a checkpoint saved at tp 2 x
-dp 2 resumes at tp 1 x dp 4 and at tp 4 on the straight run's curve, and at tp 2 x dp 2 bitwise; the export loads in
-transformers with the trained logits; LoRA on split linears trains as on one process, with and without sequence
-parallelism. Each refusal of a layout is made before any process starts."""
+parallelism on and off (the padded Llama), padded and packed rows, on a Llama (untied, with the loss's z-loss and
+label smoothing), a Qwen3 (tied embeddings, q/k norms) and a Qwen3-MoE (its experts over ep ranks of tp peers, its
+router loss and experts' loads too), for dpo (log-probabilities from the vocabulary shards), for rm (a score head)
+and for grpo (its completions generated on the split model, token for token the same, and a KL term against a
+reference copy split likewise); tp 2 x cp 2 equals cp 1; compiled decoder layers (sequence parallelism, traced by
+aot_eager: COMPILE_BACKEND) equal one process in eager; a checkpoint saved at tp 2 x dp 2 resumes at tp 1 x dp 4 and
+at tp 4 on the straight run's curve, and at tp 2 x dp 2 bitwise; the export loads in transformers with the trained
+logits; LoRA on split linears trains as on one process. Each refusal of a layout is made before any process
+starts."""
 
 import json
 from pathlib import Path
@@ -37,7 +38,8 @@ CASES = {
                                        ["parallel.tp_size=2", "parallel.sequence_parallel=false"]),
     "qwen3_tp2_packed": ("sft", "qwen3", "sft", True, [], ["parallel.tp_size=2"]),
     "qwen3_tp2_cp2_packed": ("sft", "qwen3", "sft", True, [], ["parallel.tp_size=2", "parallel.cp_size=2"]),
-    # Each decoder layer compiled (rows of changing lengths: symbolic sizes), against one process in eager.
+    # Each decoder layer compiled (rows of changing lengths: symbolic sizes; COMPILE_BACKEND), against one process in
+    # eager.
     "qwen3_tp2_packed_compiled": ("sft", "qwen3", "sft", True, [], ["parallel.tp_size=2", "train.compile=true"]),
     "llama4_tp2_saved": ("sft", "llama4", "sft", False, ["checkpoint.save_steps=2", "checkpoint.export_hf=true",
                                                          "checkpoint.export_dtype=fp32"], ["parallel.tp_size=2"]),
@@ -46,22 +48,19 @@ CASES = {
     "lora_llama_tp2": ("sft", "llama", "sft", False, ["peft.method=lora", "peft.r=4", "peft.modules_to_save=[lm_head]",
                                                       "train.learning_rate=0.02", "checkpoint.export_hf=true",
                                                       "checkpoint.export_dtype=fp32"], ["parallel.tp_size=2"]),
-    "lora_llama_tp2_no_sequence_parallel": ("sft", "llama", "sft", False,
-                                            ["peft.method=lora", "peft.r=4", "peft.modules_to_save=[lm_head]",
-                                             "train.learning_rate=0.02"],
-                                            ["parallel.tp_size=2", "parallel.sequence_parallel=false"]),
     "grpo_llama_tp2": ("grpo", "llama", "prompts", False, GRPO, ["parallel.tp_size=2"]),
     # A sequence classifier: its score head reads the hidden states, gathered whole from the sequence's split.
     "rm_llama_tp2": ("rm", "llama", "pairs", False, [], ["parallel.tp_size=2"]),
     # The experts over 2 ranks of tp peers, each routing its half of the tokens; a dense layer among the MoE ones.
     "qwen3_moe_tp2_ep2": ("sft", "qwen3_moe", "sft", False, [], ["parallel.tp_size=2", "parallel.expert_parallel=2"]),
-    "qwen3_moe_tp2_ep2_no_sequence_parallel": ("sft", "qwen3_moe", "sft", False, [],
-                                               ["parallel.tp_size=2", "parallel.expert_parallel=2",
-                                                "parallel.sequence_parallel=false"]),
     # Packed pairs: no attention mask, the pads (sequence parallelism's among them) known by their sequence ids.
     "dpo_qwen3_moe_tp2_ep2_packed": ("dpo", "qwen3_moe", "pairs", True, [],
                                      ["parallel.tp_size=2", "parallel.expert_parallel=2"]),
 }
+# The compiled case's backend: aot_eager traces the split layers' graphs (DTensor's ops, document_sdpa) forward and
+# backward as inductor would get them and runs them by eager kernels; inductor's C++ builds on 4 processes took 59 s
+# of the launch's 160 (tests/e2e/test_compile_coverage.py compiles every family with inductor itself).
+COMPILE_BACKEND = "aot_eager"
 # Resumed from llama4_tp2_saved's step-2 checkpoint: name: the layout's overrides.
 RESUMES = {"resumed_tp1_dp4": [], "resumed_tp4": ["parallel.tp_size=4"], "resumed_tp2_dp2": ["parallel.tp_size=2"]}
 
@@ -106,7 +105,8 @@ def runs(models, sft_file, pairs_file, grpo_prompts_file, tmp_path_factory):
         root = tmp_path_factory.mktemp(name)
         outs[name] = root / "out"
         cases.append({"recipe": recipe(root, models[model], data[rows], packing), "task": task,
-                      "overrides": own + layout, **({"probe": PROBE} if model == "llama4" else {})})
+                      "overrides": own + layout, **({"probe": PROBE} if model == "llama4" else {}),
+                      **({"compile_backend": COMPILE_BACKEND} if "train.compile=true" in layout else {})})
     saved = outs["llama4_tp2_saved"]
     for name, layout in RESUMES.items():
         root = tmp_path_factory.mktemp(name)

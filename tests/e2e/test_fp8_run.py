@@ -1,12 +1,12 @@
 """train.fp8 in a real run, built and trained as a worker does (the launcher's refusal of a machine without float8
 tensor cores is tests/unit/test_float8.py's; here the run goes on, with torch's emulated float8 matmul on the CPU,
-whatever the CPU: tests/helpers.emulated_float8_matmul): a one-layer Llama whose projections torchao's tensorwise
-filter takes (hidden 1040, intermediate 4112: q, o, gate, up and down), bf16, FSDP2, the float8 runs compiled
-(train.fp8 needs train.compile), each step's weight scales computed once before its forwards. The float8 run's losses
-stay within 1% of the bf16 run's (float8's rounding) without being equal (the float8 layers computed), and on 2
-processes (the weights all-gathered in float8) within 1% of 1 process's; it checkpoints, and a run resumed from its
-step 2 continues its curve exactly; its export has the bf16 run's names, dtypes and shapes. 3 + 3 + 1 + 3 steps in
-all."""
+whatever the CPU: tests/helpers.emulated_float8_matmul): a one-layer Llama whose projections torchao's tensorwise filter
+takes (hidden 1040, intermediate 4112: q, o, gate, up and down), bf16, FSDP2, the float8 runs compiled (train.fp8 needs
+train.compile; traced by aot_eager, COMPILE_BACKEND), each step's weight scales computed once before its forwards. The
+float8 run's losses stay within 1% of the bf16 run's (float8's rounding) without being equal (the float8 layers
+computed), and on 2 processes (the weights all-gathered in float8) within 1% of 1 process's; it checkpoints, and a run
+resumed from its step 2 continues its curve exactly; its export has the bf16 run's names, dtypes and shapes. 3 + 3 + 1 +
+3 steps in all."""
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM
 
 from llmtune.features.float8 import float8_weights
 from tests.dist.case_worker import run_case
-from tests.helpers import (emulated_float8_matmul, launch_cases, needs_cpu_float8, read_metrics,
+from tests.helpers import (compile_with_backend, emulated_float8_matmul, launch_cases, needs_cpu_float8, read_metrics,
                            save_tiny_model)
 
 # three runs of a 15M-parameter model, on this CPU in torch's emulated float8 matmul
@@ -25,6 +25,10 @@ pytestmark = [pytest.mark.slow, needs_cpu_float8(on_cpu=not torch.cuda.is_availa
 
 
 FLOAT8 = ["train.fp8=true", "train.compile=true"]
+# The float8 layers' graphs as inductor would get them, run by eager kernels: what is tested is the float8 training,
+# not inductor's C++ builds of each graph (which took most of this file's 70 s; the device proof compiles float8
+# runs with inductor on a GPU).
+COMPILE_BACKEND = "aot_eager"
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +59,7 @@ def runs(bare_tokenizer, assets, tmp_path_factory):
     # A checkpoint of the float8 run alone, at step 2: the resumed run trains step 3 again.
     with emulated_float8_matmul(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(torchao.float8, "precompute_float8_dynamic_scale_for_fsdp", counted)
+        compile_with_backend(patch, COMPILE_BACKEND)
         run = "fp8"
         run_case(str(recipe), [f"train.output_dir={out['fp8']}", *FLOAT8, "checkpoint.save_steps=2"], 1, task="pt")
         run = "fp8_resumed"
@@ -64,7 +69,7 @@ def runs(bare_tokenizer, assets, tmp_path_factory):
                  task="pt")
     # The float8 run on 2 processes, whose FSDP2 all-gathers the weights in float8 (gloo: as bytes).
     out["fp8_2ranks"] = root / "fp8_2ranks"
-    launch_cases([{"recipe": str(recipe), "task": "pt", "float8": True,
+    launch_cases([{"recipe": str(recipe), "task": "pt", "float8": True, "compile_backend": COMPILE_BACKEND,
                    "overrides": [f"train.output_dir={out['fp8_2ranks']}", *FLOAT8,
                                  "train.per_device_train_batch_size=1", "checkpoint.export_hf=false"]}], root)
     return out, scaled

@@ -34,8 +34,8 @@ def tiny_llama(backend: str):
     return AutoModelForCausalLM.from_config(config, attn_implementation=backend)
 
 
-def input_ids() -> torch.Tensor:
-    return torch.randint(0, 97, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+def input_ids(rows: int = 2) -> torch.Tensor:
+    return torch.randint(0, 97, (rows, LENGTH), generator=torch.Generator().manual_seed(1))
 
 
 def logits_and_grads(model, inputs, weights):
@@ -336,15 +336,18 @@ def test_flash_attention_on_packed_rows_equals_every_document_alone_on_cuda():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="document_sdpa's CUDA kernels need a CUDA device")])])
 @pytest.mark.parametrize("sliding_window", [None, 12])
-def test_document_sdpa_gives_sdpas_outputs_and_gradients(device, sliding_window):
+@pytest.mark.parametrize("rows", ["documents", "branched"])
+def test_document_sdpa_gives_sdpas_outputs_and_gradients(device, sliding_window, rows):
     """document_sdpa's kernels and their backward span by span (CPU flash attention; CUDA memory-efficient
     attention, its masks padded as sdpa pads them) against sdpa over each row with its documents' mask, fp32: rows
-    of several spans, spans of one document (the causal kernel) and of several."""
-    host = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ((20, 3, 9, 32), (40, 24))])
+    of several spans, spans of one document (the causal kernel) and of several; BRANCHED's stems and forks (a
+    stem's keys and values given their forks' gradients too)."""
+    host = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ((20, 3, 9, 32), (40, 24))]) \
+        if rows == "documents" else branched_positions()
     spans, positions_on = attention.document_spans(host, 16), host.to(device)
     generator = torch.Generator(device=device).manual_seed(0)
-    query, key, value = (torch.randn(2, 4, LENGTH, 16, device=device, generator=generator, requires_grad=True)
-                         for _ in range(3))
+    query, key, value = (torch.randn(len(host), 4, LENGTH, 16, device=device, generator=generator,
+                                     requires_grad=True) for _ in range(3))
     out = attention.document_sdpa(query, key, value, positions_on, spans, None, sliding_window)[0]
     grad = torch.randn(out.shape, device=device, generator=generator)
     found = torch.autograd.grad(out, (query, key, value), grad)
@@ -357,8 +360,12 @@ def test_document_sdpa_gives_sdpas_outputs_and_gradients(device, sliding_window)
 
 
 # Rows whose documents have branches (data/collate.share_prefix): (length, start position) of each segment; a segment
-# starting mid-row above position 0 goes on from its document's first segment's token before that position.
-BRANCHED = [[(20, 0), (7, 8), (14, 0), (10, 5), (13, 0)], [(30, 0), (12, 1), (22, 0)]]
+# starting mid-row above position 0 goes on from its document's first segment's token before that position. The
+# third row's first document is a grpo group's (two branches from the first segment's last token), its second has
+# branches from two positions: with a window of 16, the documents of one branch position are cut into a stem and
+# forks (attention.fork_cuts), the other is attended with its mask.
+BRANCHED = [[(20, 0), (7, 8), (14, 0), (10, 5), (13, 0)], [(30, 0), (12, 1), (22, 0)],
+            [(24, 0), (8, 23), (8, 23), (10, 0), (7, 3), (7, 6)]]
 
 
 def branched_positions() -> torch.Tensor:
@@ -399,10 +406,10 @@ def test_a_branch_attends_to_its_documents_shared_beginning_as_its_sequence_alon
     feature, state = packed_features(feature_name)
     feature.build(model, state)
     assert feature.keeps_shared_prefixes
-    ids = input_ids()
+    ids = input_ids(len(BRANCHED))
     inputs = feature.transform({"input_ids": ids, "shift_labels": ids, "position_ids": branched_positions()})
     inputs.pop("shift_labels")
-    weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(len(BRANCHED), LENGTH, 97, generator=torch.Generator().manual_seed(2))
     logits, grads = logits_and_grads(model, inputs, weights)
     model.set_attn_implementation(backend)
     expected_logits, expected_grads = sequences_alone(model, ids, weights)
@@ -422,6 +429,17 @@ def test_the_mask_of_a_branched_stretch_counts_the_sliding_window_in_positions(e
     assert allowed[20].nonzero().flatten().tolist() == [5, 6, 7, 20]
     assert allowed[26].nonzero().flatten().tolist() == [23, 24, 25, 26]
     assert allowed[19].nonzero().flatten().tolist() == [16, 17, 18, 19]
+
+
+def test_a_long_document_whose_branches_go_on_from_one_position_is_cut_into_its_stem_and_forks():
+    """BRANCHED with a window of 16: each document longer than the window with one branch position is its first
+    segment's tokens below it (causal alone), then forks (the first segment's rest, each branch) that attend to that
+    stem; the third row's second document, branched from positions 3 and 6, keeps its mask."""
+    one, fork, several = attention.SPAN_OF_ONE, attention.SPAN_OF_FORK, attention.SPAN_OF_SEVERAL
+    assert attention._cut(attention.document_spans(branched_positions(), 16)) == [
+        [(0, 8, one), (8, 20, fork), (20, 27, fork), (27, 32, one), (32, 41, fork), (41, 51, fork), (51, 64, one)],
+        [(0, 1, one), (1, 30, fork), (30, 42, fork), (42, 64, one)],
+        [(0, 23, one), (23, 24, fork), (24, 32, fork), (32, 40, fork), (40, 64, several)]]
 
 
 def test_a_varlen_backend_does_not_keep_shared_prefixes(monkeypatch):
@@ -446,9 +464,9 @@ def test_compiled_layers_attend_a_branch_as_its_sequence_alone(backend, monkeypa
     model = tiny_llama(backend)
     feature = PackedDocuments(None)
     feature.build(model, None)
-    ids = input_ids()
+    ids = input_ids(len(BRANCHED))
     inputs = feature.transform({"input_ids": ids, "position_ids": branched_positions()})
-    weights = torch.randn(2, LENGTH, 97, generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(len(BRANCHED), LENGTH, 97, generator=torch.Generator().manual_seed(2))
     torch._dynamo.reset()
     counters.clear()
     compile_with_backend(monkeypatch, "aot_eager")
