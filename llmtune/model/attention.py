@@ -236,12 +236,13 @@ def _mask(positions: torch.Tensor, sliding_window: int | None, eager: bool, dtyp
     return _finished(allowed, positions, positions, sliding_window, eager, dtype)
 
 
-def _fork_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None, eager: bool,
+def _fork_mask(stem_positions: torch.Tensor, fork_positions: torch.Tensor, sliding_window: int | None, eager: bool,
                dtype: torch.dtype):
-    """The mask of a fork's tokens ([1, f] positions) over its stem's and its own ([1, s + f]), which go on from each
+    """The mask of a fork's tokens ([1, f] positions) over its stem's ([1, s]) and its own, which go on from each
     other in positions: causal in positions, within the sliding window."""
-    allowed = key_positions[:, None, :] <= query_positions[:, :, None]
-    return _finished(allowed, query_positions, key_positions, sliding_window, eager, dtype)
+    key_positions = torch.cat([stem_positions, fork_positions], dim=1)
+    allowed = key_positions[:, None, :] <= fork_positions[:, :, None]
+    return _finished(allowed, fork_positions, key_positions, sliding_window, eager, dtype)
 
 
 def _finished(allowed: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -315,7 +316,7 @@ def attend(attention, module, query, key, value, positions, sliding_window: int 
         for q, k, v, p, b, (_, _, kind) in pieces:
             if kind == SPAN_OF_FORK:  # after the stem's keys and values
                 k, v, mask = (torch.cat([stem[0], k], dim=1), torch.cat([stem[1], v], dim=1),
-                              _fork_mask(p[None], torch.cat([stem[2], p])[None], sliding_window, eager, query.dtype))
+                              _fork_mask(stem[2][None], p[None], sliding_window, eager, query.dtype))
             else:
                 stem, mask = (k, v, p), _mask(p[None], sliding_window, eager, query.dtype, kind == SPAN_OF_ONE, b)
             outputs.append(attention(module, q[None], k[None], v[None], mask, **kwargs)[0])
@@ -348,9 +349,7 @@ def _pieces(positions, spans, sliding_window, image_blocks, dtype) -> list[tuple
         row_positions = positions[row:row + 1]
         for start, end, kind in row_spans:
             if kind == SPAN_OF_FORK:
-                mask = _fork_mask(row_positions[:, start:end], torch.cat([row_positions[:, stem],
-                                                                          row_positions[:, start:end]], dim=1),
-                                  sliding_window, False, dtype)
+                mask = _fork_mask(row_positions[:, stem], row_positions[:, start:end], sliding_window, False, dtype)
             else:
                 stem = slice(start, end)
                 mask = _mask(row_positions[:, start:end], sliding_window, False, dtype, kind == SPAN_OF_ONE,
