@@ -268,8 +268,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def write_tokenizer(root: Path, source: Path | None = None) -> Path:
-    """The demo's tokenizer with llmtune's basic chat template, which TRL reads from the tokenizer; or the tokenizer
-    folder `source` with its own chat template."""
+    """The demo's tokenizer, or the tokenizer folder `source`, with llmtune's basic chat template, which TRL reads from
+    the tokenizer. A real tokenizer's own template is not kept: Mistral-7B-Instruct-v0.2's (the one real tokenizer of
+    at most 32,000 tokens) refuses system turns, which dpo_en_demo has, and runs '[/INST]' into an answer's first
+    token, which llmtune refuses as a prompt it cannot tell from its answer."""
     from transformers import AutoTokenizer
 
     from llmtune.data.templates import BUILTIN_TEMPLATES
@@ -277,14 +279,12 @@ def write_tokenizer(root: Path, source: Path | None = None) -> Path:
 
     if source is None:
         write_demo_assets(root / "assets")
-        tokenizer = AutoTokenizer.from_pretrained(str(root / "assets" / "tokenizer"))
-        tokenizer.chat_template = BUILTIN_TEMPLATES["basic"]
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(source))
-        if len(tokenizer) > MODEL["vocab_size"] or not tokenizer.chat_template:
-            raise SystemExit(f"--tokenizer {source}: {len(tokenizer)} tokens, chat template "
-                             f"{'present' if tokenizer.chat_template else 'absent'}; the benchmark's model needs at "
-                             f"most {MODEL['vocab_size']} and a chat template (Mistral-7B-Instruct-v0.2's has both)")
+        source = root / "assets" / "tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    if len(tokenizer) > MODEL["vocab_size"]:
+        raise SystemExit(f"--tokenizer {source}: {len(tokenizer)} tokens; the benchmark's model has "
+                         f"{MODEL['vocab_size']} (Mistral-7B-Instruct-v0.2's tokenizer fits)")
+    tokenizer.chat_template = BUILTIN_TEMPLATES["basic"]
     tokenizer.save_pretrained(str(root / "tokenizer"))
     return root / "tokenizer"
 
@@ -441,8 +441,8 @@ def parse_args() -> argparse.Namespace:
                         help="A LLaMA-Factory ranking file in sharegpt form (dpo_en_demo.json): its first --pairs "
                              "pairs that fit --seq / 2, instead of drawn ones; needs --tokenizer.")
     parser.add_argument("--tokenizer", type=Path,
-                        help="A tokenizer folder with a chat template and at most 32,000 tokens "
-                             "(Mistral-7B-Instruct-v0.2's) instead of the demo's.")
+                        help="A tokenizer folder of at most 32,000 tokens (Mistral-7B-Instruct-v0.2's) instead of the "
+                             "demo's, with llmtune's basic chat template.")
     contender_options(parser, CONTENDERS)
     args = parser.parse_args()
     if args.pairs_file and not args.tokenizer:
