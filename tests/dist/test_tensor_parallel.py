@@ -164,7 +164,10 @@ def test_losses_gradient_norms_and_gradients_match_one_process(runs, name):
     for key, value in ref_grads.items():
         # Relative to the largest entry; a gradient that is 0 (LoRA's A at step 1, its B starting at 0) exactly 0.
         scale = largest if CASES[name][0] == "rm" else value.abs().max().item()
-        torch.testing.assert_close(grads[key], value, rtol=0, atol=1e-5 * scale, msg=lambda m: f"{key}: {m}")
+        # rm's entries also get 1e-5 of themselves: a score.weight entry (a sum over every token of both rows) may
+        # round 1e-5 of the largest apart on another CPU.
+        rtol = 1e-5 if CASES[name][0] == "rm" else 0
+        torch.testing.assert_close(grads[key], value, rtol=rtol, atol=1e-5 * scale, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("name", ["resumed_tp1_dp4", "resumed_tp4"])
